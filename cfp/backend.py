@@ -1,0 +1,99 @@
+"""Array-module selection (NumPy or CuPy), host staging for MPI, and per-rank BLAS threads.
+
+Everything above this module asks `get_array_module(x)` for the `xp` of an array instead of
+importing numpy or cupy directly, so one code path serves the CPU and the GPU.
+"""
+import os
+
+import numpy as np
+
+try:  # CuPy is optional: cfp runs on NumPy alone.
+    import cupy as _cupy
+except Exception:  # ImportError, or a CuPy without a usable CUDA driver
+    _cupy = None
+
+
+def cupy_available():
+    """True when CuPy imports (a GPU may still be absent at run time)."""
+    return _cupy is not None
+
+
+def get_array_module(*arrays):
+    """numpy, or cupy when any of `arrays` is a CuPy array."""
+    if _cupy is not None:
+        for a in arrays:
+            if isinstance(a, _cupy.ndarray):
+                return _cupy
+    return np
+
+
+def is_device_array(x):
+    return _cupy is not None and isinstance(x, _cupy.ndarray)
+
+
+def to_host(x):
+    """A NumPy view or copy of `x` that MPI can read.
+
+    CuPy arrays are copied to the host after their stream is synchronised (a kernel still
+    writing `x` would otherwise race with the copy); NumPy arrays pass through unchanged.
+    """
+    if is_device_array(x):
+        _cupy.cuda.get_current_stream().synchronize()
+        return _cupy.asnumpy(x)
+    return x
+
+
+def from_host(x, xp):
+    """`x` (a NumPy array) as an array of module `xp`."""
+    if xp is np:
+        return x
+    return xp.asarray(x)
+
+
+def local_rank_count(comm=None):
+    """Number of MPI ranks sharing this node (1 when MPI is not initialised here)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 1
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
+def default_blas_threads(local_ranks=1, cores=None):
+    """cores // local_ranks, at least 1: the BLAS threads each rank gets by default."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, int(cores) // max(1, int(local_ranks)))
+
+
+def set_blas_threads(threads=None, comm=None):
+    """Limit the BLAS thread pools of this process and return the count used.
+
+    `threads=None` means cores // (ranks on this node), so that P ranks on one node do not
+    oversubscribe its cores. The limit holds for the rest of the process (threadpoolctl keeps
+    the returned controller's effect until it is undone).
+    """
+    from threadpoolctl import threadpool_limits
+
+    if threads is None:
+        threads = default_blas_threads(local_rank_count(comm))
+    if not isinstance(threads, (int, np.integer)) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"BLAS threads must be a positive integer, got {threads!r}")
+    threadpool_limits(limits=int(threads), user_api="blas")
+    return int(threads)
+
+
+def blas_info():
+    """[(library, version, threads, architecture)] of the BLAS libraries loaded here."""
+    from threadpoolctl import threadpool_info
+
+    return [
+        (i.get("internal_api"), i.get("version"), i.get("num_threads"), i.get("architecture"))
+        for i in threadpool_info()
+        if i.get("user_api") == "blas"
+    ]

@@ -1,0 +1,356 @@
+"""Collectives along one tensor axis, each paired with its adjoint, and the CommLedger.
+
+Every byte cfp moves between ranks goes through this module, which records each call in the
+active `CommLedger` (layer, phase, collective, group size, bytes sent and received, seconds).
+
+Adjoint pairs (for the inner products summed over the ranks of `comm`):
+
+    allgather      <->  reduce_scatter
+    allreduce      <->  allreduce
+    broadcast      <->  sum_reduce
+    alltoall(a, b) <->  alltoall(b, a)
+
+Blocks along the tensor axis may be uneven or empty: `sizes[r]` is the block length held by
+rank r of `comm` (usually `partition.block_sizes(extent, comm.size)`). Blocks are moved to the
+front, packed contiguously, exchanged with the buffer-based (uppercase) mpi4py calls, and moved
+back, because the channel blocks of an NCHW tensor with several samples are not contiguous.
+
+Byte accounting (what the ledger records, and what `cfp.perfmodel` predicts): each element is
+counted once where it leaves a rank and once where it arrives, as in the direct algorithm of
+each collective, never counting a rank's own block. For a group of p ranks, a result of m bytes
+and own block b: allgather sends (p-1) b and receives m - b; reduce-scatter sends m - b and
+receives (p-1) b; allreduce is a reduce-scatter followed by an allgather of the flattened array
+in balanced blocks (2 (p-1)/p m each way when p divides it); broadcast: the root sends (p-1) m,
+the others receive m; sum_reduce is the mirror; alltoall counts the blocks for other ranks.
+"""
+import contextlib
+import dataclasses
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import backend
+from .partition import block_sizes
+
+PHASES = ("forward", "backward-data", "backward-filter", "gradient-sync", "redistribute", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRecord:
+    layer: str
+    phase: str
+    collective: str
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+class CommLedger:
+    """The collectives one rank took part in, tagged with layer and phase."""
+
+    def __init__(self):
+        self.records = []
+        self.layer = "-"
+        self.phase = "other"
+
+    @contextlib.contextmanager
+    def tag(self, layer=None, phase=None):
+        """Within the block, record collectives under `layer` and/or `phase`."""
+        saved = self.layer, self.phase
+        if layer is not None:
+            self.layer = str(layer)
+        if phase is not None:
+            if phase not in PHASES:
+                raise ValueError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
+            self.phase = phase
+        try:
+            yield self
+        finally:
+            self.layer, self.phase = saved
+
+    def record(self, collective, group_size, bytes_sent, bytes_received, seconds):
+        self.records.append(
+            CommRecord(self.layer, self.phase, collective, int(group_size),
+                       int(bytes_sent), int(bytes_received), float(seconds))
+        )
+
+    def reset(self):
+        self.records.clear()
+
+    def totals(self, by=("layer", "phase", "collective")):
+        """{key tuple: {'calls', 'bytes_sent', 'bytes_received', 'seconds'}} grouped by `by`."""
+        out = {}
+        for r in self.records:
+            key = tuple(getattr(r, field) for field in by)
+            t = out.setdefault(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0})
+            t["calls"] += 1
+            t["bytes_sent"] += r.bytes_sent
+            t["bytes_received"] += r.bytes_received
+            t["seconds"] += r.seconds
+        return out
+
+    def summary(self, by=("layer", "phase", "collective")):
+        """A plain-text table of `totals(by)`."""
+        rows = [list(by) + ["calls", "sent", "received", "seconds"]]
+        for key, t in self.totals(by).items():
+            rows.append(list(key) + [str(t["calls"]), format_bytes(t["bytes_sent"]),
+                                     format_bytes(t["bytes_received"]), f"{t['seconds']:.4f}"])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join(lines)
+
+
+def format_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+_ledgers = [CommLedger()]
+
+
+def get_ledger():
+    """The ledger collectives are recorded in now."""
+    return _ledgers[-1]
+
+
+@contextlib.contextmanager
+def use_ledger(ledger):
+    """Record into `ledger` within the block."""
+    _ledgers.append(ledger)
+    try:
+        yield ledger
+    finally:
+        _ledgers.pop()
+
+
+def tag(layer=None, phase=None):
+    """Shorthand for `get_ledger().tag(layer, phase)`."""
+    return get_ledger().tag(layer, phase)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_sizes(comm, sizes):
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != comm.Get_size():
+        raise ValueError(f"{len(sizes)} block sizes given for a group of {comm.Get_size()} ranks")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"block sizes must be non-negative, got {sizes}")
+    return sizes
+
+
+def _front(x, axis):
+    """`x` with `axis` moved to the front, as a contiguous host array."""
+    return np.ascontiguousarray(np.moveaxis(backend.to_host(x), axis, 0))
+
+
+def _displacements(counts):
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+
+class _Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+
+
+# ---------------------------------------------------------------------------------------------
+# allgather <-> reduce_scatter
+
+
+def allgather(comm, x, axis, sizes):
+    """Concatenate the blocks of all ranks along `axis`.
+
+    x: this rank's block, x.shape[axis] == sizes[rank]. Returns the whole tensor, of extent
+    sum(sizes) along `axis`, on every rank. Adjoint: `reduce_scatter(comm, dy, axis, sizes)`.
+    """
+    sizes = _check_sizes(comm, sizes)
+    rank, p = comm.Get_rank(), comm.Get_size()
+    axis = axis % x.ndim
+    if x.shape[axis] != sizes[rank]:
+        raise ValueError(
+            f"allgather: rank {rank} holds {x.shape[axis]} entries along axis {axis}, "
+            f"the block sizes say {sizes[rank]}"
+        )
+    xp = backend.get_array_module(x)
+    front = _front(x, axis)
+    inner = int(np.prod(front.shape[1:], dtype=np.int64))
+    counts = np.array(sizes, dtype=np.int64) * inner
+    out = np.empty((sum(sizes),) + front.shape[1:], dtype=front.dtype)
+    with _Timer() as t:
+        if p == 1:
+            out[...] = front
+        else:
+            comm.Allgatherv(front, [out, (counts, _displacements(counts))])
+    item = front.dtype.itemsize
+    get_ledger().record("allgather", p, (p - 1) * counts[rank] * item,
+                        (counts.sum() - counts[rank]) * item, t.seconds)
+    return backend.from_host(np.moveaxis(out, 0, axis), xp)
+
+
+def reduce_scatter(comm, x, axis, sizes):
+    """Sum `x` over the ranks and keep this rank's block along `axis`.
+
+    x: the whole extent, x.shape[axis] == sum(sizes), a different summand on each rank.
+    Returns the sum's block `rank`, of extent sizes[rank]. Adjoint: `allgather`.
+    """
+    sizes = _check_sizes(comm, sizes)
+    rank, p = comm.Get_rank(), comm.Get_size()
+    axis = axis % x.ndim
+    if x.shape[axis] != sum(sizes):
+        raise ValueError(
+            f"reduce_scatter: axis {axis} has extent {x.shape[axis]}, the block sizes "
+            f"{sizes} add up to {sum(sizes)}"
+        )
+    xp = backend.get_array_module(x)
+    front = _front(x, axis)
+    inner = int(np.prod(front.shape[1:], dtype=np.int64))
+    counts = np.array(sizes, dtype=np.int64) * inner
+    out = np.empty((sizes[rank],) + front.shape[1:], dtype=front.dtype)
+    with _Timer() as t:
+        if p == 1:
+            out[...] = front
+        else:
+            comm.Reduce_scatter(front, out, counts, op=MPI.SUM)
+    item = front.dtype.itemsize
+    get_ledger().record("reduce_scatter", p, (counts.sum() - counts[rank]) * item,
+                        (p - 1) * counts[rank] * item, t.seconds)
+    return backend.from_host(np.moveaxis(out, 0, axis), xp)
+
+
+# ---------------------------------------------------------------------------------------------
+# allreduce (self-adjoint)
+
+
+def allreduce(comm, x):
+    """The sum of `x` over the ranks of `comm`, on every rank (same shape as x).
+
+    Used for the segmented gradient allreduce: `comm` is then the group of ranks holding the
+    same weight shard. Adjoint: itself.
+    """
+    rank, p = comm.Get_rank(), comm.Get_size()
+    xp = backend.get_array_module(x)
+    host = np.ascontiguousarray(backend.to_host(x))
+    out = np.empty_like(host)
+    with _Timer() as t:
+        if p == 1:
+            out[...] = host
+        else:
+            comm.Allreduce(host, out, op=MPI.SUM)
+    n, item = host.size, host.dtype.itemsize
+    own = block_sizes(n, p)[rank]
+    moved = ((n - own) + (p - 1) * own) * item
+    get_ledger().record("allreduce", p, moved, moved, t.seconds)
+    return backend.from_host(out, xp)
+
+
+# ---------------------------------------------------------------------------------------------
+# broadcast <-> sum_reduce
+
+
+def broadcast(comm, x, root=0):
+    """The root's `x` on every rank. Every rank passes an array of the root's shape and dtype
+    (its content is ignored off the root). Adjoint: `sum_reduce(comm, dy, root)`."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    xp = backend.get_array_module(x)
+    out = np.array(backend.to_host(x), order="C", copy=True)
+    with _Timer() as t:
+        if p > 1:
+            comm.Bcast(out, root=root)
+    m = out.nbytes
+    sent, received = ((p - 1) * m, 0) if rank == root else (0, m)
+    get_ledger().record("broadcast", p, sent, received, t.seconds)
+    return backend.from_host(out, xp)
+
+
+def sum_reduce(comm, x, root=0):
+    """The sum of `x` over the ranks, on the root; zeros of the same shape elsewhere.
+    Adjoint: `broadcast(comm, dy, root)`."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    xp = backend.get_array_module(x)
+    host = np.ascontiguousarray(backend.to_host(x))
+    out = np.zeros_like(host)
+    with _Timer() as t:
+        if p == 1:
+            out[...] = host
+        else:
+            comm.Reduce(host, out if rank == root else None, op=MPI.SUM, root=root)
+    m = host.nbytes
+    sent, received = (0, (p - 1) * m) if rank == root else (m, 0)
+    get_ledger().record("sum_reduce", p, sent, received, t.seconds)
+    return backend.from_host(out, xp)
+
+
+# ---------------------------------------------------------------------------------------------
+# all-to-all (adjoint: the same with the axes swapped)
+
+
+def alltoallv(comm, send_chunks, recv_counts, dtype):
+    """Send `send_chunks[d]` (a 1-D host array) to rank d; return the chunk from each rank.
+
+    recv_counts[s]: the number of elements rank s sends here. The general exchange behind
+    `alltoall` and `DistTensor.redistribute`.
+    """
+    rank, p = comm.Get_rank(), comm.Get_size()
+    if len(send_chunks) != p or len(recv_counts) != p:
+        raise ValueError(f"alltoallv needs one chunk and one count per rank of a group of {p}")
+    send_counts = np.array([c.size for c in send_chunks], dtype=np.int64)
+    recv_counts = np.array(recv_counts, dtype=np.int64)
+    sendbuf = (np.concatenate(send_chunks).astype(dtype, copy=False) if p > 1
+               else np.ascontiguousarray(send_chunks[0], dtype=dtype))
+    recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
+    with _Timer() as t:
+        if p == 1:
+            recvbuf[...] = sendbuf
+        else:
+            comm.Alltoallv([sendbuf, (send_counts, _displacements(send_counts))],
+                           [recvbuf, (recv_counts, _displacements(recv_counts))])
+    item = np.dtype(dtype).itemsize
+    get_ledger().record("alltoall", p, (send_counts.sum() - send_counts[rank]) * item,
+                        (recv_counts.sum() - recv_counts[rank]) * item, t.seconds)
+    return np.split(recvbuf, np.cumsum(recv_counts)[:-1])
+
+
+def alltoall(comm, x, split_axis, concat_axis, split_sizes, concat_sizes):
+    """Trade a split along `concat_axis` for a split along `split_axis`.
+
+    x: the whole extent sum(split_sizes) along `split_axis`, this rank's block
+    (concat_sizes[rank]) along `concat_axis`. Returns this rank's block split_sizes[rank]
+    along `split_axis` and the whole extent sum(concat_sizes) along `concat_axis`.
+    Adjoint: `alltoall(comm, y, concat_axis, split_axis, concat_sizes, split_sizes)`.
+    """
+    split_sizes = _check_sizes(comm, split_sizes)
+    concat_sizes = _check_sizes(comm, concat_sizes)
+    rank, p = comm.Get_rank(), comm.Get_size()
+    split_axis, concat_axis = split_axis % x.ndim, concat_axis % x.ndim
+    if split_axis == concat_axis:
+        raise ValueError(f"alltoall: split and concatenation axis are both {split_axis}")
+    if x.shape[split_axis] != sum(split_sizes) or x.shape[concat_axis] != concat_sizes[rank]:
+        raise ValueError(
+            f"alltoall: rank {rank} holds shape {tuple(x.shape)}; expected extent "
+            f"{sum(split_sizes)} along axis {split_axis} and {concat_sizes[rank]} along axis {concat_axis}"
+        )
+    xp = backend.get_array_module(x)
+    # Axis order (split, concat, rest...): each destination's block is contiguous, and each
+    # received chunk is a contiguous (own split block, source's concat block, rest) array.
+    rest = [a for a in range(x.ndim) if a not in (split_axis, concat_axis)]
+    order = [split_axis, concat_axis] + rest
+    packed = np.ascontiguousarray(backend.to_host(x).transpose(order))
+    tail = packed.shape[2:]
+    inner = int(np.prod(tail, dtype=np.int64))
+    bounds = np.cumsum(split_sizes)[:-1]
+    send_chunks = [block.reshape(-1) for block in np.split(packed, bounds, axis=0)]
+    recv_counts = [split_sizes[rank] * c * inner for c in concat_sizes]
+    chunks = alltoallv(comm, send_chunks, recv_counts, packed.dtype)
+    blocks = [c.reshape((split_sizes[rank], n) + tail) for c, n in zip(chunks, concat_sizes)]
+    out = np.concatenate(blocks, axis=1)
+    return backend.from_host(np.transpose(out, np.argsort(order)), xp)

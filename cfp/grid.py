@@ -1,0 +1,156 @@
+"""ProcessGrid: the ranks of a communicator factored into named axes.
+
+`ProcessGrid("sample=2,channel=2")` arranges 4 ranks as a 2 x 2 grid and builds, by explicit
+`Comm.Split` calls, one communicator per axis (the ranks that differ only in that axis: the group
+of a collective along it) and its complement (the ranks that share that axis' coordinate: for
+example the ranks holding the same channel shard, who allreduce its weight gradient).
+
+Axes are always ordered sample, height, width, channel, with channel varying fastest, so the
+ranks of a channel group are neighbours in rank order (on one node, when ranks are packed by
+node). Axes not named in the spec have size 1.
+"""
+import itertools
+import math
+import numbers
+
+from mpi4py import MPI
+
+AXES = ("sample", "height", "width", "channel")
+
+
+def parse_grid_spec(spec):
+    """{'sample': 2, 'channel': 2} from 'sample=2,channel=2' (or from a dict of the same).
+
+    Raises ValueError naming the bad entry: an unknown axis, a repeated one, or a size that is
+    not a positive integer.
+    """
+    if isinstance(spec, ProcessGrid):
+        return dict(spec.shape)
+    if isinstance(spec, dict):
+        items = list(spec.items())
+    elif isinstance(spec, str):
+        items = []
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(
+                    f"grid entry {part!r} in {spec!r} is not of the form axis=size "
+                    f"(for example 'sample=2,channel=2')"
+                )
+            name, size = (s.strip() for s in part.split("=", 1))
+            items.append((name, size))
+    else:
+        raise ValueError(f"grid spec must be a string like 'sample=2,channel=2' or a dict, got {spec!r}")
+    sizes = {}
+    for name, size in items:
+        if name not in AXES:
+            raise ValueError(f"unknown grid axis {name!r}; expected one of {', '.join(AXES)}")
+        if name in sizes:
+            raise ValueError(f"grid axis {name!r} is given twice in {spec!r}")
+        sizes[name] = _positive_int(size, f"size of grid axis {name!r}")
+    return sizes
+
+
+def _positive_int(value, what):
+    number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(number, bool) or not isinstance(number, numbers.Integral) or number < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return int(number)
+
+
+def factorizations(size, naxes=2):
+    """Every ordered tuple of `naxes` positive integers whose product is `size`."""
+    return [
+        f
+        for f in itertools.product(range(1, size + 1), repeat=naxes)
+        if math.prod(f) == size
+    ]
+
+
+class ProcessGrid:
+    """Named axes over the ranks of `comm` (default COMM_WORLD).
+
+    Attributes: `comm` (the grid's own duplicate of the communicator), `shape` ({axis: size}
+    for all of AXES), `coords` ({axis: this rank's coordinate}). Methods: `axis_comm(axis)`,
+    `complement_comm(axis)`, `coords_of(rank)`, `rank_of(coords)`.
+    """
+
+    def __init__(self, spec="", comm=None):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        sizes = parse_grid_spec(spec)
+        self.shape = {axis: sizes.get(axis, 1) for axis in AXES}
+        needed = math.prod(self.shape.values())
+        if needed != comm.Get_size():
+            raise ValueError(
+                f"grid {self.describe()} needs {needed} ranks, "
+                f"the communicator has {comm.Get_size()}"
+            )
+        # Every rank has checked the same thing above, so all ranks get here or none does.
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.coords = self.coords_of(self.rank)
+        self._axis_comms = {}
+        self._complement_comms = {}
+        for axis in AXES:  # same order on every rank: the splits are collective
+            others = tuple(self.coords[a] for a in AXES if a != axis)
+            color = self._index(others, [self.shape[a] for a in AXES if a != axis])
+            self._axis_comms[axis] = self.comm.Split(color, self.coords[axis])
+            self._complement_comms[axis] = self.comm.Split(self.coords[axis], self.rank)
+
+    @staticmethod
+    def _index(coords, shape):
+        index = 0
+        for c, n in zip(coords, shape):
+            index = index * n + c
+        return index
+
+    def coords_of(self, rank):
+        """{axis: coordinate} of `rank` (row-major over AXES, channel fastest)."""
+        coords = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, self.shape[axis])
+        return {axis: coords[axis] for axis in AXES}
+
+    def rank_of(self, coords):
+        """The rank at {axis: coordinate}; axes left out are at coordinate 0."""
+        return self._index([coords.get(a, 0) for a in AXES], [self.shape[a] for a in AXES])
+
+    def axis_size(self, axis):
+        return self.shape[self._check_axis(axis)]
+
+    def coord(self, axis):
+        return self.coords[self._check_axis(axis)]
+
+    def axis_comm(self, axis):
+        """Ranks that differ only in `axis`, ranked by their coordinate along it."""
+        return self._axis_comms[self._check_axis(axis)]
+
+    def complement_comm(self, axis):
+        """Ranks with the same coordinate along `axis` as this one."""
+        return self._complement_comms[self._check_axis(axis)]
+
+    def _check_axis(self, axis):
+        if axis not in AXES:
+            raise ValueError(f"unknown grid axis {axis!r}; expected one of {', '.join(AXES)}")
+        return axis
+
+    def describe(self):
+        """'sample=2,channel=2': the axes of size > 1 (or 'sample=1' for one rank)."""
+        named = [f"{a}={n}" for a, n in self.shape.items() if n > 1]
+        return ",".join(named) if named else "sample=1"
+
+    def __repr__(self):
+        coords = ", ".join(f"{a}={self.coords[a]}" for a in AXES if self.shape[a] > 1)
+        where = f" rank {self.rank} at ({coords})" if hasattr(self, "coords") else ""
+        return f"ProcessGrid({self.describe()}){where}"
+
+    def free(self):
+        """Release the communicators this grid made (collective over the grid)."""
+        for c in list(self._axis_comms.values()) + list(self._complement_comms.values()):
+            c.Free()
+        self._axis_comms.clear()
+        self._complement_comms.clear()
+        self.comm.Free()

@@ -1,0 +1,79 @@
+"""Shared test helpers: the world size, grids over every factorization, collective assertions."""
+import re
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp.grid import factorizations
+
+WORLD = MPI.COMM_WORLD
+SIZE = WORLD.Get_size()
+
+
+def grid_specs(naxes=2, axes=("sample", "channel")):
+    """'sample=a,channel=b' for every factorization a * b of the world size."""
+    return [",".join(f"{a}={n}" for a, n in zip(axes, f)) for f in factorizations(SIZE, naxes)]
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b| (absolute error when b is all zero)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        raise AssertionError(f"shapes differ: {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 0.0
+    scale = float(np.max(np.abs(b)))
+    return float(np.max(np.abs(a - b))) / (scale if scale > 0 else 1.0)
+
+
+def assert_all_ranks(ok, message, comm=WORLD):
+    """Fail on every rank when `ok` is false on any, so no rank goes on alone into a collective
+    the others never reach (which would hang the run)."""
+    flags = comm.allgather(bool(ok))
+    if not all(flags):
+        bad = [r for r, f in enumerate(flags) if not f]
+        raise AssertionError(f"{message} (failed on rank(s) {bad} of {comm.Get_size()})")
+
+
+def assert_close_all_ranks(actual, expected, tol, what="", comm=WORLD):
+    err = rel_err(actual, expected)
+    errors = comm.allgather(err)
+    worst = max(errors)
+    if not worst < tol:
+        raise AssertionError(f"{what}: relative error {worst:.3e} >= {tol:.0e} "
+                             f"(per rank: {', '.join(f'{e:.1e}' for e in errors)})")
+
+
+def raises_on_all_ranks(exc_type, func, match=None, comm=WORLD):
+    """Call func(); every rank must raise `exc_type` with a message matching `match`.
+
+    The outcomes are compared collectively, so a rank that did not raise fails the test on
+    every rank instead of leaving the others waiting. Returns this rank's exception.
+    """
+    caught = None
+    try:
+        func()
+        outcome = "raised nothing"
+    except exc_type as e:
+        caught = e
+        outcome = None if match is None or re.search(match, str(e)) else (
+            f"raised {str(e)!r}, which does not match {match!r}")
+    except Exception as e:  # noqa: BLE001 - reported below, on every rank
+        outcome = f"raised {type(e).__name__}: {e}"
+    outcomes = comm.allgather(outcome)
+    bad = {r: o for r, o in enumerate(outcomes) if o is not None}
+    if bad:
+        raise AssertionError(f"expected {exc_type.__name__} on every rank: " +
+                             "; ".join(f"rank {r} {o}" for r, o in bad.items()))
+    return caught
+
+
+def pytest_runtest_logreport(report):
+    """Under several ranks, print a failure the moment it happens: a rank that fails while the
+    others wait in a collective may never reach pytest's closing report."""
+    if report.failed and SIZE > 1:
+        sys.stderr.write(f"\n[rank {WORLD.Get_rank()} of {SIZE}] FAILED {report.nodeid} "
+                         f"({report.when}):\n{report.longreprtext}\n")
+        sys.stderr.flush()

@@ -1,0 +1,181 @@
+"""Run the test suite serially and under mpiexec at several rank counts; one report per count.
+
+    python tests/run_suite.py [--ranks 1 2 3 4] [--timeout 60] [-- extra pytest args]
+
+Rank 0 of each MPI run prints its pytest report live; the other ranks write theirs to
+.test-logs/np{P}/rank{r}.log, shown only when that rank failed. Every rank writes a JUnit XML
+file from which the closing summary is made. A hung collective is bounded twice: pytest-timeout
+ends the stuck test's process (which makes mpiexec end the job), and MPIEXEC_TIMEOUT ends the
+whole run at that rank count. The run fails when any rank fails, or when a rank count executed
+no test (pytest's exit status 5 is a failure here, not a pass).
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOGS = os.path.join(ROOT, ".test-logs")
+
+
+def mpiexec_path():
+    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+
+
+def single_thread_env(**extra):
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def junit_counts(path):
+    """{'tests', 'failures', 'errors', 'skipped', 'time'} of a JUnit XML file, or None."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["time"] = float(suite.get("time", 0.0))
+    return counts
+
+
+def worker(logdir, pytest_args):
+    """One rank of an MPI run: pytest with --with-mpi, non-zero ranks logging to a file."""
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    if rank != 0:
+        log = os.open(os.path.join(logdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+    import pytest
+
+    junit = os.path.join(logdir, f"rank{rank}.xml")
+    rc = int(pytest.main(["--with-mpi", "-m", "mpi", f"--junitxml={junit}", *pytest_args]))
+    with open(os.path.join(logdir, f"rank{rank}.rc"), "w") as f:
+        f.write(str(rc))
+    sys.stdout.flush()
+    # A non-zero exit under `python -m mpi4py` aborts the whole job: wait until every rank has
+    # written its report first. (A rank stuck in a test is ended by pytest-timeout instead.)
+    MPI.COMM_WORLD.Barrier()
+    return rc
+
+
+def run_serial(pytest_args, timeout):
+    print("=" * 30 + " serial tests " + "=" * 30, flush=True)
+    logdir = os.path.join(LOGS, "serial")
+    os.makedirs(logdir, exist_ok=True)
+    junit = os.path.join(logdir, "rank0.xml")
+    start = time.time()
+    rc = subprocess.call(
+        [sys.executable, "-m", "pytest", "-m", "not mpi", f"--timeout={timeout}",
+         f"--junitxml={junit}", *pytest_args],
+        cwd=ROOT, env=single_thread_env(),
+    )
+    return {"label": "serial", "rc": rc, "counts": junit_counts(junit),
+            "wall": time.time() - start, "failed_ranks": [0] if rc not in (0,) else []}
+
+
+def run_mpi(nprocs, pytest_args, timeout, job_timeout):
+    print("=" * 28 + f" MPI tests, {nprocs} rank{'s' if nprocs > 1 else ''} " + "=" * 28, flush=True)
+    logdir = os.path.join(LOGS, f"np{nprocs}")
+    shutil.rmtree(logdir, ignore_errors=True)
+    os.makedirs(logdir)
+    launcher = mpiexec_path()
+    if launcher is None:
+        sys.exit("no mpiexec found: install an MPI (make test installs the mpich wheel)")
+    cmd = [launcher, "-n", str(nprocs), sys.executable, "-m", "mpi4py", os.path.abspath(__file__),
+           "--worker", logdir, "--", f"--timeout={timeout}", *pytest_args]
+    start = time.time()
+    rc = subprocess.call(cmd, cwd=ROOT, env=single_thread_env(MPIEXEC_TIMEOUT=job_timeout))
+    wall = time.time() - start
+    failed = []
+    for r in range(nprocs):
+        try:
+            with open(os.path.join(logdir, f"rank{r}.rc")) as f:
+                rank_rc = int(f.read().strip() or 1)
+        except (OSError, ValueError):
+            rank_rc = None  # the rank never finished (killed, aborted or timed out)
+        if rank_rc != 0:
+            failed.append(r)
+    for r in failed:
+        log = os.path.join(logdir, f"rank{r}.log")
+        if r != 0 and os.path.exists(log):
+            with open(log) as f:
+                tail = f.read()[-6000:]
+            print(f"----- rank {r} of {nprocs} failed; the end of its log ({log}) -----\n{tail}")
+    return {"label": f"{nprocs} rank{'s' if nprocs > 1 else ''}", "rc": rc,
+            "counts": junit_counts(os.path.join(logdir, "rank0.xml")), "wall": wall,
+            "failed_ranks": failed}
+
+
+def summarize(results):
+    print("\n" + "=" * 27 + " summary per rank count " + "=" * 27)
+    header = f"{'run':<10}{'passed':>8}{'failed':>8}{'errors':>8}{'skipped':>9}{'seconds':>9}  status"
+    print(header)
+    all_ok = True
+    total = {"passed": 0, "failed": 0, "skipped": 0}
+    for res in results:
+        c = res["counts"]
+        if c is None:
+            status = f"no report (exit status {res['rc']})"
+            ok = False
+            print(f"{res['label']:<10}{'-':>8}{'-':>8}{'-':>8}{'-':>9}{res['wall']:>9.1f}  {status}")
+        else:
+            passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
+            ok = res["rc"] == 0 and not res["failed_ranks"] and passed > 0
+            if passed == 0:
+                status = "FAILED: no test executed"
+            elif res["failed_ranks"]:
+                status = f"FAILED on rank(s) {res['failed_ranks']} (exit status {res['rc']})"
+            elif res["rc"] != 0:
+                status = f"FAILED (exit status {res['rc']})"
+            else:
+                status = "ok"
+            total["passed"] += passed
+            total["failed"] += c["failures"] + c["errors"]
+            total["skipped"] += c["skipped"]
+            print(f"{res['label']:<10}{passed:>8}{c['failures']:>8}{c['errors']:>8}"
+                  f"{c['skipped']:>9}{res['wall']:>9.1f}  {status}")
+        all_ok &= ok
+    print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    return all_ok
+
+
+def main():
+    if "--worker" in sys.argv:
+        i = sys.argv.index("--worker")
+        logdir = sys.argv[i + 1]
+        rest = sys.argv[i + 2:]
+        sys.exit(worker(logdir, rest[1:] if rest[:1] == ["--"] else rest))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 3, 4])
+    parser.add_argument("--timeout", type=int, default=60, help="seconds per test")
+    parser.add_argument("--job-timeout", type=int, default=600, help="seconds per rank count")
+    parser.add_argument("--no-serial", action="store_true")
+    parser.add_argument("pytest_args", nargs="*")
+    args = parser.parse_args()
+    extra = ["-p", "no:cacheprovider", "-q", *args.pytest_args]
+    results = []
+    if not args.no_serial:
+        results.append(run_serial(extra, args.timeout))
+    for n in args.ranks:
+        results.append(run_mpi(n, extra, args.timeout, args.job_timeout))
+    sys.exit(0 if summarize(results) else 1)
+
+
+if __name__ == "__main__":
+    main()

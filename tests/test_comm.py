@@ -1,0 +1,174 @@
+"""Collectives along one tensor axis: values against the global computation, the adjoint
+identity <F x, y> = <x, F* y> for every pair, and the ledger's byte accounting."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp import comm as C
+from cfp.grid import ProcessGrid
+from cfp.partition import block_range, block_sizes
+from conftest import WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs
+
+pytestmark = pytest.mark.mpi
+
+# (extent along the split axis, tensor axis): 7 over 3 ranks and 2 over 4 give uneven and
+# empty blocks; the shapes put the split axis in front, in the middle and last.
+CASES = [(7, 1), (2, 0), (5, 3), (1, 2)]
+
+
+def make_shape(extent, axis):
+    shape = [3, 2, 4, 2]
+    shape[axis] = extent
+    return tuple(shape)
+
+
+def inner(a, b):
+    """Sum over the world of the local inner products."""
+    return WORLD.allreduce(float(np.vdot(a, b)), op=MPI.SUM)
+
+
+def assert_adjoint(lhs, rhs, what):
+    err = abs(lhs - rhs) / max(abs(lhs), abs(rhs), 1e-300)
+    assert_all_ranks(err < 1e-12, f"{what}: <Fx, y> = {lhs!r}, <x, F*y> = {rhs!r}, rel err {err:.2e}")
+
+
+def groups(spec):
+    grid = ProcessGrid(spec)
+    return grid, [(axis, grid.axis_comm(axis)) for axis in ("sample", "channel")]
+
+
+@pytest.fixture(params=grid_specs())
+def grid_and_groups(request):
+    grid, comms = groups(request.param)
+    yield comms
+    grid.free()
+
+
+@pytest.mark.parametrize("extent,axis", CASES)
+def test_allgather_reduce_scatter(grid_and_groups, extent, axis):
+    rng = np.random.default_rng(1000 + WORLD.Get_rank())
+    for name, comm in grid_and_groups:
+        p, r = comm.Get_size(), comm.Get_rank()
+        sizes = block_sizes(extent, p)
+        full = make_shape(extent, axis)
+        local = list(full)
+        local[axis] = sizes[r]
+        # Values: gathering the blocks of one global array gives that array.
+        glob = np.arange(np.prod(full), dtype=np.float64).reshape(full)
+        start, stop = block_range(extent, p, r)
+        mine = np.take(glob, range(start, stop), axis=axis)
+        assert_close_all_ranks(C.allgather(comm, mine, axis, sizes), glob, 1e-15, f"allgather over {name}")
+        summand = rng.standard_normal(full)
+        total = comm.allreduce(summand, op=MPI.SUM)
+        assert_close_all_ranks(C.reduce_scatter(comm, summand, axis, sizes),
+                               np.take(total, range(start, stop), axis=axis), 1e-13,
+                               f"reduce_scatter over {name}")
+        # Adjoint pair.
+        x = rng.standard_normal(local)
+        y = rng.standard_normal(full)
+        assert_adjoint(inner(C.allgather(comm, x, axis, sizes), y),
+                       inner(x, C.reduce_scatter(comm, y, axis, sizes)), f"allgather over {name}")
+
+
+def test_allreduce(grid_and_groups):
+    rng = np.random.default_rng(2000 + WORLD.Get_rank())
+    for name, comm in grid_and_groups:
+        x = rng.standard_normal((3, 5))
+        expected = comm.allreduce(x, op=MPI.SUM)
+        assert_close_all_ranks(C.allreduce(comm, x), expected, 1e-13, f"allreduce over {name}")
+        y = rng.standard_normal((3, 5))
+        assert_adjoint(inner(C.allreduce(comm, x), y), inner(x, C.allreduce(comm, y)), f"allreduce over {name}")
+
+
+@pytest.mark.parametrize("root_choice", ["first", "last"])
+def test_broadcast_sum_reduce(grid_and_groups, root_choice):
+    rng = np.random.default_rng(3000 + WORLD.Get_rank())
+    for name, comm in grid_and_groups:
+        p, r = comm.Get_size(), comm.Get_rank()
+        root = 0 if root_choice == "first" else p - 1
+        x = rng.standard_normal((4, 3))
+        expected = comm.bcast(x, root=root)
+        assert_close_all_ranks(C.broadcast(comm, x, root), expected, 1e-300, f"broadcast over {name}")
+        y = rng.standard_normal((4, 3))
+        total = comm.allreduce(y, op=MPI.SUM)
+        assert_close_all_ranks(C.sum_reduce(comm, y, root), total if r == root else np.zeros_like(y),
+                               1e-13, f"sum_reduce over {name}")
+        # Only the root's x is in the domain of broadcast: the others' is ignored (zero here).
+        x_dom = x if r == root else np.zeros_like(x)
+        assert_adjoint(inner(C.broadcast(comm, x_dom, root), y),
+                       inner(x_dom, C.sum_reduce(comm, y, root)), f"broadcast over {name}")
+
+
+@pytest.mark.parametrize("split,concat", [((7, 1), (5, 0)), ((2, 0), (7, 3)), ((1, 3), (2, 2))])
+def test_alltoall(grid_and_groups, split, concat):
+    rng = np.random.default_rng(4000 + WORLD.Get_rank())
+    (s_extent, s_axis), (c_extent, c_axis) = split, concat
+    for name, comm in grid_and_groups:
+        p, r = comm.Get_size(), comm.Get_rank()
+        s_sizes, c_sizes = block_sizes(s_extent, p), block_sizes(c_extent, p)
+        full = [2, 3, 2, 3]
+        full[s_axis], full[c_axis] = s_extent, c_extent
+        glob = np.arange(np.prod(full), dtype=np.float64).reshape(full)
+        c_start, c_stop = block_range(c_extent, p, r)
+        s_start, s_stop = block_range(s_extent, p, r)
+        x = np.take(glob, range(c_start, c_stop), axis=c_axis)
+        expected = np.take(glob, range(s_start, s_stop), axis=s_axis)
+        got = C.alltoall(comm, x, s_axis, c_axis, s_sizes, c_sizes)
+        assert_close_all_ranks(got, expected, 1e-300, f"alltoall over {name}")
+        x = rng.standard_normal(x.shape)
+        y = rng.standard_normal(expected.shape)
+        assert_adjoint(inner(C.alltoall(comm, x, s_axis, c_axis, s_sizes, c_sizes), y),
+                       inner(x, C.alltoall(comm, y, c_axis, s_axis, c_sizes, s_sizes)),
+                       f"alltoall over {name}")
+
+
+def test_ledger_bytes_and_tags(grid_and_groups):
+    ledger = C.CommLedger()
+    for name, comm in grid_and_groups:
+        p, r = comm.Get_size(), comm.Get_rank()
+        sizes = block_sizes(7, p)
+        x = np.ones((2, sizes[r], 3))
+        with C.use_ledger(ledger), C.tag(layer=f"conv-{name}", phase="forward"):
+            y = C.allgather(comm, x, 1, sizes)
+            C.reduce_scatter(comm, y, 1, sizes)
+            C.allreduce(comm, np.ones(12, dtype=np.float32))
+            C.broadcast(comm, np.ones(5), 0)
+            C.sum_reduce(comm, np.ones(5), 0)
+        item, row = 8, 2 * 3 * 8
+        by_collective = {rec.collective: rec for rec in ledger.records if rec.layer == f"conv-{name}"}
+        assert set(by_collective) == {"allgather", "reduce_scatter", "allreduce", "broadcast", "sum_reduce"}
+        assert all(rec.phase == "forward" and rec.group_size == p for rec in by_collective.values())
+        ag, rs = by_collective["allgather"], by_collective["reduce_scatter"]
+        assert (ag.bytes_sent, ag.bytes_received) == ((p - 1) * sizes[r] * row, (7 - sizes[r]) * row)
+        assert (rs.bytes_sent, rs.bytes_received) == ((7 - sizes[r]) * row, (p - 1) * sizes[r] * row)
+        ar = by_collective["allreduce"]
+        if 12 % p == 0:  # the ring volume 2 (p-1)/p m each way
+            assert ar.bytes_sent == ar.bytes_received == 2 * (p - 1) * 12 * 4 // p
+        bc, sr = by_collective["broadcast"], by_collective["sum_reduce"]
+        assert (bc.bytes_sent, bc.bytes_received) == (((p - 1) * 40, 0) if r == 0 else (0, 40))
+        assert (sr.bytes_sent, sr.bytes_received) == ((0, (p - 1) * 40) if r == 0 else (40, 0))
+        # Every byte sent in the group is received by someone in it.
+        for rec in by_collective.values():
+            sent = comm.allreduce(rec.bytes_sent)
+            received = comm.allreduce(rec.bytes_received)
+            assert sent == received, (rec.collective, sent, received)
+    assert ledger.layer == "-" and ledger.phase == "other"
+    assert "allgather" in ledger.summary()
+    assert C.get_ledger() is not ledger
+
+
+def test_unknown_phase():
+    with pytest.raises(ValueError, match="unknown phase 'sideways'"):
+        with C.tag(phase="sideways"):
+            pass
+
+
+def test_float32_and_empty_blocks():
+    comm = WORLD
+    p = comm.Get_size()
+    sizes = block_sizes(2, p)  # empty blocks on ranks >= 2
+    x = np.full((sizes[comm.Get_rank()], 3), comm.Get_rank(), dtype=np.float32)
+    y = C.allgather(comm, x, 0, sizes)
+    assert y.dtype == np.float32 and y.shape == (2, 3)
+    expected = np.repeat(np.arange(min(2, p)), [sizes[k] for k in range(min(2, p))])
+    assert_close_all_ranks(y[:, 0], expected.astype(np.float32), 1e-300, "float32 allgather")

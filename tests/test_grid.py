@@ -1,0 +1,95 @@
+"""ProcessGrid: spec parsing, coordinates, and the communicators made by Comm.Split."""
+import itertools
+
+import pytest
+from mpi4py import MPI
+
+from cfp.grid import AXES, ProcessGrid, factorizations, parse_grid_spec
+from conftest import SIZE, WORLD, assert_all_ranks, grid_specs, raises_on_all_ranks
+
+
+def test_parse_grid_spec():
+    assert parse_grid_spec("sample=2,channel=2") == {"sample": 2, "channel": 2}
+    assert parse_grid_spec(" channel = 4 ") == {"channel": 4}
+    assert parse_grid_spec({"sample": 3}) == {"sample": 3}
+    assert parse_grid_spec("") == {}
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("sample=0", r"size of grid axis 'sample' must be a positive integer, got '0'"),
+    ("sample=-2", r"must be a positive integer, got '-2'"),
+    ("sample=1.5", r"must be a positive integer, got '1.5'"),
+    ("channel=two", r"must be a positive integer, got 'two'"),
+    ({"sample": 2.0}, r"must be a positive integer, got 2.0"),
+    ({"sample": True}, r"must be a positive integer, got True"),
+    ("filter=2", r"unknown grid axis 'filter'; expected one of sample, height, width, channel"),
+    ("sample=2,sample=2", r"grid axis 'sample' is given twice"),
+    ("sample2", r"grid entry 'sample2' .* is not of the form axis=size"),
+])
+def test_parse_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_grid_spec(spec)
+
+
+def test_factorizations():
+    assert factorizations(4) == [(1, 4), (2, 2), (4, 1)]
+    assert factorizations(3, 3) == [(1, 1, 3), (1, 3, 1), (3, 1, 1)]
+
+
+def test_grid_on_comm_self():
+    grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    assert grid.shape == {a: 1 for a in AXES}
+    assert grid.axis_comm("channel").Get_size() == 1
+    assert repr(grid) == "ProcessGrid(sample=1) rank 0 at ()"
+    grid.free()
+
+
+def test_grid_size_mismatch_on_comm_self():
+    with pytest.raises(ValueError, match="grid sample=2,channel=3 needs 6 ranks, the communicator has 1"):
+        ProcessGrid("sample=2,channel=3", comm=MPI.COMM_SELF)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spec", grid_specs(2) + grid_specs(4, AXES))
+def test_grid_communicators(spec):
+    grid = ProcessGrid(spec)
+    sizes = parse_grid_spec(spec)
+    assert grid.size == SIZE
+    assert grid.rank_of(grid.coords) == grid.rank
+    everyone = WORLD.allgather(tuple(grid.coords[a] for a in AXES))
+    assert_all_ranks(len(set(everyone)) == SIZE, "coordinates are not unique")
+    for axis in AXES:
+        n = sizes.get(axis, 1)
+        assert grid.axis_size(axis) == n
+        along = grid.axis_comm(axis)
+        assert along.Get_size() == n
+        assert along.Get_rank() == grid.coord(axis)
+        # The members of the axis communicator differ from this rank only in `axis`.
+        members = along.allgather(grid.coords)
+        assert [m[axis] for m in members] == list(range(n))
+        for m in members:
+            assert all(m[a] == grid.coords[a] for a in AXES if a != axis)
+        # The complement holds every rank with this rank's coordinate along `axis`.
+        same = grid.complement_comm(axis).allgather(grid.coords)
+        assert len(same) == SIZE // n
+        assert all(m[axis] == grid.coords[axis] for m in same)
+    grid.free()
+
+
+@pytest.mark.mpi
+def test_channel_varies_fastest():
+    grid = ProcessGrid(f"channel={SIZE}")
+    assert grid.coords["channel"] == WORLD.Get_rank()
+    grid.free()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spec,match", [
+    (f"sample={SIZE + 1}", f"grid sample={SIZE + 1} needs {SIZE + 1} ranks, the communicator has {SIZE}"),
+    (f"sample={SIZE},channel=2", f"needs {2 * SIZE} ranks, the communicator has {SIZE}"),
+    ("sample=0", "must be a positive integer, got '0'"),
+    ("sample=x", "must be a positive integer, got 'x'"),
+    ("depth=2", "unknown grid axis 'depth'"),
+])
+def test_bad_grid_raises_on_every_rank(spec, match):
+    raises_on_all_ranks(ValueError, lambda: ProcessGrid(spec), match=match)
