@@ -66,3 +66,56 @@ def block_owner(extent, parts, index):
     if index < big:
         return index // (base + 1)
     return extra + (index - big) // base
+
+
+# ---------------------------------------------------------------------------------------------
+# Channel groups of the stationary-w algorithm: P_c = q * p_f channel ranks, rank c at
+# (i, j) = divmod(c, p_f). Rank c gathers x within its row {i * p_f + j' : j'} (p_f ranks) and
+# reduce-scatters y within its column {i' * p_f + j : i'} (q ranks). Stationary-x is the case
+# p_f = 1 (rows of one rank), stationary-y the case p_f = P_c (columns of one rank).
+
+
+def check_filter_groups(channel_parts, filter_groups):
+    """p_f must be a positive integer dividing P_c; returns q = P_c // p_f."""
+    channel_parts = _as_int(channel_parts, "channel grid size", 1)
+    p_f = _as_int(filter_groups, "filter groups p_f", 1)
+    if channel_parts % p_f:
+        divisors = [d for d in range(1, channel_parts + 1) if channel_parts % d == 0]
+        raise ValueError(f"filter groups p_f={p_f} does not divide the channel grid size "
+                         f"P_c={channel_parts}; expected one of {divisors}")
+    return channel_parts // p_f
+
+
+def default_filter_groups(channel_parts):
+    """The p_f stationary-w uses when none is given: the divisor of P_c nearest sqrt(P_c)
+    from below (a 2 x 2 split of P_c = 4)."""
+    channel_parts = _as_int(channel_parts, "channel grid size", 1)
+    return max(d for d in range(1, channel_parts + 1)
+               if channel_parts % d == 0 and d * d <= channel_parts)
+
+
+def gather_group(c, channel_parts, filter_groups):
+    """The channel coordinates whose x blocks rank c gathers (its row), in group rank order."""
+    check_filter_groups(channel_parts, filter_groups)
+    i = c // filter_groups
+    return [i * filter_groups + j for j in range(filter_groups)]
+
+
+def scatter_group(c, channel_parts, filter_groups):
+    """The channel coordinates among which rank c reduce-scatters y (its column), in order."""
+    q = check_filter_groups(channel_parts, filter_groups)
+    j = c % filter_groups
+    return [i * filter_groups + j for i in range(q)]
+
+
+def union_of_blocks(extent, parts, members):
+    """The indices of blocks `members` of `extent` over `parts`, concatenated in that order.
+
+    The channel indices held by a gather group, or the filter indices a scatter group reduces:
+    a contiguous range for a row of consecutive ranks, strided blocks for a column.
+    """
+    indices = []
+    for k in members:
+        start, stop = block_range(extent, parts, k)
+        indices.extend(range(start, stop))
+    return indices

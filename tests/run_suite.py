@@ -137,12 +137,12 @@ def summarize(results):
         else:
             passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
             ok = res["rc"] == 0 and not res["failed_ranks"] and passed > 0
-            if passed == 0:
-                status = "FAILED: no test executed"
-            elif res["failed_ranks"]:
+            if res["failed_ranks"]:
                 status = f"FAILED on rank(s) {res['failed_ranks']} (exit status {res['rc']})"
             elif res["rc"] != 0:
                 status = f"FAILED (exit status {res['rc']})"
+            elif passed == 0:
+                status = "FAILED: no test executed"
             else:
                 status = "ok"
             total["passed"] += passed

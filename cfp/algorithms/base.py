@@ -1,0 +1,154 @@
+"""What the distributed convolution algorithms share: geometry, weight shards and their index
+sets, the segmented gradient allreduce. Each algorithm module holds only its recipe.
+
+Shapes, with n the local sample count (N over P_n) and C_c, F_c this rank's block of C and F
+over P_c: x arrives as (n, C_c, H, W) (or (n, C, H, W) when the input is replicated over the
+channel axis), y leaves as (n, F_c, H', W'), and the weight shard is w[F_idx][:, C_idx] with
+the index sets below.
+"""
+import numpy as np
+
+from .. import backend, comm
+from ..partition import (block_range, block_size, block_sizes, gather_group, scatter_group,
+                         union_of_blocks)
+
+
+def _pair(value, name, minimum):
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                             or v < minimum for v in pair):
+        raise ValueError(f"{name} must be an integer >= {minimum} or a pair of them, got {value!r}")
+    return tuple(int(v) for v in pair)
+
+
+class ConvAlgorithm:
+    """Base of the distributed convolutions on a sample x channel ProcessGrid.
+
+    Subclasses set `name` and `filter_groups(grid)` (the p_f of the stationary-w view: 1 for
+    stationary-x, P_c for stationary-y) and implement `forward(x, w, b)` and `backward(dy)`.
+    `backward` returns (dx, dw, db) with dw and db already summed over the ranks holding the
+    same shard (the segmented allreduce), so they equal the shard of the serial gradient.
+    """
+
+    name = "?"
+    weight_replicated = False  # True for sample parallelism: every rank holds all of w
+
+    def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 bias=True, input_replicated=False, layer="conv"):
+        self.grid = grid
+        self.C = _pair(in_channels, "in_channels", 1)[0]
+        self.F = _pair(out_channels, "out_channels", 1)[0]
+        self.kernel_size = _pair(kernel_size, "kernel_size", 1)
+        self.stride = _pair(stride, "stride", 1)
+        self.padding = _pair(padding, "padding", 0)
+        self.bias = bool(bias)
+        self.input_replicated = bool(input_replicated) or self.weight_replicated
+        self.layer = layer
+        self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
+        c = grid.coord("channel")
+        self.channel_comm = grid.axis_comm("channel")
+        self.gradient_comm = grid.complement_comm("channel")  # ranks holding the same shard
+        self.w_filters, self.w_channels, self.b_filters = self.shard_indices(c)
+        self.x_channels = (list(range(self.C)) if self.input_replicated
+                           else list(range(*block_range(self.C, self.P_c, c))))
+        self._saved = None
+
+    def filter_groups_of(self, grid):
+        raise NotImplementedError
+
+    def shard_indices(self, c):
+        """(filters, channels, bias filters): the global indices of the weight and bias shard
+        held at channel coordinate c."""
+        if self.weight_replicated:
+            return list(range(self.F)), list(range(self.C)), list(range(self.F))
+        p_f = self.filter_groups_of(self.grid)
+        return (union_of_blocks(self.F, self.P_c, scatter_group(c, self.P_c, p_f)),
+                union_of_blocks(self.C, self.P_c, gather_group(c, self.P_c, p_f)),
+                list(range(*block_range(self.F, self.P_c, c))))
+
+    # -- shapes ------------------------------------------------------------------------------
+
+    @property
+    def weight_shape(self):
+        """Shape of this rank's weight shard."""
+        return (len(self.w_filters), len(self.w_channels)) + self.kernel_size
+
+    @property
+    def bias_shape(self):
+        return (len(self.b_filters),)
+
+    def local_samples(self, n_global):
+        return block_size(n_global, self.P_n, self.grid.coord("sample"))
+
+    def check_input(self, x, w, b):
+        """Local shape checks; they fail alike on every rank for inconsistent global shapes."""
+        if x.ndim != 4 or x.shape[1] != len(self.x_channels):
+            raise ValueError(
+                f"{self.layer}: x block has shape {tuple(x.shape)}, expected (n, "
+                f"{len(self.x_channels)}, H, W) for C={self.C} on {self.grid.describe()}"
+            )
+        if tuple(w.shape) != self.weight_shape:
+            raise ValueError(f"{self.layer}: weight shard has shape {tuple(w.shape)}, "
+                             f"expected {self.weight_shape}")
+        if self.bias and (b is None or tuple(b.shape) != self.bias_shape):
+            got = None if b is None else tuple(b.shape)
+            raise ValueError(f"{self.layer}: bias shard has shape {got}, expected {self.bias_shape}")
+
+    def conv_args(self):
+        return {"stride": self.stride, "padding": self.padding}
+
+    # -- shards of global tensors ------------------------------------------------------------
+
+    def shard_weight(self, w):
+        """This rank's shard of the global weight (F, C, Kh, Kw)."""
+        xp = backend.get_array_module(w)
+        return xp.ascontiguousarray(w[self.w_filters][:, self.w_channels])
+
+    def shard_bias(self, b):
+        return b[self.b_filters].copy()
+
+    def gather_weight(self, w_shard):
+        """The global weight (F, C, Kh, Kw) on every rank, from the channel ranks' shards."""
+        pieces = [self.shard_indices(c)[:2] for c in range(self.P_c)]
+        per_filter_channel = self.kernel_size[0] * self.kernel_size[1]
+        flat = self._gather_flat(w_shard, [len(f) * len(ch) * per_filter_channel for f, ch in pieces])
+        out = np.zeros((self.F, self.C) + self.kernel_size, dtype=w_shard.dtype)
+        for (f, ch), block in zip(pieces, flat):
+            out[np.ix_(f, ch)] = block.reshape((len(f), len(ch)) + self.kernel_size)
+        return out
+
+    def gather_bias(self, b_shard):
+        """The global bias (F,) on every rank."""
+        pieces = [self.shard_indices(c)[2] for c in range(self.P_c)]
+        flat = self._gather_flat(b_shard, [len(f) for f in pieces])
+        out = np.zeros(self.F, dtype=b_shard.dtype)
+        for f, block in zip(pieces, flat):
+            out[f] = block.reshape(-1)
+        return out
+
+    def _gather_flat(self, shard, sizes):
+        """The flattened shards of all channel ranks (sizes[c] elements at coordinate c)."""
+        flat = np.ascontiguousarray(backend.to_host(shard)).reshape(-1)
+        return np.split(comm.allgather(self.channel_comm, flat, 0, sizes), np.cumsum(sizes)[:-1])
+
+    # -- gradient synchronisation ------------------------------------------------------------
+
+    def sync_gradients(self, dw, db):
+        """Segmented allreduce: sum dw (and db) over the P/P_c ranks holding the same shard,
+        as one message. With P_c = 1 it is the data-parallel allreduce."""
+        xp = backend.get_array_module(dw)
+        parts = [dw.reshape(-1)] + ([db.reshape(-1)] if db is not None else [])
+        with comm.tag(layer=self.layer, phase="gradient-sync"):
+            total = comm.allreduce(self.gradient_comm, xp.concatenate(parts))
+        dw = total[:dw.size].reshape(dw.shape)
+        db = total[dw.size:].reshape(db.shape) if db is not None else None
+        return dw, db
+
+    def __repr__(self):
+        return (f"{type(self).__name__}({self.layer}: C={self.C}, F={self.F}, "
+                f"kernel={self.kernel_size}, grid {self.grid.describe()})")
+
+
+def channel_block_sizes(extent, grid):
+    """Block sizes of `extent` over the channel axis of `grid`."""
+    return block_sizes(extent, grid.axis_size("channel"))

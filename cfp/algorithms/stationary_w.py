@@ -1,0 +1,66 @@
+"""Stationary-w (channel x filter): w never moves; split by C over q and by F over p_f,
+P_c = q * p_f. Channel rank c sits at (row, column) = divmod(c, p_f).
+
+forward:          allgather x within the row (p_f ranks), partial y, reduce-scatter within the
+                  column (q ranks)
+backward-filter:  allgather dy within the column, local dw
+backward-data:    local partial dx, reduce-scatter within the row
+x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F / p_f, C / q, Kh, Kw): the filters of the
+column's F blocks and the channels of the row's C blocks (partition.union_of_blocks).
+"""
+from .. import comm
+from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from ..partition import (block_size, check_filter_groups, default_filter_groups, gather_group,
+                         scatter_group)
+from .base import ConvAlgorithm
+
+
+class StationaryW(ConvAlgorithm):
+    name = "w"
+
+    def __init__(self, grid, in_channels, out_channels, kernel_size, filter_groups=None, **kwargs):
+        P_c = grid.axis_size("channel")
+        self.p_f = default_filter_groups(P_c) if filter_groups is None else filter_groups
+        self.q = check_filter_groups(P_c, self.p_f)
+        super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)
+        c = grid.coord("channel")
+        row, column = divmod(c, self.p_f)
+        self.row_comm = self.channel_comm.Split(row, column)
+        self.column_comm = self.channel_comm.Split(column, row)
+        self.row_channel_sizes = [block_size(self.C, P_c, k) for k in gather_group(c, P_c, self.p_f)]
+        self.column_filter_sizes = [block_size(self.F, P_c, k) for k in scatter_group(c, P_c, self.p_f)]
+
+    def filter_groups_of(self, grid):
+        return self.p_f
+
+    def forward(self, x, w, b=None):
+        self.check_input(x, w, b)
+        with comm.tag(layer=self.layer, phase="forward"):
+            if self.input_replicated:  # the first layer: take the row's channels, no message
+                x_row = x[:, self.w_channels]
+            else:
+                x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes)
+            partial_y = conv2d_forward(x_row, w, **self.conv_args())
+            y = comm.reduce_scatter(self.column_comm, partial_y, 1, self.column_filter_sizes)
+        if self.bias:
+            y += b.reshape(1, -1, 1, 1)
+        self._saved = (x_row, w)
+        return y
+
+    def backward(self, dy, need_dx=True):
+        x_row, w = self._saved
+        db = conv2d_backward_bias(dy) if self.bias else None
+        with comm.tag(layer=self.layer, phase="backward-filter"):
+            dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes)
+            dw = conv2d_backward_filter(x_row, dy_column, w.shape, **self.conv_args())
+        dx = None
+        if need_dx and not self.input_replicated:
+            with comm.tag(layer=self.layer, phase="backward-data"):
+                partial_dx = conv2d_backward_data(dy_column, w, x_row.shape, **self.conv_args())
+                dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes)
+        dw, db = self.sync_gradients(dw, db)
+        return dx, dw, db
+
+    def free(self):
+        self.row_comm.Free()
+        self.column_comm.Free()

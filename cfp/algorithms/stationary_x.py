@@ -1,0 +1,42 @@
+"""Stationary-x (channel parallelism): x never moves; w is split by input channel, C / P_c.
+
+forward:          local partial y over all F, reduce-scatter over P_c (each keeps its F block)
+backward-filter:  allgather dy over P_c, local dw
+backward-data:    local dx with the gathered dy, no communication
+x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
+"""
+from .. import comm
+from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from .base import ConvAlgorithm, channel_block_sizes
+
+
+class StationaryX(ConvAlgorithm):
+    name = "x"
+
+    def filter_groups_of(self, grid):
+        return 1
+
+    def forward(self, x, w, b=None):
+        self.check_input(x, w, b)
+        if self.input_replicated:  # the first layer: take this rank's channels, no message
+            x = x[:, self.w_channels]
+        with comm.tag(layer=self.layer, phase="forward"):
+            partial_y = conv2d_forward(x, w, **self.conv_args())
+            y = comm.reduce_scatter(self.channel_comm, partial_y, 1, channel_block_sizes(self.F, self.grid))
+        if self.bias:
+            y += b.reshape(1, -1, 1, 1)
+        self._saved = (x, w)
+        return y
+
+    def backward(self, dy, need_dx=True):
+        x, w = self._saved
+        db = conv2d_backward_bias(dy) if self.bias else None
+        with comm.tag(layer=self.layer, phase="backward-filter"):
+            dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid))
+            dw = conv2d_backward_filter(x, dy_all_filters, w.shape, **self.conv_args())
+        dx = None
+        if need_dx and not self.input_replicated:
+            with comm.tag(layer=self.layer, phase="backward-data"):
+                dx = conv2d_backward_data(dy_all_filters, w, x.shape, **self.conv_args())
+        dw, db = self.sync_gradients(dw, db)
+        return dx, dw, db

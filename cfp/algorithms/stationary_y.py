@@ -1,0 +1,41 @@
+"""Stationary-y (filter parallelism): y never moves; w is split by output filter, F / P_c.
+
+forward:          allgather x over P_c, local y for this rank's filters
+backward-filter:  local dw with the gathered x (kept from forward)
+backward-data:    local partial dx over all C, reduce-scatter over P_c
+x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F_c, C, Kh, Kw).
+"""
+from .. import comm
+from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from .base import ConvAlgorithm, channel_block_sizes
+
+
+class StationaryY(ConvAlgorithm):
+    name = "y"
+
+    def filter_groups_of(self, grid):
+        return grid.axis_size("channel")
+
+    def forward(self, x, w, b=None):
+        self.check_input(x, w, b)
+        with comm.tag(layer=self.layer, phase="forward"):
+            if self.input_replicated:  # the first layer: every rank already has all channels
+                x_all_channels = x
+            else:
+                x_all_channels = comm.allgather(self.channel_comm, x, 1, channel_block_sizes(self.C, self.grid))
+            y = conv2d_forward(x_all_channels, w, b if self.bias else None, **self.conv_args())
+        self._saved = (x_all_channels, w)
+        return y
+
+    def backward(self, dy, need_dx=True):
+        x_all_channels, w = self._saved
+        db = conv2d_backward_bias(dy) if self.bias else None
+        with comm.tag(layer=self.layer, phase="backward-filter"):
+            dw = conv2d_backward_filter(x_all_channels, dy, w.shape, **self.conv_args())
+        dx = None
+        if need_dx and not self.input_replicated:
+            with comm.tag(layer=self.layer, phase="backward-data"):
+                partial_dx = conv2d_backward_data(dy, w, x_all_channels.shape, **self.conv_args())
+                dx = comm.reduce_scatter(self.channel_comm, partial_dx, 1, channel_block_sizes(self.C, self.grid))
+        dw, db = self.sync_gradients(dw, db)
+        return dx, dw, db
