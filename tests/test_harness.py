@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from run_suite import mpiexec_path, single_thread_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from run_suite import mpiexec_path, single_thread_env  # noqa: E402
 
 
 @pytest.mark.timeout(150)

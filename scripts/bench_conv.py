@@ -1,0 +1,167 @@
+"""Time every algorithm and grid on one convolution layer at the current rank count.
+
+    mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
+        [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--json out.json]
+
+For each factorization P_n x P_c of the rank count and each algorithm (stationary-w with every
+p_f dividing P_c): forward and backward time (median over repeats of the slowest rank),
+speedup over one rank (the serial kernels timed on rank 0 in the same run, with the other
+ranks idle), bytes sent per rank per iteration (the most of any rank, from the ledger), and
+the weight and activation memory per rank. A table on stdout; --json keeps the rows.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from cfp import backend, comm  # noqa: E402
+from cfp.algorithms import make_conv  # noqa: E402
+from cfp.grid import ProcessGrid, factorizations  # noqa: E402
+from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402
+                         conv2d_flops, conv2d_forward, conv2d_output_shape)
+from cfp.tensor import DistTensor, Layout  # noqa: E402
+
+MiB = 1024.0 ** 2
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", required=True, help="N,C,F,H,W,K (kernel K x K)")
+    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--padding", type=int, help="default K // 2")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--algorithms", default="sample,x,y,w")
+    p.add_argument("--json", help="write the rows here (rank 0)")
+    args = p.parse_args(argv)
+    try:
+        args.N, args.C, args.F, args.H, args.W, args.K = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        p.error(f"--shape must be N,C,F,H,W,K, got {args.shape!r}")
+    if args.padding is None:
+        args.padding = args.K // 2
+    return args
+
+
+def timed(world, step, repeats, warmup):
+    """Median over repeats of the slowest rank's time for each part of `step()` (a dict)."""
+    samples = []
+    for i in range(warmup + repeats):
+        world.Barrier()
+        parts = step()
+        slowest = {k: world.allreduce(v, op=MPI.MAX) for k, v in parts.items()}
+        if i >= warmup:
+            samples.append(slowest)
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def serial_baseline(args, world, x, w, b, dy):
+    """The serial kernels on rank 0 (the other ranks wait): the one-rank time of the layer."""
+    def step():
+        if world.Get_rank() != 0:
+            return {"forward": 0.0, "backward": 0.0}
+        t0 = time.perf_counter()
+        conv2d_forward(x, w, b, args.stride, args.padding)
+        t1 = time.perf_counter()
+        conv2d_backward_bias(dy)
+        conv2d_backward_filter(x, dy, w.shape, args.stride, args.padding)
+        conv2d_backward_data(dy, w, x.shape, args.stride, args.padding)
+        return {"forward": t1 - t0, "backward": time.perf_counter() - t1}
+    return timed(world, step, args.repeats, args.warmup)
+
+
+def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy):
+    conv = make_conv(algorithm, grid, args.C, args.F, args.K, filter_groups=p_f, stride=args.stride,
+                     padding=args.padding, layer="conv")
+    layout = Layout(("sample", None if algorithm == "sample" else "channel", None, None))
+    x_local = DistTensor.from_global(x, layout, grid).local
+    dy_local = DistTensor.from_global(dy, layout, grid).local
+    w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)
+    ledger = comm.CommLedger()
+
+    def step():
+        ledger.reset()
+        with comm.use_ledger(ledger):
+            t0 = time.perf_counter()
+            conv.forward(x_local, w_shard, b_shard)
+            t1 = time.perf_counter()
+            conv.backward(dy_local)
+            t2 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1}
+
+    times = timed(world, step, args.repeats, args.warmup)
+    kept = conv._saved[0].nbytes  # the input (local or gathered) kept for backward
+    sent = sum(r.bytes_sent for r in ledger.records)
+    per_rank = np.empty(3)
+    world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept], dtype=np.float64), per_rank,
+                    op=MPI.MAX)
+    if hasattr(conv, "free"):
+        conv.free()
+    return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else ""),
+            "forward_s": times["forward"], "backward_s": times["backward"],
+            "bytes_sent_per_rank": int(per_rank[0]), "weight_bytes_per_rank": int(per_rank[1]),
+            "kept_activation_bytes_per_rank": int(per_rank[2])}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    P, rank = world.Get_size(), world.Get_rank()
+    threads = backend.set_blas_threads(args.threads)
+    dtype = np.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.N, args.C, args.H, args.W)).astype(dtype)
+    w = rng.standard_normal((args.F, args.C, args.K, args.K)).astype(dtype)
+    b = rng.standard_normal(args.F).astype(dtype)
+    y_shape = conv2d_output_shape(x.shape, w.shape, args.stride, args.padding)
+    dy = rng.standard_normal(y_shape).astype(dtype)
+    flops = 3 * conv2d_flops(x.shape, w.shape, args.stride, args.padding)
+
+    baseline = serial_baseline(args, world, x, w, b, dy)
+    one_rank = baseline["forward"] + baseline["backward"]
+    rows = [{"grid": "1 rank (serial kernels)", "algorithm": "-", "forward_s": baseline["forward"],
+             "backward_s": baseline["backward"], "bytes_sent_per_rank": 0,
+             "weight_bytes_per_rank": w.nbytes + b.nbytes, "kept_activation_bytes_per_rank": x.nbytes}]
+    wanted = args.algorithms.split(",")
+    for P_n, P_c in factorizations(P):
+        grid = ProcessGrid(f"sample={P_n},channel={P_c}")
+        for algorithm in wanted:
+            p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
+            for p_f in p_fs:
+                rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy))
+        grid.free()
+    for row in rows:
+        total = row["forward_s"] + row["backward_s"]
+        row["speedup"] = one_rank / total
+        row["gflops_per_s"] = flops / total / 1e9
+
+    if rank == 0:
+        print(f"# conv N={args.N} C={args.C} F={args.F} {args.H}x{args.W} kernel {args.K}x{args.K} "
+              f"stride {args.stride} padding {args.padding}, {args.dtype}, {P} ranks, {threads} BLAS "
+              f"thread(s) per rank, median of {args.repeats} (after {args.warmup} warm-up), "
+              f"time of the slowest rank")
+        print("| grid | algorithm | forward s | backward s | total s | speedup vs 1 rank | GFLOP/s "
+              "| sent MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['grid']} | {r['algorithm']} | {r['forward_s']:.4f} | {r['backward_s']:.4f} | "
+                  f"{r['forward_s'] + r['backward_s']:.4f} | {r['speedup']:.2f}x | {r['gflops_per_s']:.1f} | "
+                  f"{r['bytes_sent_per_rank'] / MiB:.2f} | {r['weight_bytes_per_rank'] / MiB:.2f} | "
+                  f"{r['kept_activation_bytes_per_rank'] / MiB:.2f} |")
+        if args.json:
+            from cfp.io import save_json
+            save_json(args.json, {"arguments": vars(args), "ranks": P, "threads": threads, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

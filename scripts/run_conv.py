@@ -1,0 +1,139 @@
+"""Run one distributed convolution, forward and backward, on global tensors from .npy files.
+
+    mpiexec -n P python -m mpi4py scripts/run_conv.py --input x.npy --weight w.npy \\
+        --grad-output dy.npy [--bias b.npy] [--stride S] [--padding P] \\
+        --algorithm {sample,x,y,w} --grid sample=A,channel=B [--filter-groups p_f] --out result.npz
+
+Every rank reads the global tensors and takes its block; the results y, dx, dw (and db) are
+gathered and written by rank 0 to the .npz file, and the communication ledger is printed. Use
+it to check another implementation against cfp, or to watch an algorithm's traffic.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from cfp import backend, comm  # noqa: E402
+from cfp.algorithms import ALGORITHMS, make_conv  # noqa: E402
+from cfp.grid import ProcessGrid  # noqa: E402
+from cfp.io import load_array, save_npz  # noqa: E402
+from cfp.kernels import conv2d_output_shape  # noqa: E402
+from cfp.tensor import DistTensor, Layout  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", required=True, help="x: (N, C, H, W) .npy")
+    p.add_argument("--weight", required=True, help="w: (F, C, Kh, Kw) .npy")
+    p.add_argument("--grad-output", required=True, help="dy: (N, F, Ho, Wo) .npy")
+    p.add_argument("--bias", help="b: (F,) .npy (optional)")
+    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--padding", type=int, default=0)
+    p.add_argument("--algorithm", required=True, help="one of " + ", ".join(ALGORITHMS))
+    p.add_argument("--grid", required=True, help="e.g. sample=2,channel=2")
+    p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing P_c)")
+    p.add_argument("--threads", type=int, help="BLAS threads per rank (default cores // ranks per node)")
+    p.add_argument("--out", required=True, help="result .npz (written by rank 0)")
+    return p.parse_args(argv)
+
+
+def load_problem(args):
+    """The global tensors, checked against each other; ValueError naming what is wrong."""
+    x = load_array(args.input, "input")
+    w = load_array(args.weight, "weight")
+    dy = load_array(args.grad_output, "grad-output")
+    b = load_array(args.bias, "bias") if args.bias else None
+    named = [("input", x), ("weight", w), ("grad-output", dy)] + ([("bias", b)] if b is not None else [])
+    for name, a in named:
+        if a.dtype not in (np.float32, np.float64):
+            raise ValueError(f"{name} has dtype {a.dtype}; expected float32 or float64")
+    dtypes = {name: a.dtype for name, a in named}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"the tensors must share one dtype, got {dtypes}")
+    if x.ndim != 4 or w.ndim != 4:
+        raise ValueError(f"input must be (N, C, H, W) and weight (F, C, Kh, Kw); got shapes "
+                         f"{x.shape} and {w.shape}")
+    y_shape = conv2d_output_shape(x.shape, w.shape, args.stride, args.padding)
+    if dy.shape != y_shape:
+        raise ValueError(f"grad-output has shape {dy.shape}; the convolution's output has shape {y_shape}")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ValueError(f"bias has shape {b.shape}; expected ({w.shape[0]},) for F={w.shape[0]}")
+    return x, w, b, dy
+
+
+def ledger_table(ledger, world):
+    """Bytes per collective and phase: this rank's, and the max and sum over all ranks."""
+    mine = ledger.totals(by=("phase", "collective"))
+    everyone = world.gather(mine, root=0)
+    if world.Get_rank() != 0:
+        return None
+    keys = sorted({k for t in everyone for k in t})
+    rows = [("phase", "collective", "calls", "rank 0 sent", "rank 0 received", "max sent/rank",
+             "total sent")]
+    for key in keys:
+        per_rank = [t.get(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0}) for t in everyone]
+        rows.append((key[0], key[1], str(per_rank[0]["calls"]),
+                     comm.format_bytes(per_rank[0]["bytes_sent"]),
+                     comm.format_bytes(per_rank[0]["bytes_received"]),
+                     comm.format_bytes(max(t["bytes_sent"] for t in per_rank)),
+                     comm.format_bytes(sum(t["bytes_sent"] for t in per_rank))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    try:
+        backend.set_blas_threads(args.threads)
+        x, w, b, dy = load_problem(args)
+        grid = ProcessGrid(args.grid)
+        conv = make_conv(args.algorithm, grid, x.shape[1], w.shape[0], w.shape[2:],
+                         filter_groups=args.filter_groups, stride=args.stride, padding=args.padding,
+                         bias=b is not None, layer="conv")
+    except ValueError as e:  # every rank sees the same files and arguments: all stop here
+        if rank == 0:
+            print(f"run_conv.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    split = Layout(("sample", None if args.algorithm == "sample" else "channel", None, None))
+    x_local = DistTensor.from_global(x, split, grid).local
+    dy_local = DistTensor.from_global(dy, split, grid).local
+    w_shard = conv.shard_weight(w)
+    b_shard = conv.shard_bias(b) if b is not None else None
+
+    ledger = comm.CommLedger()
+    with comm.use_ledger(ledger):
+        start = time.perf_counter()
+        y_local = conv.forward(x_local, w_shard, b_shard)
+        middle = time.perf_counter()
+        dx_local, dw, db = conv.backward(dy_local)
+        end = time.perf_counter()
+
+    results = {
+        "y": DistTensor(y_local, dy.shape, split, grid).gather(root=0),
+        "dx": DistTensor(dx_local, x.shape, split, grid).gather(root=0),
+        "dw": conv.gather_weight(dw),
+    }
+    if b is not None:
+        results["db"] = conv.gather_bias(db)
+    table = ledger_table(ledger, world)
+    if rank == 0:
+        save_npz(args.out, **results)
+        print(f"{conv!r}, {world.Get_size()} ranks, dtype {x.dtype}")
+        print(f"forward {middle - start:.4f} s, backward {end - middle:.4f} s (rank 0)")
+        print(f"wrote {', '.join(results)} to {args.out}")
+        print("communication (the gathers of the results are not counted):")
+        print(table)
+    grid.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""scripts/run_conv.py as a user runs it: under mpiexec on random .npy files, its result.npz
+against a serial computation made here; bad input ends every rank with a clear error."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cfp.kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from run_suite import ROOT, mpiexec_path, single_thread_env
+
+SCRIPT = os.path.join(ROOT, "scripts", "run_conv.py")
+
+
+def run(nprocs, args, timeout=120):
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "mpi4py", SCRIPT, *args]
+    start = time.time()
+    proc = subprocess.run(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=timeout), capture_output=True,
+                          text=True, timeout=timeout + 30)
+    return proc, time.time() - start
+
+
+def write_problem(folder, N=3, C=5, F=7, H=6, W=5, K=3, stride=1, padding=1, dtype=np.float64, bias=True):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((N, C, H, W)).astype(dtype)
+    w = rng.standard_normal((F, C, K, K)).astype(dtype)
+    b = rng.standard_normal(F).astype(dtype)
+    y = conv2d_forward(x, w, b, stride, padding)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    paths = {name: str(folder / f"{name}.npy") for name in ("x", "w", "b", "dy")}
+    for name, a in zip(("x", "w", "b", "dy"), (x, w, b, dy)):
+        np.save(paths[name], a)
+    args = ["--input", paths["x"], "--weight", paths["w"], "--grad-output", paths["dy"],
+            "--stride", str(stride), "--padding", str(padding)]
+    if bias:
+        args += ["--bias", paths["b"]]
+    expected = {"y": y if bias else conv2d_forward(x, w, None, stride, padding),
+                "dx": conv2d_backward_data(dy, w, x.shape, stride, padding),
+                "dw": conv2d_backward_filter(x, dy, w.shape, stride, padding),
+                "db": conv2d_backward_bias(dy)}
+    return args, expected
+
+
+@pytest.mark.parametrize("nprocs,algorithm,grid,extra", [
+    (1, "sample", "sample=1", []),
+    (2, "y", "channel=2", []),
+    (3, "x", "sample=3", []),
+    (4, "w", "sample=1,channel=4", ["--filter-groups", "2"]),
+    (4, "sample", "sample=2,channel=2", []),
+])
+def test_result_matches_serial(tmp_path, nprocs, algorithm, grid, extra):
+    args, expected = write_problem(tmp_path, stride=2 if algorithm == "x" else 1)
+    out = tmp_path / "result.npz"
+    proc, _ = run(nprocs, args + ["--algorithm", algorithm, "--grid", grid, "--out", str(out), *extra])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "allreduce" in proc.stdout or nprocs == 1  # the ledger table is printed
+    with np.load(out, allow_pickle=False) as result:
+        assert sorted(result.files) == ["db", "dw", "dx", "y"]
+        for name, want in expected.items():
+            got = result[name]
+            err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+            assert err < 1e-10, (name, err)
+
+
+def test_float32_stays_float32_and_bias_is_optional(tmp_path):
+    args, expected = write_problem(tmp_path, dtype=np.float32, bias=False)
+    out = tmp_path / "result.npz"
+    proc, _ = run(2, args + ["--algorithm", "w", "--grid", "channel=2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    with np.load(out, allow_pickle=False) as result:
+        assert sorted(result.files) == ["dw", "dx", "y"]
+        assert result["y"].dtype == np.float32
+        err = np.max(np.abs(result["y"] - expected["y"])) / np.max(np.abs(expected["y"]))
+        assert err < 1e-5
+
+
+def bad_cases(tmp_path):
+    args, _ = write_problem(tmp_path)
+    garbage = tmp_path / "garbage.npy"
+    garbage.write_bytes(b"this is not an npy file")
+    wrong_dy = tmp_path / "wrong_dy.npy"
+    np.save(wrong_dy, np.zeros((3, 7, 2, 2)))
+    base = ["--algorithm", "w", "--grid", "channel=3", "--out", str(tmp_path / "r.npz")]
+
+    def swap(flag, value):
+        changed = list(args)
+        changed[changed.index(flag) + 1] = value
+        return changed
+
+    return [
+        (args + ["--algorithm", "w", "--grid", "channel=3", "--filter-groups", "2", "--out", "r.npz"],
+         "filter groups p_f=2 does not divide the channel grid size P_c=3"),
+        (args + ["--algorithm", "x", "--grid", "sample=2,channel=2", "--out", "r.npz"],
+         "grid sample=2,channel=2 needs 4 ranks, the communicator has 3"),
+        (args + ["--algorithm", "q", "--grid", "channel=3", "--out", "r.npz"], "unknown algorithm 'q'"),
+        (swap("--input", str(tmp_path / "missing.npy")) + base, "input file .*missing.npy' does not exist"),
+        (swap("--weight", str(garbage)) + base, "weight file .*garbage.npy' is not a readable .npy file"),
+        (swap("--grad-output", str(wrong_dy)) + base,
+         r"grad-output has shape \(3, 7, 2, 2\); the convolution's output has shape \(3, 7, 6, 5\)"),
+    ]
+
+
+def test_bad_input_stops_every_rank_with_a_clear_error(tmp_path):
+    for args, message in bad_cases(tmp_path):
+        proc, seconds = run(3, args, timeout=60)
+        assert proc.returncode != 0, (args, proc.stdout)
+        assert re.search(message, proc.stderr), (message, proc.stderr)
+        assert proc.stderr.count("run_conv.py: error:") == 1  # said once, by rank 0
+        assert seconds < 30, f"{message}: took {seconds:.0f} s"
