@@ -1,0 +1,193 @@
+"""Every layer on every grid against the same layer on one rank (float64, forward and backward):
+the distributed output, input gradient and parameter gradients equal the serial ones."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp import backend
+from cfp.grid import ProcessGrid
+from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GatherChannels, GlobalAvgPool2d, Linear,
+                    MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy)
+from cfp.nn.module import assemble
+from cfp.tensor import DistTensor, Layout
+from conftest import WORLD, assert_close_all_ranks, grid_specs
+
+pytestmark = pytest.mark.mpi
+
+ALGORITHMS = [("sample", None), ("x", None), ("y", None), ("w", 1), ("w", 2), ("w", None)]
+
+
+def usable(spec, algorithm, p_f):
+    P_c = int(spec.split("channel=")[1])
+    return p_f is None or P_c % p_f == 0
+
+
+CASES = [(s, a, p) for s in grid_specs() for a, p in ALGORITHMS if usable(s, a, p)]
+
+
+def case_id(case):
+    spec, alg, p_f = case
+    return f"{spec}-{alg}" + (f"{p_f}" if p_f else "")
+
+
+@pytest.fixture(scope="module")
+def grids():
+    made = {spec: ProcessGrid(spec) for spec in grid_specs()}
+    made["serial"] = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    yield made
+    for g in made.values():
+        g.free()
+
+
+def layout(ndim, split):
+    return Layout(("sample", "channel" if split else None) + (None,) * (ndim - 2))
+
+
+def gather_parameter(p, grid, what="grad"):
+    value = backend.to_host(getattr(p, what))
+    pieces = grid.comm.allgather((p.index, value))
+    return assemble(p.global_shape, pieces, value.dtype)
+
+
+def compare(make, grids, spec, x, dy, in_split, out_split, what, train_passes=1):
+    """Run make(grid) on one rank and on `spec`, forward and backward, and compare."""
+    results = {}
+    for which in ("serial", spec):
+        grid = grids[which]
+        module = make(grid)
+        for _ in range(train_passes - 1):  # earlier passes move batch-norm running statistics
+            module.forward(DistTensor.from_global(x, layout(x.ndim, in_split and which != "serial"), grid).local)
+        split_in, split_out = in_split and which != "serial", out_split and which != "serial"
+        x_local = DistTensor.from_global(x, layout(x.ndim, split_in), grid).local
+        dy_local = DistTensor.from_global(dy, layout(dy.ndim, split_out), grid).local
+        y_local = module.forward(x_local)
+        dx_local = module.backward(dy_local)
+        results[which] = {
+            "y": DistTensor(y_local, dy.shape, layout(dy.ndim, split_out), grid).gather(),
+            "dx": None if dx_local is None else DistTensor(dx_local, x.shape, layout(x.ndim, split_in), grid).gather(),
+            "grads": {p.name: gather_parameter(p, grid) for p in module.parameters()},
+            "buffers": {n: gather_parameter(b, grid, "data") for n, b in module.buffers().items()},
+        }
+    serial, dist = results["serial"], results[spec]
+    assert_close_all_ranks(dist["y"], serial["y"], 1e-10, f"{what} y")
+    if serial["dx"] is not None and dist["dx"] is not None:
+        assert_close_all_ranks(dist["dx"], serial["dx"], 1e-10, f"{what} dx")
+    assert serial["grads"].keys() == dist["grads"].keys()
+    for name in serial["grads"]:
+        assert_close_all_ranks(dist["grads"][name], serial["grads"][name], 1e-10, f"{what} {name}")
+    for name in serial["buffers"]:
+        assert_close_all_ranks(dist["buffers"][name], serial["buffers"][name], 1e-10, f"{what} {name}")
+    return serial, dist
+
+
+def fit(p_f, grid):
+    """p_f on the distributed grid; the serial reference (P_c = 1) takes the default."""
+    return p_f if p_f is not None and grid.axis_size("channel") % p_f == 0 else None
+
+
+def data(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_conv_block_with_pooling(grids, case):
+    """Conv (first layer, replicated input) -> ReLU -> MaxPool -> Conv -> AvgPool, end to end."""
+    spec, alg, p_f = case
+    split = alg != "sample"
+
+    def make(grid):
+        kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64)
+        return Sequential(Conv2d(grid, 3, 6, 3, padding=1, input_replicated=True, name="c1", **kw), ReLU(),
+                          MaxPool2d(2), Conv2d(grid, 6, 5, 3, padding=1, name="c2", **kw), AvgPool2d(2, 1))
+    x, dy = data((3, 3, 8, 7), 1), data((3, 5, 3, 2), 2)
+    compare(make, grids, spec, x, dy, in_split=False, out_split=split, what=case_id(case))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_batchnorm(grids, case, mode):
+    spec, alg, _ = case
+    split = alg != "sample"
+
+    def make(grid):
+        bn = BatchNorm2d(grid, 5, channels_split=split, dtype=np.float64)
+        bn.weight.data = bn.weight.take(1.0 + data(5, 3))  # non-trivial gamma and beta
+        bn.bias.data = bn.bias.take(data(5, 4))
+        return bn if mode == "train" else _EvalAfterTraining(bn)
+    x, dy = data((5, 5, 3, 4), 5) * 2 + 1, data((5, 5, 3, 4), 6)
+    compare(make, grids, spec, x, dy, in_split=split, out_split=split, what=f"bn {mode} {case_id(case)}")
+
+
+class _EvalAfterTraining(Sequential):
+    """A batch norm that saw one training batch (moving its running statistics), then runs in
+    eval mode."""
+
+    def __init__(self, bn):
+        super().__init__(bn)
+        self.trained = False
+
+    def forward(self, x):
+        if not self.trained:
+            self.modules[0].train().forward(x)
+            self.modules[0].eval()
+            self.trained = True
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_residual_with_projection(grids, case):
+    spec, alg, p_f = case
+    split = alg != "sample"
+
+    def make(grid):
+        kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64, bias=False)
+        body = Sequential(Conv2d(grid, 4, 6, 3, stride=2, padding=1, name="b1", **kw),
+                          BatchNorm2d(grid, 6, split, name="bn1", dtype=np.float64), ReLU(),
+                          Conv2d(grid, 6, 6, 3, padding=1, name="b2", **kw))
+        shortcut = Sequential(Conv2d(grid, 4, 6, 1, stride=2, name="proj", **kw),
+                              BatchNorm2d(grid, 6, split, name="proj_bn", dtype=np.float64))
+        return Sequential(Residual(body, shortcut), ReLU(), Residual(Sequential(ReLU())))
+    x, dy = data((4, 4, 6, 6), 7), data((4, 6, 3, 3), 8)
+    compare(make, grids, spec, x, dy, in_split=split, out_split=split, what=f"residual {case_id(case)}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_head_linear_gather_and_loss(grids, case):
+    """GlobalAvgPool -> Linear -> GatherChannels -> SoftmaxCrossEntropy: loss, accuracy and
+    the gradient that flows back into the network."""
+    spec, alg, p_f = case
+    split = alg != "sample"
+    x = data((5, 6, 3, 3), 9)
+    labels = np.random.default_rng(10).integers(0, 7, 5)
+    out = {}
+    for which in ("serial", spec):
+        grid = grids[which]
+        s = split and which != "serial"
+        head = Sequential(GlobalAvgPool2d(), Linear(grid, 6, 7, algorithm=alg, filter_groups=fit(p_f, grid),
+                                                    dtype=np.float64, name="fc"),
+                          GatherChannels(grid, 7, channels_split=s))
+        loss_fn = SoftmaxCrossEntropy(grid)
+        x_local = DistTensor.from_global(x, layout(4, s), grid).local
+        sample_box = DistTensor.from_global(labels[:, None], Layout(("sample", None)), grid).local[:, 0]
+        loss, correct = loss_fn.forward(head.forward(x_local), sample_box)
+        dx = head.backward(loss_fn.backward())
+        out[which] = (loss, correct, DistTensor(dx, x.shape, layout(4, s), grid).gather(),
+                      gather_parameter(head.modules[1].weight, grid))
+    (l0, c0, dx0, dw0), (l1, c1, dx1, dw1) = out["serial"], out[spec]
+    assert_close_all_ranks(np.array([l1]), np.array([l0]), 1e-12, "loss")
+    assert c0 == c1
+    assert_close_all_ranks(dx1, dx0, 1e-10, "dx through the head")
+    assert_close_all_ranks(dw1, dw0, 1e-10, "fc weight gradient")
+
+
+def test_local_layers_against_numpy(grids):
+    """ReLU, Flatten and GlobalAvgPool2d on one rank, checked directly."""
+    x = data((2, 3, 4, 5), 11)
+    relu = ReLU()
+    assert np.array_equal(relu.forward(x), np.maximum(x, 0))
+    assert np.array_equal(relu.backward(np.ones_like(x)), (x > 0).astype(float))
+    flat = Flatten()
+    assert flat.forward(x).shape == (2, 60) and flat.backward(flat.forward(x)).shape == x.shape
+    gap = GlobalAvgPool2d()
+    assert np.allclose(gap.forward(x), x.mean(axis=(2, 3)))
+    assert np.allclose(gap.backward(np.ones((2, 3))), np.full(x.shape, 1 / 20))
