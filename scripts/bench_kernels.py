@@ -33,6 +33,18 @@ except ImportError:  # the comparison is optional: cfp is timed alone
     torch = None
 
 
+def cpu_name():
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def parse_shape(text):
     """'32x64x64x32x32x3' -> (N, C, F, H, W, K); padding K // 2 keeps H and W ("same")."""
     try:
@@ -120,8 +132,8 @@ def markdown_table(rows):
         cells = [row["shape"], str(row["padding"])]
         for name in names:
             for p in PASSES:
-                cells.append(f"{row[f'{name}_{p}_s'] * 1e3:.1f} ({row[f'{name}_{p}_gflops']:.0f})")
-            cells.append(f"{row[f'{name}_total_s'] * 1e3:.1f}")
+                cells.append(f"{row[f'{name}_{p}_s'] * 1e3:.3g} ({row[f'{name}_{p}_gflops']:.0f})")
+            cells.append(f"{row[f'{name}_total_s'] * 1e3:.3g}")
         if torch is not None:
             cells.append(f"{row['torch_over_cfp']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -153,11 +165,12 @@ def main(argv=None):
         "numpy": np.__version__,
         "blas": blas,
         "torch": torch.__version__ if torch is not None else None,
-        "machine": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
     }
     print(f"# cfp local conv kernels: threads={threads}, dtype={args.dtype}, "
           f"median of {args.repeats} after 1 warm-up, stride 1")
-    print(f"# numpy {np.__version__}, BLAS: {blas}; torch {context['torch'] or 'not installed'}")
+    print(f"# numpy {np.__version__}, BLAS: {blas}; torch {context['torch'] or 'not installed'}; "
+          f"CPU: {context['cpu']}")
     print()
     rng = np.random.default_rng(0)
     rows = []
