@@ -8,7 +8,7 @@ TEST_TIMEOUT ?= 60
 JOB_TIMEOUT ?= 600
 PYTEST_ARGS ?=
 
-.PHONY: test install oracle bench clean
+.PHONY: test demo install oracle bench clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,13 @@ $(VENV)/.installed: setup.py setup.cfg
 
 test: install
 	$(PY) tests/run_suite.py --ranks $(RANKS) --timeout $(TEST_TIMEOUT) --job-timeout $(JOB_TIMEOUT) $(PYTEST_ARGS)
+
+# The small ResNet on scikit-learn's digits, on 4 ranks as a 2 x 2 sample x channel grid.
+DEMO_ARGS ?= --model resnet --width 1 --grid sample=2,channel=2 --algorithm y --epochs 10 \
+	--batch-size 64 --lr 0.1 --optimizer sgd --dtype float32 --seed 0 --log demo-run.json
+demo: install
+	@echo "mpiexec -n 4 python -m mpi4py scripts/train.py $(DEMO_ARGS)"
+	@$$(test -x $(VENV)/bin/mpiexec && echo $(VENV)/bin/mpiexec || echo mpiexec) -n 4 $(PY) -m mpi4py scripts/train.py $(DEMO_ARGS)
 
 # PyTorch as a test oracle and benchmark baseline (optional; the tests skip without it).
 oracle: install

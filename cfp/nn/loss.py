@@ -54,8 +54,8 @@ class SoftmaxCrossEntropy:
         local = xp.asarray([(log_z - picked).sum(), (shifted.argmax(axis=1) == labels).sum() if n else 0,
                             n], dtype=np.float64)
         with comm.tag(layer=self.name, phase="forward"):
-            total_loss, correct, count = backend.to_host(comm.allreduce(self.comm, local))
-        self._saved = (shifted, log_z, labels, count)
+            total_loss, correct, count = (float(v) for v in backend.to_host(comm.allreduce(self.comm, local)))
+        self._saved = (shifted, log_z, labels, count)  # count: a Python float, so float32 stays float32
         return total_loss / count, int(correct)
 
     def backward(self):

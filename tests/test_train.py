@@ -1,0 +1,167 @@
+"""Training end to end: the same losses and weights on every grid as on one rank (float64),
+checkpoints that resume on another grid, refusal of damaged checkpoints, and bad options."""
+import glob
+import os
+import shutil
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp import backend
+from cfp.checkpoint import latest_checkpoint, load_checkpoint
+from cfp.nn.module import assemble
+from cfp.train import TrainConfig, train
+from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+
+pytestmark = pytest.mark.mpi
+
+STEPS, BATCH = 20, 32
+
+
+def config(**overrides):
+    base = dict(model="resnet", width=1, epochs=1, batch_size=BATCH, lr=0.05, dtype="float64",
+                train_samples=STEPS * BATCH, max_steps=STEPS, progress=False, seed=3)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def weights(result):
+    """{parameter name: global array} of a trained model (kept by train(keep_model=True))."""
+    model, grid = result["model"], result["grid_object"]
+    out = {}
+    for p in model.parameters():
+        pieces = grid.comm.allgather((p.index, backend.to_host(p.data)))
+        out[p.name] = assemble(p.global_shape, pieces, p.data.dtype)
+    model.free()
+    grid.free()
+    return out
+
+
+_serial = {}
+
+
+def serial_run(algorithm):
+    """The same training on one rank (every rank runs it alone on COMM_SELF), cached."""
+    if algorithm not in _serial:
+        result = train(config(algorithm=algorithm, grid="sample=1"), world=MPI.COMM_SELF, keep_model=True)
+        _serial[algorithm] = ([h["loss"] for h in result["history"]], weights(result))
+    return _serial[algorithm]
+
+
+CASES = [(spec, alg) for spec in grid_specs() for alg in ("sample", "x", "y", "w")]
+
+
+@pytest.mark.parametrize("spec,algorithm", CASES)
+def test_training_matches_one_rank(spec, algorithm):
+    losses0, weights0 = serial_run(algorithm)
+    result = train(config(algorithm=algorithm, grid=spec), keep_model=True)
+    losses = [h["loss"] for h in result["history"]]
+    assert len(losses) == STEPS
+    assert_close_all_ranks(np.array(losses), np.array(losses0), 1e-9, f"{spec} {algorithm} losses")
+    final = weights(result)
+    assert final.keys() == weights0.keys()
+    for name in final:
+        assert_close_all_ranks(final[name], weights0[name], 1e-9, f"{spec} {algorithm} {name}")
+
+
+def test_float32_training_stays_float32():
+    result = train(config(dtype="float32", grid=grid_specs()[-1], max_steps=2), keep_model=True)
+    model = result["model"]
+    assert all(p.data.dtype == np.float32 and p.grad.dtype == np.float32 for p in model.parameters())
+    weights(result)
+
+
+def test_checkpoint_resumes_on_other_grids(mpi_tmp_path):
+    """A run interrupted 3 steps into its second epoch on the world's squarest grid resumes on
+    one rank and (at 4 ranks) on a 1 x 2 grid: the losses after the interruption equal those
+    of an uninterrupted run."""
+    spec = grid_specs()[len(grid_specs()) // 2]  # sample=2,channel=2 at 4 ranks
+    per_epoch, stop = 10, 13
+    common = dict(train_samples=per_epoch * BATCH, algorithm="w", epochs=2)
+    full = [h["loss"] for h in train(config(grid=spec, max_steps=None, **common))["history"]]
+    directory = str(mpi_tmp_path / "ckpt")
+    first = train(config(grid=spec, checkpoint_dir=directory, max_steps=stop, **common))
+    assert_close_all_ranks(np.array([h["loss"] for h in first["history"]]), np.array(full[:stop]), 1e-12,
+                           "before the interruption")
+    expected = np.array(full[stop:])
+
+    def resumed_losses(grid, world, directory):
+        result = train(config(grid=grid, checkpoint_dir=directory, resume=True, max_steps=None, **common),
+                       world=world)
+        history = result["history"]
+        assert [h["step"] for h in history] == list(range(1, 2 * per_epoch + 1))
+        return np.array([h["loss"] for h in history[stop:]])
+
+    if WORLD.Get_rank() == 0:  # each resumed run saves anew: give each its own copy
+        for r in range(SIZE):
+            shutil.copytree(directory, f"{directory}-serial-{r}")
+            shutil.copytree(directory, f"{directory}-pair-{r // 2}", dirs_exist_ok=True)
+    WORLD.Barrier()
+    losses = resumed_losses("sample=1", MPI.COMM_SELF, f"{directory}-serial-{WORLD.Get_rank()}")
+    assert_close_all_ranks(losses, expected, 1e-9, "resumed on one rank")
+    if SIZE == 4:
+        pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
+        losses = resumed_losses("channel=2", pair, f"{directory}-pair-{WORLD.Get_rank() // 2}")
+        assert_close_all_ranks(losses, expected, 1e-9, "resumed on 1 x 2")
+        pair.Free()
+
+
+def test_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(mpi_tmp_path):
+    directory = str(mpi_tmp_path / "ckpt")
+    spec = grid_specs()[-1]
+    cfg = config(epochs=2, grid=spec, checkpoint_dir=directory, train_samples=4 * BATCH, max_steps=None)
+    train(cfg)
+    latest = latest_checkpoint(directory)
+    steps = sorted(glob.glob(os.path.join(directory, "step-*")))
+    assert len(steps) == 2 and steps[-1] == latest
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        shard = sorted(glob.glob(os.path.join(latest, "rank-*.npz")))[0]
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    WORLD.Barrier()
+    raises_on_all_ranks(ValueError, lambda: train(TrainConfig(**{**cfg.__dict__, "resume": True})),
+                        match="is corrupt: its SHA-256 does not match")
+    # The previous checkpoint is intact and loads into the same model.
+    result = train(config(epochs=1, grid=spec, train_samples=4 * BATCH, max_steps=1), keep_model=True)
+    from cfp.optim import SGD
+    model = result["model"]
+    meta = load_checkpoint(steps[0], model, SGD(model.parameters(), 0.1, momentum=0.9))
+    assert meta["step"] == 4
+    weights(result)
+
+
+def test_checkpoint_of_another_model_is_refused(mpi_tmp_path):
+    directory = str(mpi_tmp_path / "ckpt")
+    spec = grid_specs()[0]
+    train(config(epochs=1, grid=spec, checkpoint_dir=directory, train_samples=2 * BATCH, max_steps=None))
+    raises_on_all_ranks(ValueError, lambda: train(config(width=2, grid=spec, checkpoint_dir=directory, resume=True)),
+                        match="has model .*'width': 1.*this run has .*'width': 2")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(model="vgg"), "unknown model 'vgg'; expected one of resnet, wide"),
+    (dict(algorithm="z"), "unknown algorithm 'z'"),
+    (dict(optimizer="lbfgs"), "unknown optimizer 'lbfgs'; expected one of sgd, adam, adamw"),
+    (dict(width=0), "width must be a positive integer, got 0"),
+])
+def test_bad_options(overrides, match):
+    raises_on_all_ranks(ValueError, lambda: train(config(grid=grid_specs()[0], **overrides)), match=match)
+
+
+def test_batch_smaller_than_sample_axis():
+    spec = f"sample={SIZE}"
+    if SIZE == 1:
+        pytest.skip("one rank always has a sample")
+    raises_on_all_ranks(ValueError, lambda: train(config(grid=spec, batch_size=SIZE - 1)),
+                        match=f"batch size {SIZE - 1} is smaller than the sample axis of the grid")
+
+
+def test_width_that_cannot_be_split():
+    if SIZE < 2:
+        pytest.skip("one channel rank splits any width")
+    raises_on_all_ranks(ValueError,
+                        lambda: train(config(model="wide", width=SIZE - 1, grid=f"channel={SIZE}", algorithm="y")),
+                        match=f"width={SIZE - 1} gives {SIZE - 1} channels in the narrowest layer, fewer than "
+                              f"the {SIZE} channel ranks")
