@@ -109,6 +109,15 @@ def _schedule(cfg, optimizer, total_steps):
     return LinearWarmup(optimizer, cfg.warmup_steps, after=after)
 
 
+def train_step(model, loss_fn, optimizer, x_local, y_local):
+    """One step on this rank's block of a global batch: forward, loss, backward (gradients
+    synchronised inside the layers), update. Returns (loss, correct in the global batch)."""
+    loss, correct = loss_fn.forward(model.forward(x_local), y_local)
+    model.backward(loss_fn.backward())
+    optimizer.step()
+    return loss, correct
+
+
 def evaluate(model, loss_fn, grid, x, y, batch_size=256):
     """(mean loss, accuracy) over (x, y), in batches split over the sample axis like training."""
     model.eval()
@@ -180,9 +189,7 @@ def train(cfg, world=None, keep_model=False):
                 if batch <= skip:  # resuming inside this epoch: these batches were done
                     continue
                 lr = optimizer.lr
-                loss, correct = loss_fn.forward(model.forward(x_local), y_local)
-                model.backward(loss_fn.backward())
-                optimizer.step()
+                loss, correct = train_step(model, loss_fn, optimizer, x_local, y_local)
                 schedule.step()
                 step += 1
                 images += n_global

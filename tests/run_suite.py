@@ -17,6 +17,8 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGS = os.path.join(ROOT, ".test-logs")
 
@@ -50,6 +52,17 @@ def junit_counts(path):
     return counts
 
 
+class _QuietMPIInformation:
+    """pytest-mpi closes every rank's report with 20 lines of MPI build information; the suite
+    prints the MPI library once instead (this turns the block off just before it is written)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_terminal_summary(self, config):
+        for plugin in config.pluginmanager.get_plugins():
+            if type(plugin).__name__ == "MPIPlugin":
+                plugin._is_testing_mpi = False
+
+
 def worker(logdir, pytest_args):
     """One rank of an MPI run: pytest with --with-mpi, non-zero ranks logging to a file."""
     from mpi4py import MPI
@@ -61,10 +74,12 @@ def worker(logdir, pytest_args):
         os.dup2(log, 2)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-    import pytest
-
     junit = os.path.join(logdir, f"rank{rank}.xml")
-    rc = int(pytest.main(["--with-mpi", "-m", "mpi", f"--junitxml={junit}", *pytest_args]))
+    if rank == 0:
+        print(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}, {MPI.COMM_WORLD.Get_size()} "
+              f"rank(s)", flush=True)
+    rc = int(pytest.main(["--with-mpi", "-m", "mpi", f"--junitxml={junit}", *pytest_args],
+                         plugins=[_QuietMPIInformation()]))
     with open(os.path.join(logdir, f"rank{rank}.rc"), "w") as f:
         f.write(str(rc))
     sys.stdout.flush()

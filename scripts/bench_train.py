@@ -1,0 +1,166 @@
+"""Images per second of one training step in cfp, at 1 rank and at P ranks, against PyTorch
+with 1 and P threads on the same model, batch and optimizer, side by side in one run.
+
+    mpiexec -n 2 python -m mpi4py scripts/bench_train.py --model wide --width 256 --depth 4 \\
+        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--json out.json]
+
+The 1-rank and PyTorch rows run on rank 0 while the other ranks sleep (not spin) in a
+non-blocking barrier, so they have the cores to themselves. The P-rank rows run every grid
+factorization with every algorithm; a step is timed on the slowest rank. float32, SGD with
+momentum, synthetic 10-class data; BLAS threads 1 per rank.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from cfp import backend  # noqa: E402
+from cfp.data import synthetic  # noqa: E402
+from cfp.grid import ProcessGrid, factorizations  # noqa: E402
+from cfp.io import save_json  # noqa: E402
+from cfp.models import build_model  # noqa: E402
+from cfp.nn import SoftmaxCrossEntropy  # noqa: E402
+from cfp.optim import SGD  # noqa: E402
+from cfp.partition import block_range  # noqa: E402
+from cfp.train import train_step  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # the comparison is optional
+    torch = None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="wide", choices=["wide", "resnet"])
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--image", type=int, default=16, help="side of the square input images")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--algorithms", default="sample,x,y,w")
+    p.add_argument("--json")
+    return p.parse_args(argv)
+
+
+def on_rank0(world, work):
+    """Run work() on rank 0 while the others sleep; the result, on every rank."""
+    result = work() if world.Get_rank() == 0 else None
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+    return world.bcast(result, root=0)
+
+
+def median_step(world, step, steps, warmup):
+    times = []
+    for i in range(warmup + steps):
+        world.Barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def cfp_step_time(args, comm, spec, algorithm, x, y):
+    grid = ProcessGrid(spec, comm=comm)
+    config = {"width": args.width, "algorithm": algorithm, "in_channels": 1, "classes": 10,
+              "dtype": np.float32}
+    if args.model == "wide":
+        config["depth"] = args.depth
+    model = build_model(args.model, grid, **config)
+    loss_fn = SoftmaxCrossEntropy(grid)
+    optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
+    lo, hi = block_range(len(x), grid.axis_size("sample"), grid.coord("sample"))
+    seconds = median_step(comm, lambda: train_step(model, loss_fn, optimizer, x[lo:hi], y[lo:hi]),
+                          args.steps, args.warmup)
+    model.free()
+    grid.free()
+    return seconds
+
+
+def torch_model(args):
+    nn = torch.nn
+    if args.model != "wide":
+        raise SystemExit("the PyTorch twin exists for --model wide only")
+    w = args.width
+    layers = [nn.Conv2d(1, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
+    for i in range(args.depth):
+        layers += [nn.Conv2d(w, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
+        if i == (args.depth - 1) // 2:
+            layers.append(nn.MaxPool2d(2))
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w, 10)]
+    return nn.Sequential(*layers)
+
+
+def torch_step_time(args, threads, x, y):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = torch_model(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step():
+        optimizer.zero_grad()
+        loss_fn(model(tx), ty).backward()
+        optimizer.step()
+    return median_step(MPI.COMM_SELF, step, args.steps, args.warmup)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    P = world.Get_size()
+    backend.set_blas_threads(1)
+    x, y = synthetic(args.batch_size, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
+    rows = []
+
+    def row(system, ranks, threads, config, seconds):
+        rows.append({"system": system, "ranks": ranks, "threads": threads, "config": config,
+                     "step_s": seconds, "images_per_s": args.batch_size / seconds})
+
+    row("cfp", 1, 1, "sample=1", on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y)))
+    if torch is not None:
+        row("torch", 1, 1, "-", on_rank0(world, lambda: torch_step_time(args, 1, x, y)))
+        if P > 1:
+            row("torch", 1, P, "-", on_rank0(world, lambda: torch_step_time(args, P, x, y)))
+    if P > 1:
+        for P_n, P_c in factorizations(P):
+            spec = f"sample={P_n},channel={P_c}"
+            for algorithm in args.algorithms.split(","):
+                if algorithm == "sample" and P_c > 1:
+                    continue  # replicas over the channel axis: no faster than sample=P
+                row("cfp", P, 1, f"{spec} {algorithm}", cfp_step_time(args, world, spec, algorithm, x, y))
+
+    if world.Get_rank() == 0:
+        torch_by_threads = {r["threads"]: r["images_per_s"] for r in rows if r["system"] == "torch"}
+        print(f"# training step of {args.model} width {args.width}" +
+              (f" depth {args.depth}" if args.model == "wide" else "") +
+              f", {args.image}x{args.image} images, global batch {args.batch_size}, float32, SGD momentum; "
+              f"median of {args.steps} steps after {args.warmup} warm-up; torch "
+              f"{torch.__version__ if torch else 'not installed'}")
+        print("| system | ranks | threads per rank | grid / algorithm | step s | images/s | vs torch at the same cores |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            cores = r["ranks"] * r["threads"]
+            ref = torch_by_threads.get(cores)
+            ratio = f"{r['images_per_s'] / ref:.2f}x" if ref and r["system"] == "cfp" else "-"
+            print(f"| {r['system']} | {r['ranks']} | {r['threads']} | {r['config']} | {r['step_s']:.4f} | "
+                  f"{r['images_per_s']:.1f} | {ratio} |")
+        if args.json:
+            save_json(args.json, {"arguments": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
