@@ -5,14 +5,12 @@
 
 For each factorization P_n x P_c of the rank count and each algorithm (stationary-w with every
 p_f dividing P_c): forward and backward time (median over repeats of the slowest rank),
-speedup over one rank (the serial kernels timed on rank 0 in the same run, with the other
-ranks idle), bytes sent per rank per iteration (the most of any rank, from the ledger), and
+speedup over one rank (the serial kernels timed on rank 0 in the same run, while the other
+ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
 the weight and activation memory per rank. A table on stdout; --json keeps the rows.
 """
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -22,6 +20,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from cfp import backend, comm  # noqa: E402
+from cfp.benchtools import on_rank0, slowest_median  # noqa: E402
 from cfp.algorithms import make_conv  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402
@@ -52,23 +51,9 @@ def parse_args(argv):
     return args
 
 
-def timed(world, step, repeats, warmup):
-    """Median over repeats of the slowest rank's time for each part of `step()` (a dict)."""
-    samples = []
-    for i in range(warmup + repeats):
-        world.Barrier()
-        parts = step()
-        slowest = {k: world.allreduce(v, op=MPI.MAX) for k, v in parts.items()}
-        if i >= warmup:
-            samples.append(slowest)
-    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-
-
-def serial_baseline(args, world, x, w, b, dy):
-    """The serial kernels on rank 0 (the other ranks wait): the one-rank time of the layer."""
+def serial_baseline(args, x, w, b, dy):
+    """The serial kernels, on rank 0 alone: the one-rank time of the layer."""
     def step():
-        if world.Get_rank() != 0:
-            return {"forward": 0.0, "backward": 0.0}
         t0 = time.perf_counter()
         conv2d_forward(x, w, b, args.stride, args.padding)
         t1 = time.perf_counter()
@@ -76,7 +61,7 @@ def serial_baseline(args, world, x, w, b, dy):
         conv2d_backward_filter(x, dy, w.shape, args.stride, args.padding)
         conv2d_backward_data(dy, w, x.shape, args.stride, args.padding)
         return {"forward": t1 - t0, "backward": time.perf_counter() - t1}
-    return timed(world, step, args.repeats, args.warmup)
+    return slowest_median(MPI.COMM_SELF, step, args.repeats, args.warmup)
 
 
 def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy):
@@ -98,7 +83,7 @@ def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy):
             t2 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1}
 
-    times = timed(world, step, args.repeats, args.warmup)
+    times = slowest_median(world, step, args.repeats, args.warmup)
     kept = conv._saved[0].nbytes  # the input (local or gathered) kept for backward
     sent = sum(r.bytes_sent for r in ledger.records)
     per_rank = np.empty(3)
@@ -126,7 +111,7 @@ def main(argv=None):
     dy = rng.standard_normal(y_shape).astype(dtype)
     flops = 3 * conv2d_flops(x.shape, w.shape, args.stride, args.padding)
 
-    baseline = serial_baseline(args, world, x, w, b, dy)
+    baseline = on_rank0(world, lambda: serial_baseline(args, x, w, b, dy))
     one_rank = baseline["forward"] + baseline["backward"]
     rows = [{"grid": "1 rank (serial kernels)", "algorithm": "-", "forward_s": baseline["forward"],
              "backward_s": baseline["backward"], "bytes_sent_per_rank": 0,

@@ -11,9 +11,7 @@ momentum, synthetic 10-class data; BLAS threads 1 per rank.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,6 +19,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from cfp import backend  # noqa: E402
+from cfp.benchtools import on_rank0, slowest_median, timed  # noqa: E402
 from cfp.data import synthetic  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
 from cfp.io import save_json  # noqa: E402
@@ -50,27 +49,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def on_rank0(world, work):
-    """Run work() on rank 0 while the others sleep; the result, on every rank."""
-    result = work() if world.Get_rank() == 0 else None
-    request = world.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
-    return world.bcast(result, root=0)
-
-
-def median_step(world, step, steps, warmup):
-    times = []
-    for i in range(warmup + steps):
-        world.Barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        if i >= warmup:
-            times.append(elapsed)
-    return statistics.median(times)
-
-
 def cfp_step_time(args, comm, spec, algorithm, x, y):
     grid = ProcessGrid(spec, comm=comm)
     config = {"width": args.width, "algorithm": algorithm, "in_channels": 1, "classes": 10,
@@ -81,8 +59,8 @@ def cfp_step_time(args, comm, spec, algorithm, x, y):
     loss_fn = SoftmaxCrossEntropy(grid)
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
     lo, hi = block_range(len(x), grid.axis_size("sample"), grid.coord("sample"))
-    seconds = median_step(comm, lambda: train_step(model, loss_fn, optimizer, x[lo:hi], y[lo:hi]),
-                          args.steps, args.warmup)
+    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x[lo:hi], y[lo:hi])),
+                             args.steps, args.warmup)["total"]
     model.free()
     grid.free()
     return seconds
@@ -114,7 +92,7 @@ def torch_step_time(args, threads, x, y):
         optimizer.zero_grad()
         loss_fn(model(tx), ty).backward()
         optimizer.step()
-    return median_step(MPI.COMM_SELF, step, args.steps, args.warmup)
+    return slowest_median(MPI.COMM_SELF, lambda: timed(step), args.steps, args.warmup)["total"]
 
 
 def main(argv=None):
