@@ -1,5 +1,7 @@
-"""scripts/run_conv.py as a user runs it: under mpiexec on random .npy files, its result.npz
-against a serial computation made here; bad input ends every rank with a clear error."""
+"""The scripts as a user runs them, under mpiexec: run_conv.py on random .npy files against a
+serial computation made here, train.py end to end; bad input ends every rank with one clear
+error and a non-zero exit, within seconds."""
+import json
 import os
 import re
 import subprocess
@@ -12,11 +14,12 @@ import pytest
 from cfp.kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
 from run_suite import ROOT, mpiexec_path, single_thread_env
 
-SCRIPT = os.path.join(ROOT, "scripts", "run_conv.py")
+RUN_CONV = os.path.join(ROOT, "scripts", "run_conv.py")
+TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
 
-def run(nprocs, args, timeout=120):
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "mpi4py", SCRIPT, *args]
+def run(nprocs, args, timeout=120, script=RUN_CONV):
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "mpi4py", script, *args]
     start = time.time()
     proc = subprocess.run(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=timeout), capture_output=True,
                           text=True, timeout=timeout + 30)
@@ -110,3 +113,31 @@ def test_bad_input_stops_every_rank_with_a_clear_error(tmp_path):
         assert re.search(message, proc.stderr), (message, proc.stderr)
         assert proc.stderr.count("run_conv.py: error:") == 1  # said once, by rank 0
         assert seconds < 30, f"{message}: took {seconds:.0f} s"
+
+
+def test_train_script_end_to_end(tmp_path):
+    log = tmp_path / "run.json"
+    proc, _ = run(2, ["--model", "resnet", "--grid", "channel=2", "--algorithm", "w", "--epochs", "1",
+                      "--train-samples", "256", "--batch-size", "64", "--log", str(log), "--no-progress"],
+                  script=TRAIN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test accuracy" in proc.stdout and "communication of rank 0" in proc.stdout
+    with open(log) as f:
+        record = json.load(f)
+    assert len(record["steps"]) == 4 and record["summary"]["ranks"] == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "vgg"], "unknown model 'vgg'"),
+    (["--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),
+    (["--grid", "sample=2", "--batch-size", "1"], "batch size 1 is smaller than the sample axis of the grid"),
+    (["--grid", "channel=2", "--model", "wide", "--width", "1"], "width=1 gives 1 channels in the narrowest layer"),
+    (["--grid", "sample=3"], "grid sample=3 needs 3 ranks, the communicator has 2"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+])
+def test_train_script_bad_input(args, message):
+    proc, seconds = run(2, args + ["--epochs", "1", "--no-progress"], timeout=60, script=TRAIN)
+    assert proc.returncode != 0, proc.stdout
+    assert message in proc.stderr, proc.stderr
+    assert proc.stderr.count("train.py: error:") == 1
+    assert seconds < 30
