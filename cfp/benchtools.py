@@ -27,12 +27,18 @@ def timed(func):
     return {"total": time.perf_counter() - start}
 
 
-def on_rank0(world, work):
-    """work() on rank 0 alone, its result broadcast to every rank. The other ranks sleep in a
-    non-blocking barrier meanwhile instead of spinning in a blocking one, so rank 0 has the
-    machine's cores to itself (a one-rank baseline measured inside a P-rank job)."""
-    result = work() if world.Get_rank() == 0 else None
+def quiet_barrier(world):
+    """A barrier that sleeps instead of spinning while it waits, leaving the cores to the
+    ranks still working."""
     request = world.Ibarrier()
     while not request.Test():
         time.sleep(0.002)
+
+
+def on_rank0(world, work):
+    """work() on rank 0 alone, its result broadcast to every rank; the others wait in a
+    quiet_barrier, so rank 0 has the machine's cores to itself (a one-rank baseline measured
+    inside a P-rank job)."""
+    result = work() if world.Get_rank() == 0 else None
+    quiet_barrier(world)
     return world.bcast(result, root=0)

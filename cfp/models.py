@@ -9,29 +9,52 @@ import numpy as np
 from .nn import (BatchNorm2d, Conv2d, GatherChannels, GlobalAvgPool2d, Linear, MaxPool2d, ReLU,
                  Residual, Sequential)
 
+from .perfmodel import LayerShape
+from .planner import choose_algorithm
+
 MODELS = ("resnet", "wide")
 
 
 class _Builder:
-    """Names layers, seeds their weights and passes the algorithm to every convolution."""
+    """Names layers, seeds their weights and gives every convolution its algorithm: the one
+    asked for, or with algorithm 'auto' the planner's choice for that layer's shape (which
+    needs the global batch size and a machine profile)."""
 
-    def __init__(self, grid, algorithm, filter_groups, seed, dtype):
+    def __init__(self, grid, algorithm, filter_groups, seed, dtype, batch=None, profile=None):
         self.grid, self.algorithm, self.filter_groups = grid, algorithm, filter_groups
         self.seed, self.dtype = seed, dtype
         self.split = algorithm != "sample"
+        self.batch, self.profile = batch, profile
+        if algorithm == "auto" and (batch is None or profile is None):
+            raise ValueError("algorithm 'auto' needs the global batch size and a machine profile")
+        self.chosen = {}  # layer name -> (algorithm, p_f) as built
+        self.shapes = []  # the LayerShape of every convolution, in order
 
-    def conv(self, name, cin, cout, kernel, stride=1, first=False):
+    def choose(self, shape):
+        if self.algorithm != "auto":
+            return self.algorithm, self.filter_groups
+        return choose_algorithm(shape, self.grid.axis_size("sample"), self.grid.axis_size("channel"),
+                                self.profile)
+
+    def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
+        shape = LayerShape(name, self.batch or 0, cin, cout, size or 0, size or 0, kernel, stride,
+                           first=first)
+        self.shapes.append(shape)
+        algorithm, p_f = self.chosen[name] = self.choose(shape)
         return Conv2d(self.grid, cin, cout, kernel, stride=stride, padding=kernel // 2, bias=False,
-                      algorithm=self.algorithm, filter_groups=self.filter_groups, input_replicated=first,
+                      algorithm=algorithm, filter_groups=p_f, input_replicated=first,
                       name=name, seed=self.seed, dtype=self.dtype)
 
     def bn(self, name, channels):
         return BatchNorm2d(self.grid, channels, channels_split=self.split, name=name, dtype=self.dtype)
 
     def head(self, channels, classes):
+        shape = LayerShape("fc", self.batch or 0, channels, classes, 1, 1, 1)
+        self.shapes.append(shape)
+        algorithm, p_f = self.chosen["fc"] = self.choose(shape)
         return [GlobalAvgPool2d(),
-                Linear(self.grid, channels, classes, algorithm=self.algorithm,
-                       filter_groups=self.filter_groups, name="fc", seed=self.seed, dtype=self.dtype),
+                Linear(self.grid, channels, classes, algorithm=algorithm,
+                       filter_groups=p_f, name="fc", seed=self.seed, dtype=self.dtype),
                 GatherChannels(self.grid, classes, channels_split=self.split, name="fc.gather")]
 
 
@@ -46,45 +69,59 @@ def _check_width(value, what, narrowest, grid, algorithm):
 
 
 def small_resnet(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_groups=None, seed=0,
-                 dtype=np.float32):
+                 dtype=np.float32, image=8, batch=None, profile=None):
     """A ResNet of three stages (16, 32, 64 channels times `width`), one basic block each,
-    strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool."""
+    strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool. image (the input
+    side), batch (the global batch) and profile matter only to algorithm 'auto'."""
     base = 16 * width if isinstance(width, (int, np.integer)) else 0
     _check_width(width, "width", base, grid, algorithm)
-    b = _Builder(grid, algorithm, filter_groups, seed, dtype)
+    b = _Builder(grid, algorithm, filter_groups, seed, dtype, batch, profile)
 
-    def block(name, cin, cout, stride):
-        body = Sequential(b.conv(f"{name}.conv1", cin, cout, 3, stride), b.bn(f"{name}.bn1", cout), ReLU(),
-                          b.conv(f"{name}.conv2", cout, cout, 3), b.bn(f"{name}.bn2", cout))
+    def block(name, cin, cout, stride, size):
+        body = Sequential(b.conv(f"{name}.conv1", cin, cout, 3, stride, size), b.bn(f"{name}.bn1", cout), ReLU(),
+                          b.conv(f"{name}.conv2", cout, cout, 3, 1, _after(size, 3, stride)),
+                          b.bn(f"{name}.bn2", cout))
         shortcut = None
         if stride != 1 or cin != cout:
-            shortcut = Sequential(b.conv(f"{name}.proj", cin, cout, 1, stride), b.bn(f"{name}.proj_bn", cout))
+            shortcut = Sequential(b.conv(f"{name}.proj", cin, cout, 1, stride, size), b.bn(f"{name}.proj_bn", cout))
         return Sequential(Residual(body, shortcut), ReLU())
 
-    return Sequential(
-        b.conv("stem.conv", in_channels, base, 3, first=True), b.bn("stem.bn", base), ReLU(),
-        block("layer1", base, base, 1),
-        block("layer2", base, 2 * base, 2),
-        block("layer3", 2 * base, 4 * base, 2),
+    half = _after(image, 3, 2)
+    model = Sequential(
+        b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), ReLU(),
+        block("layer1", base, base, 1, image),
+        block("layer2", base, 2 * base, 2, image),
+        block("layer3", 2 * base, 4 * base, 2, half),
         *b.head(4 * base, classes),
     )
+    model.algorithms, model.layer_shapes = b.chosen, b.shapes
+    return model
 
 
 def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y", filter_groups=None,
-             seed=0, dtype=np.float32):
+             seed=0, dtype=np.float32, image=8, batch=None, profile=None):
     """A plain CNN: a stem convolution to `width` channels, then `depth` 3x3 convolutions of
     width x width (each with batch norm and ReLU, a 2x2 max pool after the first half), then
     the classifier. Nearly all its weights are in the wide layers."""
     _check_width(width, "width", width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
     if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
         raise ValueError(f"depth must be a positive integer, got {depth!r}")
-    b = _Builder(grid, algorithm, filter_groups, seed, dtype)
-    layers = [b.conv("stem.conv", in_channels, width, 3, first=True), b.bn("stem.bn", width), ReLU()]
+    b = _Builder(grid, algorithm, filter_groups, seed, dtype, batch, profile)
+    size = image
+    layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), ReLU()]
     for i in range(depth):
-        layers += [b.conv(f"wide{i}.conv", width, width, 3), b.bn(f"wide{i}.bn", width), ReLU()]
+        layers += [b.conv(f"wide{i}.conv", width, width, 3, 1, size), b.bn(f"wide{i}.bn", width), ReLU()]
         if i == (depth - 1) // 2:
             layers.append(MaxPool2d(2))
-    return Sequential(*layers, *b.head(width, classes))
+            size //= 2
+    model = Sequential(*layers, *b.head(width, classes))
+    model.algorithms, model.layer_shapes = b.chosen, b.shapes
+    return model
+
+
+def _after(size, kernel, stride):
+    """The output side of a convolution with padding kernel // 2."""
+    return (size + 2 * (kernel // 2) - kernel) // stride + 1
 
 
 def build_model(name, grid, **config):

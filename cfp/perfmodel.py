@@ -1,15 +1,23 @@
-"""The cost model of the convolution algorithms: bytes each rank sends and receives per phase.
+"""The cost model of the convolution algorithms: bytes each rank sends and receives per phase,
+and predicted time and memory per rank from a machine profile (design.md section 4).
 
-Worked out from shapes and the partition arithmetic alone (never from the ledger), so that the
-ledger of a real run can be checked against it exactly. The byte convention is comm.py's: each
-element counted where it leaves a rank and where it arrives, never a rank's own block.
+Bytes are worked out from shapes and the partition arithmetic alone (never from the ledger), so
+that the ledger of a real run can be checked against them exactly. The byte convention is
+comm.py's: each element counted where it leaves a rank and where it arrives, never a rank's
+own block.
 """
+import dataclasses
+import json
+import math
+import os
+
 from .grid import parse_grid_spec
 from .kernels import conv2d_output_shape
 from .partition import (block_size, block_sizes, check_filter_groups, default_filter_groups,
                         gather_group, scatter_group, union_of_blocks)
 
 PHASES = ("forward", "backward-filter", "backward-data", "gradient-sync")
+PASSES = ("forward", "backward-data", "backward-filter")
 ALGORITHM_NAMES = ("sample", "x", "y", "w")
 
 
@@ -84,3 +92,174 @@ def ledger_bytes(ledger, layer=None):
             sent, received = out[r.phase]
             out[r.phase] = (sent + r.bytes_sent, received + r.bytes_received)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Time and memory: the alpha-beta-gamma model of design.md section 4, with the constants of a
+# machine profile (measured by scripts/calibrate.py, or a built-in reference profile).
+
+COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall")
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """One convolution: global batch N, C -> F channels, H x W input, K x K kernel."""
+    name: str
+    N: int
+    C: int
+    F: int
+    H: int
+    W: int
+    K: int
+    stride: int = 1
+    padding: int = None  # default K // 2
+    first: bool = False  # input replicated over the channel axis: no gather, no dx
+
+    @property
+    def pad(self):
+        return self.K // 2 if self.padding is None else self.padding
+
+    @property
+    def out_hw(self):
+        return ((self.H + 2 * self.pad - self.K) // self.stride + 1,
+                (self.W + 2 * self.pad - self.K) // self.stride + 1)
+
+    def flops(self, n=None, c=None, f=None):
+        """2 n c f H' W' K^2: one pass over n samples, c channels, f filters (default: all)."""
+        Ho, Wo = self.out_hw
+        return 2 * (self.N if n is None else n) * (self.C if c is None else c) * \
+            (self.F if f is None else f) * Ho * Wo * self.K * self.K
+
+
+class MachineProfile:
+    """The constants of one machine: alpha (s) and beta (s/byte) of each collective on the
+    links inside a node and between nodes, and the kernel rates (flop/s) of each pass against
+    the pass's flop count, per kernel size. Loaded from JSON (see scripts/calibrate.py)."""
+
+    def __init__(self, data, where="profile"):
+        try:
+            self.name = str(data["name"])
+            self.source = str(data.get("source", ""))
+            self.itemsize = int(data.get("itemsize", 4))
+            self.ranks_per_node = int(data["ranks_per_node"])
+            self.links = {}
+            for link, table in data["links"].items():
+                self.links[link] = {c: (float(table[c][0]), float(table[c][1])) for c in COLLECTIVES}
+            if "intra" not in self.links:
+                raise KeyError("links.intra")
+            self.kernels = {}
+            for pass_name in PASSES:
+                self.kernels[pass_name] = {
+                    int(k): sorted((float(f), float(r)) for f, r in points)
+                    for k, points in data["kernels"][pass_name].items()}
+                if not self.kernels[pass_name] or any(not p for p in self.kernels[pass_name].values()):
+                    raise KeyError(f"kernels.{pass_name} (no measured points)")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise ValueError(f"{where} is not a valid machine profile: missing or malformed {e}") from None
+        self.data = data
+
+    @classmethod
+    def load(cls, path):
+        """A profile from a JSON file, or a built-in one by name ('reference-v100', 'cpu-dev')."""
+        builtin = os.path.join(PROFILE_DIR, f"{path}.json")
+        if not os.path.exists(path) and os.path.exists(builtin):
+            path = builtin
+        if not os.path.exists(path):
+            names = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+            raise ValueError(f"machine profile {path!r} does not exist (built-in profiles: {', '.join(names)})")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"machine profile {path!r} is not valid JSON: {e}") from None
+        return cls(data, where=f"machine profile {path!r}")
+
+    def link(self, intra):
+        return self.links["intra" if intra or "inter" not in self.links else "inter"]
+
+    def collective_time(self, collective, p, m, intra=True):
+        """Seconds of a collective over p ranks whose whole result has m bytes."""
+        if p <= 1 or m == 0 and collective != "allreduce":
+            return 0.0
+        alpha, beta = self.link(intra)[collective]
+        steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if collective == "allreduce" else \
+            (p - 1, (p - 1) / p * m)
+        return steps * alpha + volume * beta
+
+    def kernel_time(self, pass_name, kernel, flops):
+        """Seconds of one kernel pass of `flops`, at the rate measured for the nearest kernel
+        size and flop count (log-log interpolation, constant beyond the measured range)."""
+        if flops <= 0:
+            return 0.0
+        table = self.kernels[pass_name]
+        points = table[min(table, key=lambda k: (abs(k - kernel), k))]
+        x = math.log(flops)
+        xs = [math.log(f) for f, _ in points]
+        if x <= xs[0]:
+            rate = points[0][1]
+        elif x >= xs[-1]:
+            rate = points[-1][1]
+        else:
+            i = next(i for i in range(1, len(xs)) if x <= xs[i])
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            rate = math.exp((1 - t) * math.log(points[i - 1][1]) + t * math.log(points[i][1]))
+        return flops / rate
+
+
+def _shard_sizes(layer, algorithm, P_n, P_c, p_f):
+    """The busiest rank's (n, x channels, gathered channels, filters computed, y filters,
+    weight elements): the first block of each partition is the largest."""
+    n = block_size(layer.N, P_n, 0)
+    if algorithm == "sample":
+        return n, layer.C, layer.C, layer.F, layer.F, layer.F * layer.C * layer.K ** 2
+    p_f = {"x": 1, "y": P_c}.get(algorithm, p_f)
+    rows = len(union_of_blocks(layer.C, P_c, gather_group(0, P_c, p_f)))
+    cols = len(union_of_blocks(layer.F, P_c, scatter_group(0, P_c, p_f)))
+    x_channels = layer.C if layer.first else block_size(layer.C, P_c, 0)
+    return n, x_channels, rows, cols, block_size(layer.F, P_c, 0), cols * rows * layer.K ** 2
+
+
+def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1):
+    """Predicted seconds (per phase, compute and communication) and bytes per rank of one
+    forward and backward pass of `layer` under `algorithm` on a P_n x P_c grid.
+
+    Ranks of a channel row are neighbours (channel varies fastest), so the row, the column and
+    the gradient group stay inside a node when the ranks they span fit in one.
+    """
+    if algorithm == "w":
+        p_f = default_filter_groups(P_c) if p_f is None else p_f
+        check_filter_groups(P_c, p_f)
+    else:
+        p_f = {"x": 1, "y": P_c, "sample": 1}[algorithm]
+    q = P_c // p_f
+    item = profile.itemsize
+    n, x_channels, rows, cols, y_filters, w_count = _shard_sizes(layer, algorithm, P_n, P_c, p_f)
+    Ho, Wo = layer.out_hw
+    x_bytes, y_bytes = n * rows * layer.H * layer.W * item, n * cols * Ho * Wo * item
+    per_node = profile.ranks_per_node
+    row_intra = p_f <= per_node
+    column_intra = (q - 1) * p_f + 1 <= per_node
+    grad_intra = P_n * P_c <= per_node
+    flops = layer.flops(n, rows, cols)
+    compute = {"forward": profile.kernel_time("forward", layer.K, flops),
+               "backward-filter": profile.kernel_time("backward-filter", layer.K, flops),
+               "backward-data": 0.0 if layer.first else profile.kernel_time("backward-data", layer.K, flops)}
+    comm = {phase: 0.0 for phase in PHASES}
+    if algorithm != "sample":
+        gather_x = 0.0 if layer.first else profile.collective_time("allgather", p_f, x_bytes, row_intra)
+        comm["forward"] = gather_x + profile.collective_time("reduce_scatter", q, y_bytes, column_intra)
+        comm["backward-filter"] = profile.collective_time("allgather", q, y_bytes, column_intra)
+        comm["backward-data"] = 0.0 if layer.first else \
+            profile.collective_time("reduce_scatter", p_f, x_bytes, row_intra)
+    comm["gradient-sync"] = profile.collective_time("allreduce", P_n, w_count * item, grad_intra)
+    weights = w_count * item
+    memory = {
+        "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,
+        "activations": (n * (rows if algorithm in ("y", "w") else x_channels) * layer.H * layer.W
+                        + n * y_filters * Ho * Wo) * item,
+        "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item,
+    }
+    return {"compute": compute, "comm": comm, "memory": memory, "p_f": p_f,
+            "time": sum(compute.values()) + sum(comm.values()),
+            "bytes": sum(memory.values())}

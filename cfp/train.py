@@ -18,6 +18,7 @@ from .grid import ProcessGrid
 from .io import save_json
 from .models import MODELS, build_model
 from .nn import SoftmaxCrossEntropy
+from .perfmodel import MachineProfile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
 from .partition import block_range
 
@@ -32,8 +33,9 @@ class TrainConfig:
     width: int = 1
     depth: int = 4  # wide CNN only
     grid: str = "sample=1"
-    algorithm: str = "y"
+    algorithm: str = "y"  # or "auto": the planner's choice per layer on this grid
     filter_groups: int = None
+    profile: str = "cpu-dev"  # machine profile for "auto": a JSON file or a built-in name
     epochs: int = 10
     batch_size: int = 64
     lr: float = 0.1
@@ -57,7 +59,7 @@ class TrainConfig:
 
     def validate(self):
         """ValueError naming the bad option; the same on every rank (no MPI involved)."""
-        for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS)),
+        for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS) + ("auto",)),
                                ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
                                ("dataset", DATASETS), ("dtype", ("float32", "float64"))):
             if getattr(self, field) not in allowed:
@@ -154,10 +156,16 @@ def train(cfg, world=None, keep_model=False):
     if len(loader) == 0:
         raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
     config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
-              "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype}
+              "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
+              "image": x_train.shape[2], "batch": cfg.batch_size}
+    if cfg.algorithm == "auto":
+        config["profile"] = MachineProfile.load(cfg.profile)
     if cfg.model == "wide":
         config["depth"] = cfg.depth
     model = build_model(cfg.model, grid, **config)
+    if cfg.algorithm == "auto" and rank0:
+        chosen = ", ".join(f"{name} {a}" + (f"(p_f={p})" if p else "") for name, (a, p) in model.algorithms.items())
+        print(f"algorithm auto ({config['profile'].name}): {chosen}", flush=True)
     loss_fn = SoftmaxCrossEntropy(grid)
     optimizer = _optimizer(cfg, model.parameters())
     total_steps = cfg.epochs * len(loader)  # the schedule's length, also when stopped early

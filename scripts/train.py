@@ -29,7 +29,11 @@ def parse_args(argv):
                    help="resnet: width multiplier (16, 32, 64 channels times W); wide: channels per layer")
     p.add_argument("--depth", type=int, default=defaults.depth, help="wide: number of wide layers")
     p.add_argument("--grid", default=defaults.grid, help="process grid, e.g. sample=2,channel=2")
-    p.add_argument("--algorithm", default=defaults.algorithm, help="sample, x, y or w")
+    p.add_argument("--algorithm", default=defaults.algorithm,
+                   help="sample, x, y, w, or auto (the planner's choice per layer on this grid)")
+    p.add_argument("--profile", default=defaults.profile,
+                   help="machine profile for --algorithm auto: a JSON file from scripts/calibrate.py "
+                        "or a built-in name")
     p.add_argument("--filter-groups", type=int, default=None, help="p_f of algorithm w")
     p.add_argument("--epochs", type=int, default=defaults.epochs)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global mini-batch")

@@ -1,0 +1,168 @@
+"""The per-layer planner: for each convolution, the grid factorization, algorithm and p_f that
+minimise the predicted iteration time, counting redistribution between layers of different
+layouts, under a per-rank memory limit.
+
+A plan is a shortest path through the layers (dynamic programming over each layer's options,
+with a redistribution cost between consecutive choices). The memory limit is met by pricing
+memory: the plan minimising time + lambda * memory, with the smallest lambda (found by bisection)
+whose plan fits.
+"""
+import dataclasses
+
+from .grid import factorizations
+from .perfmodel import layer_cost
+
+CHANNEL_ALGORITHMS = ("x", "y", "w")
+
+
+@dataclasses.dataclass
+class Choice:
+    layer: object  # perfmodel.LayerShape
+    P_n: int
+    P_c: int
+    algorithm: str
+    p_f: int
+    cost: dict  # perfmodel.layer_cost's result
+    redistribution: float = 0.0  # seconds to bring the previous layer's output into this layout
+
+    @property
+    def grid(self):
+        return f"sample={self.P_n},channel={self.P_c}"
+
+    @property
+    def label(self):
+        return self.algorithm + (f" (p_f={self.p_f})" if self.algorithm == "w" else "")
+
+
+def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORITHMS, grid=None,
+                  optimizer_buffers=1):
+    """Every (grid, algorithm, p_f) for `layer` on `ranks` ranks (or on the fixed `grid`
+    (P_n, P_c)), with its predicted cost. Data parallelism needs P_c = 1 (on a grid with
+    P_c > 1 it would only replicate work)."""
+    grids = [grid] if grid is not None else factorizations(ranks)
+    out = []
+    for P_n, P_c in grids:
+        if P_n > layer.N:  # a sample rank without a sample does nothing useful
+            continue
+        for algorithm in algorithms:
+            if algorithm == "sample" and P_c > 1:
+                continue
+            if algorithm != "sample" and P_c == 1 and algorithm != "y":
+                continue  # with one channel rank x, y and w are the same computation: keep one
+            p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
+            for p_f in p_fs:
+                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers)
+                out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost))
+    return out
+
+
+def redistribution_time(previous, choice, profile):
+    """Seconds to move the previous layer's output (forward) and its gradient (backward) into
+    this layer's layout: nothing on the same grid, else an all-to-all of each rank's share of
+    the activation over all ranks."""
+    if (previous.P_n, previous.P_c) == (choice.P_n, choice.P_c):
+        return 0.0  # data parallelism runs only where P_c = 1, so one grid means one layout
+    ranks = choice.P_n * choice.P_c
+    Ho, Wo = previous.layer.out_hw
+    share = previous.layer.N * previous.layer.F * Ho * Wo * profile.itemsize / ranks
+    intra = ranks <= profile.ranks_per_node
+    return 2 * profile.collective_time("alltoall", ranks, share, intra)
+
+
+def _memory(choices):
+    """Bytes per rank of a plan: everything each layer keeps, plus the largest temporary."""
+    kept = sum(c.cost["bytes"] - c.cost["memory"]["temporary"] for c in choices)
+    return kept + max((c.cost["memory"]["temporary"] for c in choices), default=0)
+
+
+def _best_path(options, profile, price):
+    """The choices minimising time + price * kept bytes, by dynamic programming."""
+    best = [(o.cost["time"] + price * (o.cost["bytes"] - o.cost["memory"]["temporary"]), [o])
+            for o in options[0]]
+    for layer_options_ in options[1:]:
+        step = []
+        for o in layer_options_:
+            own = o.cost["time"] + price * (o.cost["bytes"] - o.cost["memory"]["temporary"])
+            total, path = min(((t + redistribution_time(p[-1], o, profile), p) for t, p in best),
+                              key=lambda tp: tp[0])
+            step.append((total + own, path + [o]))
+        best = step
+    return min(best, key=lambda tp: tp[0])[1]
+
+
+@dataclasses.dataclass
+class Plan:
+    choices: list
+    ranks: int
+
+    @property
+    def time(self):
+        return sum(c.cost["time"] + c.redistribution for c in self.choices)
+
+    @property
+    def memory(self):
+        return _memory(self.choices)
+
+    def table(self):
+        """The plan as a plain-text table."""
+        mib = 1024.0 ** 2
+        rows = [("layer", "shape N,C,F,HxW,K", "grid", "algorithm", "compute ms", "comm ms",
+                 "redistribute ms", "memory MiB")]
+        for c in self.choices:
+            L = c.layer
+            rows.append((L.name, f"{L.N},{L.C},{L.F},{L.H}x{L.W},{L.K}", c.grid, c.label,
+                         f"{sum(c.cost['compute'].values()) * 1e3:.2f}",
+                         f"{sum(c.cost['comm'].values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
+                         f"{c.cost['bytes'] / mib:.2f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.append(f"predicted iteration {self.time * 1e3:.2f} ms on {self.ranks} ranks, "
+                     f"{self.memory / mib:.2f} MiB per rank")
+        return "\n".join(lines)
+
+
+def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,
+         grid=None, optimizer_buffers=1):
+    """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose
+    predicted memory per rank is at most `memory_limit` bytes (None: no limit).
+
+    grid: a fixed (P_n, P_c) for every layer (what a model built on one grid can run).
+    Raises ValueError when no plan fits the limit, naming the smallest memory possible.
+    """
+    if not layers:
+        raise ValueError("plan: no layers given")
+    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers) for L in layers]
+    for L, opts in zip(layers, options):
+        if not opts:
+            raise ValueError(f"plan: layer {L.name} has no valid option on {ranks} ranks "
+                             f"(global batch {L.N}, grid {grid})")
+    path = _best_path(options, profile, 0.0)
+    if memory_limit is not None and _memory(path) > memory_limit:
+        smallest = _best_path(options, profile, 1e6)  # memory first, time to break ties
+        if _memory(smallest) > memory_limit:
+            raise ValueError(f"memory limit {memory_limit / 2 ** 20:.2f} MiB per rank is impossible: "
+                             f"the smallest plan on {ranks} ranks needs {_memory(smallest) / 2 ** 20:.2f} MiB")
+        low, high = 0.0, 1e6
+        path = smallest
+        for _ in range(60):  # bisection on the price of a byte
+            middle = (low + high) / 2
+            candidate = _best_path(options, profile, middle)
+            if _memory(candidate) <= memory_limit:
+                high, path = middle, candidate
+            else:
+                low = middle
+    path = [dataclasses.replace(c) for c in path]
+    for previous, choice in zip(path, path[1:]):
+        choice.redistribution = redistribution_time(previous, choice, profile)
+    return Plan(path, ranks)
+
+
+def choose_algorithm(layer, P_n, P_c, profile):
+    """(algorithm, p_f) of the fastest channel/filter algorithm for `layer` on a P_n x P_c
+    grid: on one grid x, y and w chain without redistribution, so each layer's best choice
+    is the model's best choice."""
+    options = layer_options(layer, P_n * P_c, profile, CHANNEL_ALGORITHMS, grid=(P_n, P_c))
+    if not options:
+        return "y", None
+    best = min(options, key=lambda o: o.cost["time"])
+    return best.algorithm, best.p_f if best.algorithm == "w" else None
