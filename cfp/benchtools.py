@@ -1,8 +1,13 @@
-"""Timing helpers shared by the scripts/bench_*.py programs."""
+"""Timing helpers shared by the benchmark and validation scripts."""
 import statistics
 import time
 
+import numpy as np
 from mpi4py import MPI
+
+from . import comm
+from .algorithms import make_conv
+from .tensor import DistTensor, Layout
 
 
 def slowest_median(world, step, repeats, warmup):
@@ -42,3 +47,39 @@ def on_rank0(world, work):
     result = work() if world.Get_rank() == 0 else None
     quiet_barrier(world)
     return world.bcast(result, root=0)
+
+
+def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup):
+    """Time one distributed convolution, forward and backward, on the global tensors x, w, b, dy.
+
+    Returns forward_s and backward_s (median of the slowest rank), and the most any rank sent
+    per iteration (bytes_sent_per_rank), holds as weights (weight_bytes_per_rank) and keeps
+    from forward to backward (kept_activation_bytes_per_rank).
+    """
+    conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
+                     stride=stride, padding=padding, layer="conv")
+    layout = Layout(("sample", None if algorithm == "sample" else "channel", None, None))
+    x_local = DistTensor.from_global(x, layout, grid).local
+    dy_local = DistTensor.from_global(dy, layout, grid).local
+    w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)
+    ledger = comm.CommLedger()
+
+    def step():
+        ledger.reset()
+        with comm.use_ledger(ledger):
+            t0 = time.perf_counter()
+            conv.forward(x_local, w_shard, b_shard)
+            t1 = time.perf_counter()
+            conv.backward(dy_local)
+            t2 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1}
+
+    times = slowest_median(world, step, repeats, warmup)
+    kept = conv._saved[0].nbytes  # the input (local or gathered) kept for backward
+    sent = sum(r.bytes_sent for r in ledger.records)
+    most = np.empty(3)
+    world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept], dtype=np.float64), most, op=MPI.MAX)
+    conv.free()
+    return {"forward_s": times["forward"], "backward_s": times["backward"],
+            "bytes_sent_per_rank": int(most[0]), "weight_bytes_per_rank": int(most[1]),
+            "kept_activation_bytes_per_rank": int(most[2])}

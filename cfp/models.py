@@ -6,8 +6,8 @@ the images whole on every channel rank, and the logits are made whole before the
 """
 import numpy as np
 
-from .nn import (BatchNorm2d, Conv2d, GatherChannels, GlobalAvgPool2d, Linear, MaxPool2d, ReLU,
-                 Residual, Sequential)
+from .nn import (BatchNorm2d, Conv2d, GatherChannels, GlobalAvgPool2d, Linear, MaxPool2d, Module,
+                 ReLU, Residual, Sequential)
 
 from .perfmodel import LayerShape
 from .planner import choose_algorithm
@@ -73,29 +73,9 @@ def small_resnet(grid, width=1, in_channels=1, classes=10, algorithm="y", filter
     """A ResNet of three stages (16, 32, 64 channels times `width`), one basic block each,
     strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool. image (the input
     side), batch (the global batch) and profile matter only to algorithm 'auto'."""
-    base = 16 * width if isinstance(width, (int, np.integer)) else 0
-    _check_width(width, "width", base, grid, algorithm)
+    _check_width(width, "width", 16 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
     b = _Builder(grid, algorithm, filter_groups, seed, dtype, batch, profile)
-
-    def block(name, cin, cout, stride, size):
-        body = Sequential(b.conv(f"{name}.conv1", cin, cout, 3, stride, size), b.bn(f"{name}.bn1", cout), ReLU(),
-                          b.conv(f"{name}.conv2", cout, cout, 3, 1, _after(size, 3, stride)),
-                          b.bn(f"{name}.bn2", cout))
-        shortcut = None
-        if stride != 1 or cin != cout:
-            shortcut = Sequential(b.conv(f"{name}.proj", cin, cout, 1, stride, size), b.bn(f"{name}.proj_bn", cout))
-        return Sequential(Residual(body, shortcut), ReLU())
-
-    half = _after(image, 3, 2)
-    model = Sequential(
-        b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), ReLU(),
-        block("layer1", base, base, 1, image),
-        block("layer2", base, 2 * base, 2, image),
-        block("layer3", 2 * base, 4 * base, 2, half),
-        *b.head(4 * base, classes),
-    )
-    model.algorithms, model.layer_shapes = b.chosen, b.shapes
-    return model
+    return _finish(_resnet_layers(b, width, in_channels, classes, image), b)
 
 
 def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y", filter_groups=None,
@@ -107,6 +87,36 @@ def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y",
     if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
         raise ValueError(f"depth must be a positive integer, got {depth!r}")
     b = _Builder(grid, algorithm, filter_groups, seed, dtype, batch, profile)
+    return _finish(_wide_layers(b, width, depth, in_channels, classes, image), b)
+
+
+def _finish(layers, builder):
+    model = Sequential(*layers)
+    model.algorithms, model.layer_shapes = builder.chosen, builder.shapes
+    return model
+
+
+def _resnet_layers(b, width, in_channels, classes, image):
+    base = 16 * width
+
+    def block(name, cin, cout, stride, size):
+        body = Sequential(b.conv(f"{name}.conv1", cin, cout, 3, stride, size), b.bn(f"{name}.bn1", cout), ReLU(),
+                          b.conv(f"{name}.conv2", cout, cout, 3, 1, _after(size, 3, stride)),
+                          b.bn(f"{name}.bn2", cout))
+        shortcut = None
+        if stride != 1 or cin != cout:
+            shortcut = Sequential(b.conv(f"{name}.proj", cin, cout, 1, stride, size), b.bn(f"{name}.proj_bn", cout))
+        return Sequential(Residual(body, shortcut), ReLU())
+
+    half = _after(image, 3, 2)
+    return [b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), ReLU(),
+            block("layer1", base, base, 1, image),
+            block("layer2", base, 2 * base, 2, image),
+            block("layer3", 2 * base, 4 * base, 2, half),
+            *b.head(4 * base, classes)]
+
+
+def _wide_layers(b, width, depth, in_channels, classes, image):
     size = image
     layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), ReLU()]
     for i in range(depth):
@@ -114,9 +124,37 @@ def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y",
         if i == (depth - 1) // 2:
             layers.append(MaxPool2d(2))
             size //= 2
-    model = Sequential(*layers, *b.head(width, classes))
-    model.algorithms, model.layer_shapes = b.chosen, b.shapes
-    return model
+    return layers + b.head(width, classes)
+
+
+class _ShapeRecorder(_Builder):
+    """A builder that only records the convolutions' shapes: no grid, no weights."""
+
+    def __init__(self, batch):
+        self.batch, self.shapes, self.chosen = batch, [], {}
+
+    def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
+        self.shapes.append(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first))
+        return Module()
+
+    def bn(self, name, channels):
+        return Module()
+
+    def head(self, channels, classes):
+        self.shapes.append(LayerShape("fc", self.batch, channels, classes, 1, 1, 1))
+        return []
+
+
+def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
+    """The LayerShape of every convolution of model `name` (for the planner), without building it."""
+    recorder = _ShapeRecorder(batch)
+    if name == "resnet":
+        _resnet_layers(recorder, width, in_channels, classes, image)
+    elif name == "wide":
+        _wide_layers(recorder, width, depth, in_channels, classes, image)
+    else:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    return recorder.shapes
 
 
 def _after(size, kernel, stride):

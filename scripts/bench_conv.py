@@ -20,12 +20,10 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from cfp import backend, comm  # noqa: E402
-from cfp.benchtools import on_rank0, slowest_median  # noqa: E402
-from cfp.algorithms import make_conv  # noqa: E402
+from cfp.benchtools import measure_conv, on_rank0, slowest_median  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402
                          conv2d_flops, conv2d_forward, conv2d_output_shape)
-from cfp.tensor import DistTensor, Layout  # noqa: E402
 
 MiB = 1024.0 ** 2
 
@@ -69,36 +67,9 @@ def serial_baseline(args, x, w, b, dy):
 
 
 def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy):
-    conv = make_conv(algorithm, grid, args.C, args.F, args.K, filter_groups=p_f, stride=args.stride,
-                     padding=args.padding, layer="conv")
-    layout = Layout(("sample", None if algorithm == "sample" else "channel", None, None))
-    x_local = DistTensor.from_global(x, layout, grid).local
-    dy_local = DistTensor.from_global(dy, layout, grid).local
-    w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)
-    ledger = comm.CommLedger()
-
-    def step():
-        ledger.reset()
-        with comm.use_ledger(ledger):
-            t0 = time.perf_counter()
-            conv.forward(x_local, w_shard, b_shard)
-            t1 = time.perf_counter()
-            conv.backward(dy_local)
-            t2 = time.perf_counter()
-        return {"forward": t1 - t0, "backward": t2 - t1}
-
-    times = slowest_median(world, step, args.repeats, args.warmup)
-    kept = conv._saved[0].nbytes  # the input (local or gathered) kept for backward
-    sent = sum(r.bytes_sent for r in ledger.records)
-    per_rank = np.empty(3)
-    world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept], dtype=np.float64), per_rank,
-                    op=MPI.MAX)
-    if hasattr(conv, "free"):
-        conv.free()
-    return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else ""),
-            "forward_s": times["forward"], "backward_s": times["backward"],
-            "bytes_sent_per_rank": int(per_rank[0]), "weight_bytes_per_rank": int(per_rank[1]),
-            "kept_activation_bytes_per_rank": int(per_rank[2])}
+    row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
+                       args.repeats, args.warmup)
+    return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else ""), **row}
 
 
 def main(argv=None):

@@ -1,0 +1,64 @@
+"""Print the planner's per-layer plan for a model: grid, algorithm, predicted compute,
+communication and memory per rank.
+
+    python scripts/plan.py --model wide --width 1024 --depth 4 --image 16 --batch 32 --ranks 16 \\
+        [--profile cpu-dev|reference-v100|profile.json] [--memory-limit MiB] [--grid sample=4,channel=4]
+        [--data-parallel]
+
+No MPI run is needed: the plan is a prediction from the machine profile (see scripts/calibrate.py).
+Layers are planned as a chain in model order (a residual block's projection counts as the layer
+after the block's convolutions).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cfp.grid import parse_grid_spec  # noqa: E402
+from cfp.models import layer_shapes  # noqa: E402
+from cfp.perfmodel import MachineProfile  # noqa: E402
+from cfp.planner import plan  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="wide", help="resnet or wide")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--image", type=int, default=8)
+    p.add_argument("--in-channels", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64, help="global mini-batch")
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--profile", default="cpu-dev")
+    p.add_argument("--memory-limit", type=float, help="MiB per rank")
+    p.add_argument("--grid", help="plan on this grid only (as a model built on one grid runs)")
+    p.add_argument("--data-parallel", action="store_true", help="data parallelism only, for comparison")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        profile = MachineProfile.load(args.profile)
+        layers = layer_shapes(args.model, args.batch, args.width, args.depth, args.in_channels, image=args.image)
+        grid = None
+        if args.grid:
+            sizes = parse_grid_spec(args.grid)
+            grid = (sizes.get("sample", 1), sizes.get("channel", 1))
+            if grid[0] * grid[1] != args.ranks:
+                raise ValueError(f"grid {args.grid} has {grid[0] * grid[1]} ranks, --ranks says {args.ranks}")
+        limit = None if args.memory_limit is None else args.memory_limit * 2 ** 20
+        kwargs = {"algorithms": ("sample",)} if args.data_parallel else {}
+        result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, **kwargs)
+    except ValueError as e:
+        print(f"plan.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"# {args.model} width {args.width}, {args.image}x{args.image} images, global batch {args.batch}, "
+          f"{args.ranks} ranks, profile {profile.name}")
+    print(result.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
