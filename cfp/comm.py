@@ -11,9 +11,10 @@ Adjoint pairs (for the inner products summed over the ranks of `comm`):
     alltoall(a, b) <->  alltoall(b, a)
 
 Blocks along the tensor axis may be uneven or empty: `sizes[r]` is the block length held by
-rank r of `comm` (usually `partition.block_sizes(extent, comm.size)`). Blocks are moved to the
-front, packed contiguously, exchanged with the buffer-based (uppercase) mpi4py calls, and moved
-back, because the channel blocks of an NCHW tensor with several samples are not contiguous.
+rank r of `comm` (usually `partition.block_sizes(extent, comm.size)`). The channel blocks of an
+NCHW tensor with several samples are not contiguous in memory, so blocks travel packed, each in
+the tensor's own layout, through the buffer-based (uppercase) mpi4py calls, and are put side
+by side (allgather) or cut apart (reduce-scatter) with one copy; results are C-contiguous.
 
 Byte accounting (what the ledger records, and what `cfp.perfmodel` predicts): each element is
 counted once where it leaves a rank and once where it arrives, as in the direct algorithm of
@@ -145,9 +146,10 @@ def _check_sizes(comm, sizes):
     return sizes
 
 
-def _front(x, axis):
-    """`x` with `axis` moved to the front, as a contiguous host array."""
-    return np.ascontiguousarray(np.moveaxis(backend.to_host(x), axis, 0))
+def _block_counts(shape, axis, sizes):
+    """Elements of each rank's block: `shape` with extent sizes[r] along `axis`."""
+    inner = int(np.prod(shape[:axis], dtype=np.int64)) * int(np.prod(shape[axis + 1:], dtype=np.int64))
+    return np.array(sizes, dtype=np.int64) * inner
 
 
 def _displacements(counts):
@@ -171,7 +173,8 @@ def allgather(comm, x, axis, sizes):
     """Concatenate the blocks of all ranks along `axis`.
 
     x: this rank's block, x.shape[axis] == sizes[rank]. Returns the whole tensor, of extent
-    sum(sizes) along `axis`, on every rank. Adjoint: `reduce_scatter(comm, dy, axis, sizes)`.
+    sum(sizes) along `axis`, on every rank (C-contiguous). Adjoint:
+    `reduce_scatter(comm, dy, axis, sizes)`.
     """
     sizes = _check_sizes(comm, sizes)
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -182,26 +185,30 @@ def allgather(comm, x, axis, sizes):
             f"the block sizes say {sizes[rank]}"
         )
     xp = backend.get_array_module(x)
-    front = _front(x, axis)
-    inner = int(np.prod(front.shape[1:], dtype=np.int64))
-    counts = np.array(sizes, dtype=np.int64) * inner
-    out = np.empty((sum(sizes),) + front.shape[1:], dtype=front.dtype)
+    mine = np.ascontiguousarray(backend.to_host(x))
+    # Each rank's block travels as it lies in memory; one concatenation then puts the blocks
+    # side by side along `axis` (the channel blocks of an NCHW tensor interleave in memory).
+    shapes = [mine.shape[:axis] + (n,) + mine.shape[axis + 1:] for n in sizes]
+    counts = _block_counts(mine.shape, axis, sizes)
     with _Timer() as t:
         if p == 1:
-            out[...] = front
+            out = mine.copy()
         else:
-            comm.Allgatherv(front, [out, (counts, _displacements(counts))])
-    item = front.dtype.itemsize
+            flat = np.empty(int(counts.sum()), dtype=mine.dtype)
+            comm.Allgatherv(mine, [flat, (counts, _displacements(counts))])
+            blocks = np.split(flat, np.cumsum(counts)[:-1])
+            out = np.concatenate([b.reshape(s) for b, s in zip(blocks, shapes)], axis=axis)
+    item = mine.dtype.itemsize
     get_ledger().record("allgather", p, (p - 1) * counts[rank] * item,
                         (counts.sum() - counts[rank]) * item, t.seconds)
-    return backend.from_host(np.moveaxis(out, 0, axis), xp)
+    return backend.from_host(out, xp)
 
 
 def reduce_scatter(comm, x, axis, sizes):
     """Sum `x` over the ranks and keep this rank's block along `axis`.
 
     x: the whole extent, x.shape[axis] == sum(sizes), a different summand on each rank.
-    Returns the sum's block `rank`, of extent sizes[rank]. Adjoint: `allgather`.
+    Returns the sum's block `rank`, of extent sizes[rank] (C-contiguous). Adjoint: `allgather`.
     """
     sizes = _check_sizes(comm, sizes)
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -212,19 +219,23 @@ def reduce_scatter(comm, x, axis, sizes):
             f"{sizes} add up to {sum(sizes)}"
         )
     xp = backend.get_array_module(x)
-    front = _front(x, axis)
-    inner = int(np.prod(front.shape[1:], dtype=np.int64))
-    counts = np.array(sizes, dtype=np.int64) * inner
-    out = np.empty((sizes[rank],) + front.shape[1:], dtype=front.dtype)
+    host = backend.to_host(x)
+    shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
+    out = np.empty(shape, dtype=host.dtype)
+    counts = _block_counts(host.shape, axis, sizes)
     with _Timer() as t:
         if p == 1:
-            out[...] = front
+            out[...] = host
         else:
-            comm.Reduce_scatter(front, out, counts, op=MPI.SUM)
-    item = front.dtype.itemsize
+            # Pack the block for each rank contiguously, in rank order; each rank receives its
+            # block already in the tensor's own layout.
+            packed = np.concatenate([block.reshape(-1) for block in
+                                     np.split(host, np.cumsum(sizes)[:-1], axis=axis)])
+            comm.Reduce_scatter(packed, out, counts, op=MPI.SUM)
+    item = host.dtype.itemsize
     get_ledger().record("reduce_scatter", p, (counts.sum() - counts[rank]) * item,
                         (p - 1) * counts[rank] * item, t.seconds)
-    return backend.from_host(np.moveaxis(out, 0, axis), xp)
+    return backend.from_host(out, xp)
 
 
 # ---------------------------------------------------------------------------------------------
