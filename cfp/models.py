@@ -10,37 +10,33 @@ from .nn import (BatchNorm2d, Conv2d, GatherChannels, GlobalAvgPool2d, Linear, M
                  ReLU, Residual, Sequential)
 
 from .perfmodel import LayerShape
-from .planner import choose_algorithm
+from .planner import CHANNEL_ALGORITHMS, plan
 
 MODELS = ("resnet", "wide")
 
 
 class _Builder:
     """Names layers, seeds their weights and gives every convolution its algorithm: the one
-    asked for, or with algorithm 'auto' the planner's choice for that layer's shape (which
-    needs the global batch size and a machine profile)."""
+    asked for, or with algorithm 'auto' the one `choices` ({layer name: (algorithm, p_f)},
+    the planner's) gives that layer."""
 
-    def __init__(self, grid, algorithm, filter_groups, seed, dtype, batch=None, profile=None):
+    def __init__(self, grid, algorithm, filter_groups, seed, dtype, choices=None):
         self.grid, self.algorithm, self.filter_groups = grid, algorithm, filter_groups
         self.seed, self.dtype = seed, dtype
         self.split = algorithm != "sample"
-        self.batch, self.profile = batch, profile
-        if algorithm == "auto" and (batch is None or profile is None):
-            raise ValueError("algorithm 'auto' needs the global batch size and a machine profile")
+        if algorithm == "auto" and choices is None:
+            raise ValueError("algorithm 'auto' is resolved by build_model (it needs the global batch "
+                             "size and a machine profile)")
+        self.choices = choices
         self.chosen = {}  # layer name -> (algorithm, p_f) as built
-        self.shapes = []  # the LayerShape of every convolution, in order
 
-    def choose(self, shape):
+    def choose(self, name):
         if self.algorithm != "auto":
             return self.algorithm, self.filter_groups
-        return choose_algorithm(shape, self.grid.axis_size("sample"), self.grid.axis_size("channel"),
-                                self.profile)
+        return self.choices[name]
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
-        shape = LayerShape(name, self.batch or 0, cin, cout, size or 0, size or 0, kernel, stride,
-                           first=first)
-        self.shapes.append(shape)
-        algorithm, p_f = self.chosen[name] = self.choose(shape)
+        algorithm, p_f = self.chosen[name] = self.choose(name)
         return Conv2d(self.grid, cin, cout, kernel, stride=stride, padding=kernel // 2, bias=False,
                       algorithm=algorithm, filter_groups=p_f, input_replicated=first,
                       name=name, seed=self.seed, dtype=self.dtype)
@@ -49,9 +45,7 @@ class _Builder:
         return BatchNorm2d(self.grid, channels, channels_split=self.split, name=name, dtype=self.dtype)
 
     def head(self, channels, classes):
-        shape = LayerShape("fc", self.batch or 0, channels, classes, 1, 1, 1)
-        self.shapes.append(shape)
-        algorithm, p_f = self.chosen["fc"] = self.choose(shape)
+        algorithm, p_f = self.chosen["fc"] = self.choose("fc")
         return [GlobalAvgPool2d(),
                 Linear(self.grid, channels, classes, algorithm=algorithm,
                        filter_groups=p_f, name="fc", seed=self.seed, dtype=self.dtype),
@@ -69,30 +63,29 @@ def _check_width(value, what, narrowest, grid, algorithm):
 
 
 def small_resnet(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_groups=None, seed=0,
-                 dtype=np.float32, image=8, batch=None, profile=None):
+                 dtype=np.float32, image=8, choices=None):
     """A ResNet of three stages (16, 32, 64 channels times `width`), one basic block each,
-    strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool. image (the input
-    side), batch (the global batch) and profile matter only to algorithm 'auto'."""
+    strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool."""
     _check_width(width, "width", 16 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
-    b = _Builder(grid, algorithm, filter_groups, seed, dtype, batch, profile)
+    b = _Builder(grid, algorithm, filter_groups, seed, dtype, choices)
     return _finish(_resnet_layers(b, width, in_channels, classes, image), b)
 
 
 def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y", filter_groups=None,
-             seed=0, dtype=np.float32, image=8, batch=None, profile=None):
+             seed=0, dtype=np.float32, image=8, choices=None):
     """A plain CNN: a stem convolution to `width` channels, then `depth` 3x3 convolutions of
     width x width (each with batch norm and ReLU, a 2x2 max pool after the first half), then
     the classifier. Nearly all its weights are in the wide layers."""
     _check_width(width, "width", width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
     if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
         raise ValueError(f"depth must be a positive integer, got {depth!r}")
-    b = _Builder(grid, algorithm, filter_groups, seed, dtype, batch, profile)
+    b = _Builder(grid, algorithm, filter_groups, seed, dtype, choices)
     return _finish(_wide_layers(b, width, depth, in_channels, classes, image), b)
 
 
 def _finish(layers, builder):
     model = Sequential(*layers)
-    model.algorithms, model.layer_shapes = builder.chosen, builder.shapes
+    model.algorithms = builder.chosen  # {layer name: (algorithm, p_f)} as built
     return model
 
 
@@ -127,11 +120,11 @@ def _wide_layers(b, width, depth, in_channels, classes, image):
     return layers + b.head(width, classes)
 
 
-class _ShapeRecorder(_Builder):
+class _ShapeRecorder:
     """A builder that only records the convolutions' shapes: no grid, no weights."""
 
     def __init__(self, batch):
-        self.batch, self.shapes, self.chosen = batch, [], {}
+        self.batch, self.shapes = batch, []
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
         self.shapes.append(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first))
@@ -147,6 +140,9 @@ class _ShapeRecorder(_Builder):
 
 def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
     """The LayerShape of every convolution of model `name` (for the planner), without building it."""
+    for what, value in (("width", width), ("depth", depth), ("batch", batch), ("image", image)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
     recorder = _ShapeRecorder(batch)
     if name == "resnet":
         _resnet_layers(recorder, width, in_channels, classes, image)
@@ -162,10 +158,26 @@ def _after(size, kernel, stride):
     return (size + 2 * (kernel // 2) - kernel) // stride + 1
 
 
-def build_model(name, grid, **config):
-    """The model `name` ('resnet' or 'wide') on `grid`; config as the builder functions take."""
-    if name == "resnet":
-        return small_resnet(grid, **config)
-    if name == "wide":
-        return wide_cnn(grid, **config)
-    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+def build_model(name, grid, batch=None, profile=None, memory_limit=None, **config):
+    """The model `name` ('resnet' or 'wide') on `grid`; config as the builder functions take.
+
+    With algorithm='auto', the planner chooses each layer's algorithm and p_f on this grid for
+    the global `batch` under `profile` (a perfmodel.MachineProfile) and `memory_limit` (bytes
+    per rank, or None); the plan is kept as model.plan.
+    """
+    builders = {"resnet": small_resnet, "wide": wide_cnn}
+    if name not in builders:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    the_plan = None
+    if config.get("algorithm") == "auto":
+        if batch is None or profile is None:
+            raise ValueError("algorithm 'auto' needs the global batch size and a machine profile")
+        arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
+        shapes = layer_shapes(name, batch, **arch)
+        the_plan = plan(shapes, grid.size, profile, memory_limit=memory_limit, algorithms=CHANNEL_ALGORITHMS,
+                        grid=(grid.axis_size("sample"), grid.axis_size("channel")))
+        config["choices"] = {c.layer.name: (c.algorithm, c.p_f if c.algorithm == "w" else None)
+                             for c in the_plan.choices}
+    model = builders[name](grid, **config)
+    model.plan = the_plan
+    return model

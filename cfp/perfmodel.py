@@ -134,8 +134,9 @@ class LayerShape:
 
 class MachineProfile:
     """The constants of one machine: alpha (s) and beta (s/byte) of each collective on the
-    links inside a node and between nodes, and the kernel rates (flop/s) of each pass against
-    the pass's flop count, per kernel size. Loaded from JSON (see scripts/calibrate.py)."""
+    links inside a node and between nodes, and the kernel rates (flop/s) of each pass measured
+    on shapes of given flop and output-pixel counts, per kernel size. Loaded from JSON (see
+    scripts/calibrate.py)."""
 
     def __init__(self, data, where="profile"):
         try:
@@ -151,7 +152,7 @@ class MachineProfile:
             self.kernels = {}
             for pass_name in PASSES:
                 self.kernels[pass_name] = {
-                    int(k): sorted((float(f), float(r)) for f, r in points)
+                    int(k): [_kernel_point(point) for point in points]
                     for k, points in data["kernels"][pass_name].items()}
                 if not self.kernels[pass_name] or any(not p for p in self.kernels[pass_name].values()):
                     raise KeyError(f"kernels.{pass_name} (no measured points)")
@@ -187,24 +188,37 @@ class MachineProfile:
             (p - 1, (p - 1) / p * m)
         return steps * alpha + volume * beta
 
-    def kernel_time(self, pass_name, kernel, flops):
-        """Seconds of one kernel pass of `flops`, at the rate measured for the nearest kernel
-        size and flop count (log-log interpolation, constant beyond the measured range)."""
+    def kernel_time(self, pass_name, kernel, flops, pixels=None):
+        """Seconds of one kernel pass of `flops` over `pixels` output positions (n H' W', the
+        rows of its GEMM), at the rate of the measured shapes nearest in log flops and log
+        pixels for the nearest kernel size (inverse-distance weighted over the 3 nearest).
+
+        The pixel count is the shape class: at equal flops a pass over few pixels and many
+        channels streams a large weight matrix for little work and runs slower.
+        """
         if flops <= 0:
             return 0.0
         table = self.kernels[pass_name]
         points = table[min(table, key=lambda k: (abs(k - kernel), k))]
-        x = math.log(flops)
-        xs = [math.log(f) for f, _ in points]
-        if x <= xs[0]:
-            rate = points[0][1]
-        elif x >= xs[-1]:
-            rate = points[-1][1]
-        else:
-            i = next(i for i in range(1, len(xs)) if x <= xs[i])
-            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            rate = math.exp((1 - t) * math.log(points[i - 1][1]) + t * math.log(points[i][1]))
-        return flops / rate
+        nearest = []
+        for f, px, rate in points:
+            d = (math.log(flops) - math.log(f)) ** 2
+            if px is not None and pixels:
+                d += (math.log(pixels) - math.log(px)) ** 2
+            nearest.append((math.sqrt(d), rate))
+        nearest.sort()
+        if nearest[0][0] < 1e-9:
+            return flops / nearest[0][1]
+        weights = [(1.0 / d ** 2, math.log(rate)) for d, rate in nearest[:3]]
+        log_rate = sum(w * r for w, r in weights) / sum(w for w, _ in weights)
+        return flops / math.exp(log_rate)
+
+
+def _kernel_point(point):
+    """(flops, pixels or None, flop/s) from a profile's [flops, pixels, rate] or [flops, rate]."""
+    if len(point) == 3:
+        return float(point[0]), float(point[1]), float(point[2])
+    return float(point[0]), None, float(point[1])
 
 
 def _shard_sizes(layer, algorithm, P_n, P_c, p_f):
@@ -241,10 +255,11 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     row_intra = p_f <= per_node
     column_intra = (q - 1) * p_f + 1 <= per_node
     grad_intra = P_n * P_c <= per_node
-    flops = layer.flops(n, rows, cols)
-    compute = {"forward": profile.kernel_time("forward", layer.K, flops),
-               "backward-filter": profile.kernel_time("backward-filter", layer.K, flops),
-               "backward-data": 0.0 if layer.first else profile.kernel_time("backward-data", layer.K, flops)}
+    flops, pixels = layer.flops(n, rows, cols), n * Ho * Wo
+    compute = {"forward": profile.kernel_time("forward", layer.K, flops, pixels),
+               "backward-filter": profile.kernel_time("backward-filter", layer.K, flops, pixels),
+               "backward-data": 0.0 if layer.first else
+               profile.kernel_time("backward-data", layer.K, flops, pixels)}
     comm = {phase: 0.0 for phase in PHASES}
     if algorithm != "sample":
         gather_x = 0.0 if layer.first else profile.collective_time("allgather", p_f, x_bytes, row_intra)

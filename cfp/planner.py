@@ -155,14 +155,3 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
     for previous, choice in zip(path, path[1:]):
         choice.redistribution = redistribution_time(previous, choice, profile)
     return Plan(path, ranks)
-
-
-def choose_algorithm(layer, P_n, P_c, profile):
-    """(algorithm, p_f) of the fastest channel/filter algorithm for `layer` on a P_n x P_c
-    grid: on one grid x, y and w chain without redistribution, so each layer's best choice
-    is the model's best choice."""
-    options = layer_options(layer, P_n * P_c, profile, CHANNEL_ALGORITHMS, grid=(P_n, P_c))
-    if not options:
-        return "y", None
-    best = min(options, key=lambda o: o.cost["time"])
-    return best.algorithm, best.p_f if best.algorithm == "w" else None

@@ -36,6 +36,7 @@ class TrainConfig:
     algorithm: str = "y"  # or "auto": the planner's choice per layer on this grid
     filter_groups: int = None
     profile: str = "cpu-dev"  # machine profile for "auto": a JSON file or a built-in name
+    memory_limit: float = None  # MiB per rank the "auto" plan must fit
     epochs: int = 10
     batch_size: int = 64
     lr: float = 0.1
@@ -157,15 +158,17 @@ def train(cfg, world=None, keep_model=False):
         raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
     config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
               "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
-              "image": x_train.shape[2], "batch": cfg.batch_size}
+              "image": x_train.shape[2]}
     if cfg.algorithm == "auto":
-        config["profile"] = MachineProfile.load(cfg.profile)
+        config.update(batch=cfg.batch_size, profile=MachineProfile.load(cfg.profile),
+                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
     if cfg.model == "wide":
         config["depth"] = cfg.depth
     model = build_model(cfg.model, grid, **config)
     if cfg.algorithm == "auto" and rank0:
         chosen = ", ".join(f"{name} {a}" + (f"(p_f={p})" if p else "") for name, (a, p) in model.algorithms.items())
-        print(f"algorithm auto ({config['profile'].name}): {chosen}", flush=True)
+        print(f"algorithm auto ({config['profile'].name}): {chosen}; predicted "
+              f"{model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
     loss_fn = SoftmaxCrossEntropy(grid)
     optimizer = _optimizer(cfg, model.parameters())
     total_steps = cfg.epochs * len(loader)  # the schedule's length, also when stopped early

@@ -28,14 +28,23 @@ from cfp.kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_fl
                          conv2d_forward)
 from cfp.partition import block_sizes  # noqa: E402
 
-# (N, C, F, H, W) per kernel size, small to large: the flop range of the layers cfp runs here.
-KERNEL_SHAPES = {
-    1: [(1, 32, 32, 8, 8), (4, 64, 64, 16, 16), (8, 256, 256, 16, 16), (32, 256, 64, 16, 16),
-        (16, 512, 512, 16, 16)],
-    3: [(1, 16, 16, 8, 8), (4, 32, 32, 8, 8), (8, 64, 64, 16, 16), (8, 256, 256, 16, 16),
-        (8, 512, 512, 16, 16)],
-    5: [(1, 16, 16, 8, 8), (4, 32, 32, 16, 16), (8, 128, 128, 16, 16), (8, 256, 256, 16, 16)],
-}
+# The shapes measured per kernel size: output pixels (n H' W', the GEMM rows) times channels
+# (C = F), the grid of shape classes the model interpolates in; the largest are left out.
+PIXELS = [64, 256, 1024, 4096, 16384]
+CHANNELS = {1: [32, 128, 512], 3: [16, 64, 256, 512], 5: [16, 64, 256]}
+MAX_FLOPS = 6e9
+
+
+def kernel_shapes(kernel, quick):
+    """(N, C, F, H, W) for each (pixels, channels) class of `kernel` within MAX_FLOPS."""
+    shapes = []
+    for pixels in (PIXELS[::2] if quick else PIXELS):
+        side = 16 if pixels >= 256 else 8
+        n = max(1, pixels // (side * side))
+        for c in (CHANNELS[kernel][::2] if quick else CHANNELS[kernel]):
+            if 2 * n * side * side * c * c * kernel * kernel <= MAX_FLOPS:
+                shapes.append((n, c, c, side, side))
+    return shapes
 MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
 
 
@@ -101,11 +110,11 @@ def calibrate_collectives(world, args):
 
 
 def calibrate_kernels(args):
-    """{pass: {K: [[flops, flop/s], ...]}} measured at 1 BLAS thread."""
+    """{pass: {K: [[flops, output pixels, flop/s], ...]}} measured at 1 BLAS thread."""
     rng = np.random.default_rng(0)
     table = {"forward": {}, "backward-data": {}, "backward-filter": {}}
-    for K, shapes in KERNEL_SHAPES.items():
-        for N, C, F, H, W in (shapes[::2] if args.quick else shapes):
+    for K in CHANNELS:
+        for N, C, F, H, W in kernel_shapes(K, args.quick):
             x = rng.standard_normal((N, C, H, W)).astype(np.float32)
             w = rng.standard_normal((F, C, K, K)).astype(np.float32)
             y = conv2d_forward(x, w, None, 1, K // 2)
@@ -115,7 +124,7 @@ def calibrate_kernels(args):
                       "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, 1, K // 2)}
             for name, call in passes.items():
                 seconds = slowest_median(MPI.COMM_SELF, lambda: timed(call), args.repeats, 1)["total"]
-                table[name].setdefault(str(K), []).append([float(flops), flops / seconds])
+                table[name].setdefault(str(K), []).append([float(flops), float(N * H * W), flops / seconds])
     return table
 
 
@@ -143,7 +152,7 @@ def main(argv=None):
             print(f"  {name:15s} alpha {alpha * 1e6:8.2f} us   beta {beta * 1e9:7.3f} ns/byte "
                   f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)")
         for name, per_k in kernels.items():
-            rates = ", ".join(f"{k}x{k}: {min(r for _, r in pts) / 1e9:.0f}-{max(r for _, r in pts) / 1e9:.0f}"
+            rates = ", ".join(f"{k}x{k}: {min(p[-1] for p in pts) / 1e9:.0f}-{max(p[-1] for p in pts) / 1e9:.0f}"
                               for k, pts in per_k.items())
             print(f"  {name:15s} GF/s {rates}")
     return 0

@@ -35,6 +35,8 @@ def parse_args(argv):
                    help="machine profile for --algorithm auto: a JSON file from scripts/calibrate.py "
                         "or a built-in name")
     p.add_argument("--filter-groups", type=int, default=None, help="p_f of algorithm w")
+    p.add_argument("--memory-limit", type=float, default=None,
+                   help="MiB per rank the --algorithm auto plan must fit (convolutions' predicted memory)")
     p.add_argument("--epochs", type=int, default=defaults.epochs)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global mini-batch")
     p.add_argument("--lr", type=float, default=defaults.lr)

@@ -65,6 +65,15 @@ def test_training_matches_one_rank(spec, algorithm):
         assert_close_all_ranks(final[name], weights0[name], 1e-9, f"{spec} {algorithm} {name}")
 
 
+def test_auto_plan_trains_like_one_rank():
+    """--algorithm auto mixes x, y and w per layer on one grid; the losses still equal one rank's."""
+    losses0, _ = serial_run("y")
+    spec = grid_specs()[len(grid_specs()) // 2]
+    result = train(config(algorithm="auto", grid=spec))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), np.array(losses0), 1e-9,
+                           f"{spec} auto losses")
+
+
 def test_float32_training_stays_float32():
     result = train(config(dtype="float32", grid=grid_specs()[-1], max_steps=2), keep_model=True)
     model = result["model"]

@@ -1,0 +1,111 @@
+"""The cost model and the planner: profile loading and its errors, the alpha-beta formulas, the
+model's message sizes against predict_bytes, and the planner's choices and memory limit."""
+import json
+
+import pytest
+from mpi4py import MPI
+
+from cfp.grid import ProcessGrid
+from cfp.models import build_model, layer_shapes
+from cfp.perfmodel import LayerShape, MachineProfile, layer_cost, predict_bytes
+from cfp.planner import plan
+
+
+def profile_data(alpha=0.0, beta=1.0, rate=1e10, ranks_per_node=4, inter=None):
+    links = {"intra": {c: [alpha, beta] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}}
+    if inter:
+        links["inter"] = {c: list(inter) for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}
+    points = {"1": [[1e6, 64, rate], [1e9, 4096, rate]], "3": [[1e6, 64, rate], [1e9, 4096, rate]]}
+    return {"name": "test", "itemsize": 4, "ranks_per_node": ranks_per_node, "links": links,
+            "kernels": {p: points for p in ("forward", "backward-data", "backward-filter")}}
+
+
+def test_builtin_profiles_load():
+    for name in ("cpu-dev", "reference-v100"):
+        p = MachineProfile.load(name)
+        assert p.name == name and p.source
+        assert p.kernel_time("forward", 3, 1e9, 1024) > 0
+
+
+def test_profile_errors(tmp_path):
+    with pytest.raises(ValueError, match="machine profile 'missing.json' does not exist"):
+        MachineProfile.load("missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        MachineProfile.load(str(bad))
+    partial = tmp_path / "partial.json"
+    data = profile_data()
+    del data["links"]["intra"]["alltoall"]
+    partial.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="is not a valid machine profile: missing or malformed 'alltoall'"):
+        MachineProfile.load(str(partial))
+
+
+def test_collective_formulas():
+    p = MachineProfile(profile_data(alpha=2.0, beta=0.5, inter=(10.0, 1.0), ranks_per_node=4))
+    assert p.collective_time("allgather", 4, 800) == 3 * 2.0 + 0.75 * 800 * 0.5
+    assert p.collective_time("allreduce", 4, 800) == 6 * 2.0 + 1.5 * 800 * 0.5
+    assert p.collective_time("allreduce", 4, 800, intra=False) == 6 * 10.0 + 1.5 * 800 * 1.0
+    assert p.collective_time("reduce_scatter", 1, 800) == 0.0
+
+
+def test_kernel_rates_are_read_at_the_measured_points():
+    data = profile_data()
+    data["kernels"]["forward"]["3"] = [[1e6, 64, 1e9], [1e9, 4096, 1e11]]
+    p = MachineProfile(data)
+    assert p.kernel_time("forward", 3, 1e9, 4096) == pytest.approx(1e9 / 1e11)
+    assert p.kernel_time("forward", 3, 1e6, 64) == pytest.approx(1e6 / 1e9)
+    between = p.kernel_time("forward", 3, 3e7, 512)
+    assert 1e6 / 1e9 * 30 > between > 3e7 / 1e11
+
+
+@pytest.mark.parametrize("algorithm,P_n,P_c,p_f", [("x", 1, 4, None), ("y", 2, 2, None), ("w", 1, 4, 2),
+                                                  ("w", 2, 4, 4), ("sample", 4, 1, None)])
+def test_model_moves_the_bytes_the_ledger_counts(algorithm, P_n, P_c, p_f):
+    """With alpha 0 and beta 1 s/byte, the model's seconds per phase are the bytes rank 0 sends
+    (predict_bytes, which the tests hold the ledger to): the model prices the same messages."""
+    layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
+    cost = layer_cost(layer, algorithm, P_n, P_c, MachineProfile(profile_data()), p_f)
+    sent = predict_bytes(algorithm, (8, 16, 6, 6), (32, 16, 3, 3), {"sample": P_n, "channel": P_c},
+                         {"sample": 0, "channel": 0}, 1, 1, filter_groups=p_f, bias=False, itemsize=4)
+    for phase, (bytes_sent, _) in sent.items():
+        assert cost["comm"][phase] == pytest.approx(bytes_sent), phase
+
+
+def test_planner_prefers_channels_when_the_batch_is_small_and_samples_when_it_is_large():
+    profile = MachineProfile.load("reference-v100")
+    wide_small_batch = [LayerShape("c", 4, 2048, 2048, 8, 8, 3)]
+    assert plan(wide_small_batch, 16, profile).choices[0].P_c > 1
+    narrow_big_batch = [LayerShape("c", 1024, 32, 32, 64, 64, 3)]  # activations dwarf weights
+    assert plan(narrow_big_batch, 16, profile).choices[0].algorithm == "sample"
+
+
+def test_memory_limit():
+    profile = MachineProfile.load("reference-v100")
+    layers = [LayerShape(f"c{i}", 64, 1024, 1024, 14, 14, 3) for i in range(3)]
+    fastest = plan(layers, 16, profile)
+    limited = plan(layers, 16, profile, memory_limit=fastest.memory * 0.95)
+    assert limited.memory <= fastest.memory * 0.95 and limited.time >= fastest.time
+    with pytest.raises(ValueError, match=r"memory limit 0.01 MiB per rank is impossible: the smallest plan"):
+        plan(layers, 16, profile, memory_limit=0.01 * 2 ** 20)
+
+
+def test_fixed_grid():
+    profile = MachineProfile.load("cpu-dev")
+    layer = LayerShape("c", 8, 512, 512, 16, 16, 3)
+    result = plan([layer], 4, profile, grid=(2, 2), algorithms=("x", "y", "w"))
+    assert (result.choices[0].P_n, result.choices[0].P_c) == (2, 2)
+    assert result.choices[0].algorithm in ("x", "y", "w")
+
+
+def test_auto_model_builds_with_the_planners_choices():
+    grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    model = build_model("resnet", grid, width=1, algorithm="auto", batch=64, image=8,
+                        profile=MachineProfile.load("cpu-dev"))
+    shapes = layer_shapes("resnet", 64, 1)
+    assert [s.name for s in shapes] == [c.layer.name for c in model.plan.choices] == list(model.algorithms)
+    assert all(a in ("x", "y", "w") for a, _ in model.algorithms.values())
+    with pytest.raises(ValueError, match="algorithm 'auto' needs the global batch size and a machine profile"):
+        build_model("resnet", grid, algorithm="auto")
+    grid.free()
