@@ -273,7 +273,12 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,
         "activations": (n * (rows if algorithm in ("y", "w") else x_channels) * layer.H * layer.W
                         + n * y_filters * Ho * Wo) * item,
-        "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item,
+        # Alive only inside the layer: the partial y and dx before their reduce-scatters, and
+        # the kernels' workspaces: about three weight-sized buffers (backward-filter's
+        # accumulator and its transpose, backward-data's flipped filters) and a block of
+        # im2col patches of at most 4 MiB.
+        "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item
+        + 3 * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item),
     }
     return {"compute": compute, "comm": comm, "memory": memory, "p_f": p_f,
             "time": sum(compute.values()) + sum(comm.values()),

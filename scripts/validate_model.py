@@ -6,11 +6,13 @@ current rank count; marks the planner's choice and the measured fastest.
 
 Measured: forward + backward of one distributed convolution (scripts/bench_conv.py's timing:
 median of the slowest rank, 1 BLAS thread per rank, float32). Predicted: cfp.perfmodel's
-layer_cost with the machine profile (scripts/calibrate.py measures one).
+layer_cost with the machine profile (scripts/calibrate.py measures one). At 2 or more ranks it
+ends with a memory check: a model too large for a limit on one rank, planned under the limit.
 """
 import argparse
 import os
 import sys
+import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,7 +24,12 @@ from cfp.benchtools import measure_conv  # noqa: E402
 from cfp.grid import ProcessGrid  # noqa: E402
 from cfp.io import save_json  # noqa: E402
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost  # noqa: E402
+from cfp.data import synthetic  # noqa: E402
+from cfp.models import build_model, layer_shapes  # noqa: E402
+from cfp.nn import SoftmaxCrossEntropy  # noqa: E402
+from cfp.optim import SGD  # noqa: E402
 from cfp.planner import layer_options, plan  # noqa: E402
+from cfp.train import train_step  # noqa: E402
 
 LAYERS = [
     LayerShape("wide 3x3", 8, 512, 512, 16, 16, 3),
@@ -33,12 +40,46 @@ LAYERS = [
 ]
 
 
+def memory_check(world, profile, args):
+    """A wide CNN whose predicted memory on one rank exceeds a limit, planned under that limit
+    on this many ranks, then built and trained for two steps: the measured peak per rank (all
+    NumPy allocations alive during the steps, by tracemalloc: the model's shards, gradients,
+    optimizer state, activations and temporaries, and the batch)."""
+    P = world.Get_size()
+    arch = dict(width=args.memory_width, depth=2, in_channels=1, classes=10, image=8)
+    shapes = layer_shapes("wide", args.memory_batch, **arch)
+    one_rank = plan(shapes, 1, profile).memory
+    limit = one_rank * args.memory_fraction
+    grid = ProcessGrid(f"channel={P}")
+    tracemalloc.start()
+    model = build_model("wide", grid, batch=args.memory_batch, profile=profile, memory_limit=limit,
+                        algorithm="auto", dtype=np.float32, **arch)
+    optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
+    loss_fn = SoftmaxCrossEntropy(grid)
+    x, y = synthetic(args.memory_batch, 1, 8, 8, 10, dtype=np.float32)
+    tracemalloc.reset_peak()  # what building left (the shards) stays counted; its transients do not
+    for _ in range(2):
+        train_step(model, loss_fn, optimizer, x, y)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    peaks = world.allgather(peak)
+    model.free()
+    grid.free()
+    return {"model": f"wide CNN width {args.memory_width}, depth 2, 8x8, batch {args.memory_batch}",
+            "one_rank_predicted": one_rank, "limit": limit, "planned": model.plan.memory,
+            "measured_peaks": peaks, "plan": model.plan.table()}
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="cpu-dev")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json")
+    p.add_argument("--memory-width", type=int, default=512, help="width of the memory check's model")
+    p.add_argument("--memory-batch", type=int, default=16)
+    p.add_argument("--memory-fraction", type=float, default=0.75,
+                   help="the memory check's limit, as a fraction of the one-rank prediction")
     return p.parse_args(argv)
 
 
@@ -90,8 +131,17 @@ def main(argv=None):
         picks = [r for r in rows if r["planner_choice"]]
         print(f"\nworst prediction error {worst * 100:.0f}%; the planner's choice is within "
               f"{max(r['planner_vs_fastest'] for r in picks) * 100:.0f}% of the measured fastest on every layer")
+    memory = memory_check(world, profile, args) if P > 1 else None
+    if world.Get_rank() == 0:
+        if memory is not None:
+            mib = 2.0 ** 20
+            print(f"\nmemory check: {memory['model']}: predicted {memory['one_rank_predicted'] / mib:.2f} MiB on one "
+                  f"rank; limit {memory['limit'] / mib:.2f} MiB; plan on {P} ranks predicts "
+                  f"{memory['planned'] / mib:.2f} MiB per rank; measured peak per rank (tracemalloc, whole model "
+                  f"and training step): {', '.join(f'{p / mib:.2f}' for p in memory['measured_peaks'])} MiB")
+            print(memory["plan"])
         if args.json:
-            save_json(args.json, {"ranks": P, "profile": profile.name, "rows": rows})
+            save_json(args.json, {"ranks": P, "profile": profile.name, "rows": rows, "memory_check": memory})
     return 0
 
 
