@@ -1,0 +1,266 @@
+"""Predicted strong scaling of data parallelism and of the planner's hybrid plans, from 4 to 1024
+GPUs, on a machine profile (no MPI, no GPU: the cost model of cfp.perfmodel only).
+
+    python scripts/simulate.py [--profile reference-v100] [--batch 512] [--resnet-width 4]
+        [--cnn-width 4096] [--cnn-depth 4] [--cnn-image 32] [--max-gpus 1024]
+        [--json scaling.json] [--plot scaling.png]
+
+Two models, each at a fixed global batch (strong scaling): a wide ResNet-50 (every channel count
+of ResNet-50 times --resnet-width) on 224x224 images, and the wide plain CNN of
+cfp.models.wide_cnn. At each power of two P, two plans are compared:
+
+- data parallel: every layer on the grid sample=P (the planner restricted to 'sample');
+- hybrid: the planner's choice per layer of grid, algorithm and p_f, within the profile's memory
+  per rank ("memory_per_rank" in the profile JSON).
+
+Data parallelism cannot give a rank less than one sample, so where P exceeds the batch it runs
+on `batch` ranks and the rest idle; the tables mark those rows.
+
+What the numbers are: predictions of the alpha-beta-gamma model (design.md section 4), not
+measurements. Only convolutions (and the classifier as a 1x1 convolution) are modelled: batch
+norm, ReLU, pooling, the loss and the optimizer step cost nothing here, and the gradient
+allreduces are not overlapped with compute.
+"""
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cfp import planner  # noqa: E402
+from cfp.models import layer_shapes  # noqa: E402
+from cfp.perfmodel import LayerShape, MachineProfile  # noqa: E402
+
+GB = 1e9
+RESNET50_STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))  # (base width, bottleneck blocks)
+EXPANSION = 4  # a bottleneck's output has 4x its base width
+CLASSES = 1000
+
+
+def wide_resnet50_layers(width, batch, image=224):
+    """The 53 convolutions and the classifier of ResNet-50 with every channel count times
+    `width`, as LayerShapes in the order the planner chains them (padding K // 2 throughout).
+
+    The planner sees a chain of layers: the projection shortcut of a stage's first block comes
+    after that block's conv3, so that a change of grid between the two is charged for moving
+    the tensor they add together. Pooling is not a layer here; it only changes the spatial size.
+    """
+    layers = [LayerShape("conv1", batch, 3, 64 * width, image, image, 7, stride=2, first=True)]
+    size = (layers[0].out_hw[0] + 1) // 2  # the 3x3/2 max pool with padding 1: 112 -> 56
+    channels = 64 * width
+    for stage, (base, blocks) in enumerate(RESNET50_STAGES, start=1):
+        mid, out = base * width, base * width * EXPANSION
+        for block in range(blocks):
+            name = f"layer{stage}.{block}"
+            stride = 2 if stage > 1 and block == 0 else 1
+            reduce_ = LayerShape(f"{name}.conv1", batch, channels, mid, size, size, 1)
+            spatial = LayerShape(f"{name}.conv2", batch, mid, mid, size, size, 3, stride=stride)
+            after = spatial.out_hw[0]
+            expand = LayerShape(f"{name}.conv3", batch, mid, out, after, after, 1)
+            layers += [reduce_, spatial, expand]
+            if block == 0:
+                layers.append(LayerShape(f"{name}.downsample", batch, channels, out, size, size, 1,
+                                         stride=stride))
+            channels, size = out, after
+    # Global average pooling leaves 1x1: the classifier is a 1x1 convolution on it.
+    layers.append(LayerShape("fc", batch, channels, CLASSES, 1, 1, 1))
+    return layers
+
+
+def wide_cnn_layers(width, depth, batch, image, in_channels=3):
+    """The convolutions of cfp.models.wide_cnn with a 1000-class classifier: a 3x3 stem to
+    `width` channels, `depth` 3x3 width x width convolutions with a 2x2 max pool after the first
+    half, and the classifier as a 1x1 convolution after global average pooling. Taken from the
+    model's own description, so that the simulation cannot drift from the model cfp trains."""
+    return layer_shapes("wide", batch, width, depth, in_channels=in_channels, classes=CLASSES, image=image)
+
+
+def allreduce_bytes(choice):
+    """Bytes one rank sends in the ring allreduce of its weight-gradient shard: 2 (p-1)/p m over
+    the P_n ranks that hold the same shard of m bytes."""
+    p, m = choice.P_n, choice.cost["memory"]["weights"]
+    return 2 * (p - 1) / p * m
+
+
+def describe(plan):
+    """'sample=64,channel=16: 40 layers; ...' and 'y 30, w 12, sample 12': the grids and
+    algorithms of a plan, most used first."""
+    grids = collections.Counter(c.grid for c in plan.choices)
+    algorithms = collections.Counter(c.label for c in plan.choices)
+    return ("; ".join(f"{g}: {n}" for g, n in grids.most_common()),
+            ", ".join(f"{a} {n}" for a, n in algorithms.most_common()))
+
+
+def summarize(plan, memory_limit):
+    """The numbers of a plan that the tables, the plot and the JSON show."""
+    grids, algorithms = describe(plan)
+    return {
+        "ranks_used": plan.ranks,
+        "time_s": plan.time,
+        "compute_s": sum(sum(c.cost["compute"].values()) for c in plan.choices),
+        "allreduce_bytes_per_rank": sum(allreduce_bytes(c) for c in plan.choices),
+        "allreduce_s": sum(c.cost["comm"]["gradient-sync"] for c in plan.choices),
+        "memory_bytes_per_rank": plan.memory,
+        "fits_memory": memory_limit is None or plan.memory <= memory_limit,
+        "grids": grids,
+        "algorithms": algorithms,
+        "layers": [{"name": c.layer.name, "grid": c.grid, "algorithm": c.algorithm, "p_f": c.p_f,
+                    "time_s": c.cost["time"], "redistribution_s": c.redistribution}
+                   for c in plan.choices],
+    }
+
+
+def simulate_scale(layers, gpus, profile, memory_limit):
+    """{'gpus', 'data_parallel', 'hybrid'}: the two plans' summaries at `gpus` GPUs (the hybrid's
+    is {'error': why} when no plan fits the memory limit)."""
+    batch = layers[0].N
+    # Data parallelism on more ranks than samples would leave ranks without work: it runs on
+    # `batch` ranks and the others idle. It gets no memory limit: a plan that does not fit is
+    # still predicted, and flagged.
+    data_parallel = planner.plan(layers, min(gpus, batch), profile, algorithms=("sample",))
+    try:
+        hybrid = summarize(planner.plan(layers, gpus, profile, memory_limit=memory_limit), memory_limit)
+    except ValueError as e:  # no plan fits the memory limit: say so instead of failing the run
+        hybrid = {"error": str(e)}
+    return {"gpus": gpus, "data_parallel": summarize(data_parallel, memory_limit), "hybrid": hybrid}
+
+
+def _ratio(a, b):
+    """a / b as '12.3x'; 'none left' when only b is zero, '-' when both are."""
+    return f"{a / b:.1f}x" if b > 0 else ("-" if a == 0 else "none left")
+
+
+COLUMNS = ("GPUs", "data parallel ms", "hybrid ms", "speedup", "allreduce MB/rank DP", "hybrid", "smaller",
+           "allreduce ms DP", "hybrid", "smaller", "memory GB/rank DP", "hybrid", "hybrid grids (layers)",
+           "hybrid algorithms (layers)")
+
+
+def table_row(row):
+    """The cells of one scale: '-' for the hybrid's where no plan fits the memory limit."""
+    dp, hy = row["data_parallel"], row["hybrid"]
+    gpus = str(row["gpus"]) + (f" (DP on {dp['ranks_used']})" if dp["ranks_used"] < row["gpus"] else "")
+    dp_memory = f"{dp['memory_bytes_per_rank'] / GB:.1f}" + ("" if dp["fits_memory"] else " (over)")
+    if "error" in hy:
+        return [gpus, f"{dp['time_s'] * 1e3:.1f}", "no plan fits", "-",
+                f"{dp['allreduce_bytes_per_rank'] / 1e6:.0f}", "-", "-",
+                f"{dp['allreduce_s'] * 1e3:.1f}", "-", "-", dp_memory, "-", "-", "-"]
+    return [gpus, f"{dp['time_s'] * 1e3:.1f}", f"{hy['time_s'] * 1e3:.1f}", f"{dp['time_s'] / hy['time_s']:.2f}x",
+            f"{dp['allreduce_bytes_per_rank'] / 1e6:.0f}", f"{hy['allreduce_bytes_per_rank'] / 1e6:.0f}",
+            _ratio(dp["allreduce_bytes_per_rank"], hy["allreduce_bytes_per_rank"]),
+            f"{dp['allreduce_s'] * 1e3:.1f}", f"{hy['allreduce_s'] * 1e3:.1f}",
+            _ratio(dp["allreduce_s"], hy["allreduce_s"]),
+            dp_memory, f"{hy['memory_bytes_per_rank'] / GB:.1f}", hy["grids"], hy["algorithms"]]
+
+
+def markdown_table(rows):
+    """One row per scale: times, allreduce volume and time, memory, and the hybrid plan; then
+    why no hybrid plan exists where none fits."""
+    body = [COLUMNS, ["---"] * len(COLUMNS)] + [table_row(r) for r in rows]
+    lines = ["| " + " | ".join(cells) + " |" for cells in body]
+    notes = [f"- {r['gpus']} GPUs, hybrid: {r['hybrid']['error']}" for r in rows if "error" in r["hybrid"]]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def plot(results, path):
+    """Predicted iteration time against GPUs (log-log), one panel per model: data parallel,
+    hybrid, and ideal linear scaling from the first hybrid point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], results.items()):
+        gpus = [r["gpus"] for r in rows]
+        ax.plot(gpus, [r["data_parallel"]["time_s"] * 1e3 for r in rows], "o-", label="data parallel")
+        over = [(r["gpus"], r["data_parallel"]["time_s"] * 1e3) for r in rows
+                if not r["data_parallel"]["fits_memory"]]
+        if over:
+            ax.plot(*zip(*over), "rx", markersize=10, label="data parallel over the memory limit")
+        fitted = [(r["gpus"], r["hybrid"]["time_s"] * 1e3) for r in rows if "error" not in r["hybrid"]]
+        if fitted:
+            ax.plot(*zip(*fitted), "s-", label="hybrid (planner)")
+            p0, t0 = fitted[0]
+            ideal = [p for p in gpus if p >= p0]
+            ax.plot(ideal, [t0 * p0 / p for p in ideal], "k--", linewidth=1,
+                    label=f"ideal linear from {p0} GPUs")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(gpus)
+        ax.set_xticklabels([str(p) for p in gpus])
+        ax.set_xlabel("GPUs (fixed global batch)")
+        ax.set_ylabel("predicted iteration time (ms)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default="reference-v100",
+                   help="machine profile: a JSON file or a built-in name (default reference-v100)")
+    p.add_argument("--batch", type=int, default=512, help="global batch, fixed at every scale")
+    p.add_argument("--resnet-width", type=int, default=4, help="ResNet-50 channel multiplier")
+    p.add_argument("--cnn-width", type=int, default=4096)
+    p.add_argument("--cnn-depth", type=int, default=4)
+    p.add_argument("--cnn-image", type=int, default=32)
+    p.add_argument("--max-gpus", type=int, default=1024, help="largest scale (powers of two from 4)")
+    p.add_argument("--json", help="write every number to this JSON file")
+    p.add_argument("--plot", help="write the scaling plot to this PNG file")
+    args = p.parse_args(argv)
+    for name in ("batch", "resnet_width", "cnn_width", "cnn_depth", "cnn_image"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.max_gpus < 4:
+        p.error("--max-gpus must be at least 4")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        profile = MachineProfile.load(args.profile)
+    except ValueError as e:
+        sys.exit(f"simulate.py: {e}")
+    memory_limit = profile.data.get("memory_per_rank")
+    scales = [2 ** k for k in range(2, args.max_gpus.bit_length())]  # 4, 8, ... up to --max-gpus
+    models = {
+        f"wide ResNet-50 (width x{args.resnet_width}, 224x224)":
+            wide_resnet50_layers(args.resnet_width, args.batch),
+        f"wide CNN (width {args.cnn_width}, depth {args.cnn_depth}, {args.cnn_image}x{args.cnn_image})":
+            wide_cnn_layers(args.cnn_width, args.cnn_depth, args.batch, args.cnn_image),
+    }
+    limit_text = f"{memory_limit / GB:g} GB" if memory_limit else "none (the profile gives no memory_per_rank)"
+    print(f"Profile: {profile.name}. {profile.source}\n")
+    print(f"Global batch {args.batch} at every scale (strong scaling); memory limit per rank for the "
+          f"hybrid plans: {limit_text}. Times are predictions of cfp's cost model, not measurements. "
+          "Only convolutions and the classifier are modelled (batch norm, ReLU, pooling, the loss and "
+          "the optimizer are not); gradient allreduces are not overlapped with compute. Data parallelism "
+          f"cannot use more ranks than samples: above {args.batch} GPUs it runs on {args.batch} and the "
+          "rest idle. Allreduce MB: bytes each rank sends in the ring allreduces of its weight-gradient "
+          "shards. '(over)': the plan needs more memory than the limit.\n")
+    results = {}
+    started = time.time()
+    for title, layers in models.items():
+        results[title] = [simulate_scale(layers, p, profile, memory_limit) for p in scales]
+        print(f"### {title}: {len(layers)} layers\n")
+        print(markdown_table(results[title]) + "\n")
+    print(f"(planned in {time.time() - started:.1f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"profile": profile.name, "source": profile.source, "batch": args.batch,
+                       "memory_limit": memory_limit, "resnet_width": args.resnet_width,
+                       "cnn_width": args.cnn_width, "cnn_depth": args.cnn_depth, "cnn_image": args.cnn_image,
+                       "scales": scales, "models": results}, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+if __name__ == "__main__":
+    main()

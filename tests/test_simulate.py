@@ -1,0 +1,107 @@
+"""scripts/simulate.py on small configurations: the ResNet-50 and wide-CNN layer lists, the hybrid
+plan against data parallelism, and the files main writes (serial, no MPI)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from cfp.perfmodel import MachineProfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def simulate():
+    spec = importlib.util.spec_from_file_location("simulate", os.path.join(ROOT, "scripts", "simulate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return MachineProfile.load("reference-v100")
+
+
+def test_resnet50_layers_match_resnet50(simulate):
+    layers = simulate.wide_resnet50_layers(1, batch=8)
+    assert len(layers) == 54 and layers[-1].name == "fc"
+    convs = {L.name: L for L in layers[:-1]}
+    assert len(convs) == 53
+    stem = convs["conv1"]
+    assert (stem.C, stem.F, stem.K, stem.stride, stem.first, stem.H, stem.out_hw) == (3, 64, 7, 2, True, 224, (112, 112))
+    # After the stem's max pool: 56x56, then 28, 14 and 7 from the first 3x3 of stages 2-4.
+    for stage, side in zip((1, 2, 3, 4), (56, 28, 14, 7)):
+        assert convs[f"layer{stage}.1.conv2"].H == side
+    down = convs["layer2.0.downsample"]
+    assert (down.C, down.F, down.K, down.stride, down.H, down.out_hw) == (256, 512, 1, 2, 56, (28, 28))
+    last = convs["layer4.2.conv3"]
+    assert (last.C, last.F, last.K, last.H, last.W) == (512, 2048, 1, 7, 7)
+    assert (layers[-1].C, layers[-1].F, layers[-1].H, layers[-1].K) == (2048, 1000, 1, 1)
+    # torchvision's ResNet-50 has 25,557,032 parameters: these weights plus 53,120 of batch
+    # norm and the classifier's 1,000 biases.
+    assert sum(L.C * L.F * L.K ** 2 for L in layers) == 25_557_032 - 53_120 - 1_000
+    wide = simulate.wide_resnet50_layers(4, batch=8)
+    assert [(L.C, L.F) for L in wide[1:-1]] == [(4 * L.C, 4 * L.F) for L in layers[1:-1]]
+    assert (wide[0].C, wide[0].F, wide[-1].C, wide[-1].F) == (3, 256, 8192, 1000)
+
+
+def test_wide_cnn_layers(simulate):
+    layers = simulate.wide_cnn_layers(64, 4, batch=8, image=32)
+    assert [L.name for L in layers] == ["stem.conv", "wide0.conv", "wide1.conv", "wide2.conv", "wide3.conv", "fc"]
+    assert layers[0].first and (layers[0].C, layers[0].F) == (3, 64)
+    assert [L.H for L in layers] == [32, 32, 32, 16, 16, 1]  # the pool after the first half
+    assert (layers[-1].C, layers[-1].F, layers[-1].K) == (64, 1000, 1)
+
+
+@pytest.mark.parametrize("gpus", [4, 8, 16])
+def test_hybrid_is_never_slower_than_data_parallel(simulate, profile, gpus):
+    """The planner may always choose data parallelism, so without a memory limit (or where data
+    parallelism fits it) its plan is predicted at least as fast."""
+    for layers in (simulate.wide_resnet50_layers(1, batch=32), simulate.wide_cnn_layers(512, 4, 32, 16)):
+        for limit in (None, profile.data["memory_per_rank"]):
+            row = simulate.simulate_scale(layers, gpus, profile, limit)
+            dp, hybrid = row["data_parallel"], row["hybrid"]
+            assert dp["ranks_used"] == gpus and dp["fits_memory"]
+            assert hybrid["time_s"] <= dp["time_s"] * (1 + 1e-12)
+            assert hybrid["memory_bytes_per_rank"] <= (limit or float("inf"))
+
+
+def test_allreduce_volume_is_the_ring_formula(simulate, profile):
+    layers = simulate.wide_cnn_layers(64, 2, batch=16, image=8)
+    row = simulate.simulate_scale(layers, 8, profile, None)
+    weights = sum(L.C * L.F * L.K ** 2 for L in layers) * profile.itemsize
+    assert row["data_parallel"]["allreduce_bytes_per_rank"] == pytest.approx(2 * 7 / 8 * weights)
+
+
+def test_data_parallel_above_the_batch_runs_on_batch_ranks(simulate, profile):
+    row = simulate.simulate_scale(simulate.wide_cnn_layers(64, 2, batch=8, image=8), 16, profile, None)
+    assert row["data_parallel"]["ranks_used"] == 8
+    assert row["hybrid"]["ranks_used"] == 16
+    assert "(DP on 8)" in simulate.markdown_table([row])
+
+
+def test_main_writes_tables_json_and_plot(simulate, tmp_path, capsys):
+    out_json, out_png = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    simulate.main(["--max-gpus", "16", "--batch", "32", "--resnet-width", "1", "--cnn-width", "128",
+                   "--cnn-depth", "2", "--cnn-image", "16", "--json", str(out_json), "--plot", str(out_png)])
+    printed = capsys.readouterr().out
+    assert "reference-v100" in printed and "not measurements" in printed
+    assert printed.count("| GPUs |") == 2
+    data = json.loads(out_json.read_text())
+    assert data["scales"] == [4, 8, 16] and data["batch"] == 32
+    assert len(data["models"]) == 2
+    for rows in data["models"].values():
+        assert [r["gpus"] for r in rows] == [4, 8, 16]
+        for r in rows:
+            assert r["data_parallel"]["time_s"] > 0 and r["hybrid"]["time_s"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_options_exit_with_a_message(simulate, capsys):
+    with pytest.raises(SystemExit):
+        simulate.main(["--max-gpus", "2"])
+    assert "--max-gpus must be at least 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="does not exist"):
+        simulate.main(["--profile", "no-such-profile"])
