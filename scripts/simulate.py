@@ -1,5 +1,5 @@
 """Predicted strong scaling of data parallelism and of the planner's hybrid plans, from 4 to 1024
-GPUs, on a machine profile (no MPI, no GPU: the cost model of cfp.perfmodel only).
+GPUs, on a machine profile (no mpiexec, no GPU: the cost model of cfp.perfmodel only).
 
     python scripts/simulate.py [--profile reference-v100] [--batch 512] [--resnet-width 4]
         [--cnn-width 4096] [--cnn-depth 4] [--cnn-image 32] [--max-gpus 1024]
