@@ -193,6 +193,10 @@ def allgather(comm, x, axis, sizes):
     with _Timer() as t:
         if p == 1:
             out = mine.copy()
+        elif int(np.prod(mine.shape[:axis], dtype=np.int64)) == 1:
+            # Nothing before `axis` (or one sample): the blocks lie end to end in the result.
+            out = np.empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
+            comm.Allgatherv(mine, [out, (counts, _displacements(counts))])
         else:
             flat = np.empty(int(counts.sum()), dtype=mine.dtype)
             comm.Allgatherv(mine, [flat, (counts, _displacements(counts))])
@@ -227,10 +231,13 @@ def reduce_scatter(comm, x, axis, sizes):
         if p == 1:
             out[...] = host
         else:
-            # Pack the block for each rank contiguously, in rank order; each rank receives its
-            # block already in the tensor's own layout.
-            packed = np.concatenate([block.reshape(-1) for block in
-                                     np.split(host, np.cumsum(sizes)[:-1], axis=axis)])
+            # Pack the block for each rank contiguously, in rank order (already so when nothing
+            # lies before `axis`); each rank receives its block in the tensor's own layout.
+            if int(np.prod(host.shape[:axis], dtype=np.int64)) == 1:
+                packed = np.ascontiguousarray(host)
+            else:
+                packed = np.concatenate([block.reshape(-1) for block in
+                                         np.split(host, np.cumsum(sizes)[:-1], axis=axis)])
             comm.Reduce_scatter(packed, out, counts, op=MPI.SUM)
     item = host.dtype.itemsize
     get_ledger().record("reduce_scatter", p, (counts.sum() - counts[rank]) * item,
