@@ -9,6 +9,7 @@ Axes are always ordered sample, height, width, channel, with channel varying fas
 ranks of a channel group are neighbours in rank order (on one node, when ranks are packed by
 node). Axes not named in the spec have size 1.
 """
+import functools
 import itertools
 import math
 import numbers
@@ -60,13 +61,15 @@ def _positive_int(value, what):
     return int(number)
 
 
+@functools.lru_cache(maxsize=None)
+def _factorizations(size, naxes):
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    return tuple(f for f in itertools.product(divisors, repeat=naxes) if math.prod(f) == size)
+
+
 def factorizations(size, naxes=2):
     """Every ordered tuple of `naxes` positive integers whose product is `size`."""
-    return [
-        f
-        for f in itertools.product(range(1, size + 1), repeat=naxes)
-        if math.prod(f) == size
-    ]
+    return list(_factorizations(size, naxes))
 
 
 class ProcessGrid:

@@ -134,7 +134,9 @@ class LayerShape:
 
 class MachineProfile:
     """The constants of one machine: alpha (s) and beta (s/byte) of each collective on the
-    links inside a node and between nodes, and the kernel rates (flop/s) of each pass measured
+    links inside a node and between nodes, the local packing of each collective (s per byte
+    of its result: cfp's copies of NCHW blocks; none where the library works in place), and
+    the kernel rates (flop/s) of each pass measured
     on shapes of given flop and output-pixel counts, per kernel size. Loaded from JSON (see
     scripts/calibrate.py)."""
 
@@ -144,6 +146,8 @@ class MachineProfile:
             self.source = str(data.get("source", ""))
             self.itemsize = int(data.get("itemsize", 4))
             self.ranks_per_node = int(data["ranks_per_node"])
+            self.workspace_weights = float(data.get("workspace_weights", 3))
+            self.packing = {c: float(v) for c, v in data.get("packing", {}).items()}
             self.links = {}
             for link, table in data["links"].items():
                 self.links[link] = {c: (float(table[c][0]), float(table[c][1])) for c in COLLECTIVES}
@@ -180,13 +184,15 @@ class MachineProfile:
         return self.links["intra" if intra or "inter" not in self.links else "inter"]
 
     def collective_time(self, collective, p, m, intra=True):
-        """Seconds of a collective over p ranks whose whole result has m bytes."""
+        """Seconds of a collective over p ranks whose whole result has m bytes: the alpha-beta
+        cost of the messages (none on one rank) plus the local packing of the result."""
+        packing = self.packing.get(collective, 0.0) * m
         if p <= 1 or m == 0 and collective != "allreduce":
-            return 0.0
+            return packing
         alpha, beta = self.link(intra)[collective]
         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if collective == "allreduce" else \
             (p - 1, (p - 1) / p * m)
-        return steps * alpha + volume * beta
+        return steps * alpha + volume * beta + packing
 
     def kernel_time(self, pass_name, kernel, flops, pixels=None):
         """Seconds of one kernel pass of `flops` over `pixels` output positions (n H' W', the
@@ -207,7 +213,8 @@ class MachineProfile:
                 d += (math.log(pixels) - math.log(px)) ** 2
             nearest.append((math.sqrt(d), rate))
         nearest.sort()
-        if nearest[0][0] < 1e-9:
+        outside = not min(f for f, _, _ in points) <= flops <= max(f for f, _, _ in points)
+        if nearest[0][0] < 1e-9 or outside:  # beyond the measured range: the nearest rate holds
             return flops / nearest[0][1]
         weights = [(1.0 / d ** 2, math.log(rate)) for d, rate in nearest[:3]]
         log_rate = sum(w * r for w, r in weights) / sum(w for w, _ in weights)
@@ -274,11 +281,11 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         "activations": (n * (rows if algorithm in ("y", "w") else x_channels) * layer.H * layer.W
                         + n * y_filters * Ho * Wo) * item,
         # Alive only inside the layer: the partial y and dx before their reduce-scatters, and
-        # the kernels' workspaces: about three weight-sized buffers (backward-filter's
-        # accumulator and its transpose, backward-data's flipped filters) and a block of
-        # im2col patches of at most 4 MiB.
+        # the kernels' workspaces: weight-sized buffers (three for cfp's NumPy kernels:
+        # backward-filter's accumulator and its transpose, backward-data's flipped filters)
+        # and a block of im2col patches of at most 4 MiB.
         "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item
-        + 3 * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item),
+        + profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item),
     }
     return {"compute": compute, "comm": comm, "memory": memory, "p_f": p_f,
             "time": sum(compute.values()) + sum(comm.values()),

@@ -75,14 +75,19 @@ def _memory(choices):
     return kept + max((c.cost["memory"]["temporary"] for c in choices), default=0)
 
 
-def _best_path(options, profile, price):
-    """The choices minimising time + price * kept bytes, by dynamic programming."""
-    best = [(o.cost["time"] + price * (o.cost["bytes"] - o.cost["memory"]["temporary"]), [o])
-            for o in options[0]]
+def _best_path(options, profile, price, count_temporary=False):
+    """The choices minimising time + price * bytes, by dynamic programming. The bytes priced
+    are what each layer keeps (summed over layers, as in the plan's memory), plus, with
+    count_temporary, its temporaries too (an upper bound on the plan's largest temporary)."""
+    def own_cost(o):
+        priced = o.cost["bytes"] - (0 if count_temporary else o.cost["memory"]["temporary"])
+        return o.cost["time"] + price * priced
+
+    best = [(own_cost(o), [o]) for o in options[0]]
     for layer_options_ in options[1:]:
         step = []
         for o in layer_options_:
-            own = o.cost["time"] + price * (o.cost["bytes"] - o.cost["memory"]["temporary"])
+            own = own_cost(o)
             total, path = min(((t + redistribution_time(p[-1], o, profile), p) for t, p in best),
                               key=lambda tp: tp[0])
             step.append((total + own, path + [o]))
@@ -138,7 +143,10 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
                              f"(global batch {L.N}, grid {grid})")
     path = _best_path(options, profile, 0.0)
     if memory_limit is not None and _memory(path) > memory_limit:
-        smallest = _best_path(options, profile, 1e6)  # memory first, time to break ties
+        # Memory first, time to break ties; the largest temporary is not additive, so try
+        # pricing it both ways and keep the smaller plan.
+        smallest = min((_best_path(options, profile, 1e6, with_temp) for with_temp in (False, True)),
+                       key=_memory)
         if _memory(smallest) > memory_limit:
             raise ValueError(f"memory limit {memory_limit / 2 ** 20:.2f} MiB per rank is impossible: "
                              f"the smallest plan on {ranks} ranks needs {_memory(smallest) / 2 ** 20:.2f} MiB")

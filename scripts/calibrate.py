@@ -2,9 +2,10 @@
 
     mpiexec -n 2 python -m mpi4py scripts/calibrate.py --out machine-profile.json [--quick]
 
-Collectives: allgather, reduce-scatter, allreduce and all-to-all through cfp.comm, over groups
-of 2..P neighbouring ranks and messages of 4 KiB to 8 MiB; alpha and beta fitted by least
-squares to t = steps * alpha + volume * beta (steps and volume as in cfp.perfmodel). Kernels:
+Collectives: allgather, reduce-scatter, allreduce and all-to-all through cfp.comm, on messages
+of 4 KiB to 16 MiB: their local packing (seconds per byte, on one rank), then over groups of
+2..P neighbouring ranks alpha and beta fitted by least squares to t - packing * m =
+steps * alpha + volume * beta (steps and volume as in cfp.perfmodel). Kernels:
 forward, backward-data and backward-filter of 1x1, 3x3 and 5x5 convolutions over a range of
 sizes at 1 BLAS thread, on rank 0 alone (the others sleep). All ranks are taken to share one
 node (ranks_per_node = P).
@@ -45,7 +46,7 @@ def kernel_shapes(kernel, quick):
             if 2 * n * side * side * c * c * kernel * kernel <= MAX_FLOPS:
                 shapes.append((n, c, c, side, side))
     return shapes
-MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
+MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
 def parse_args(argv):
@@ -58,55 +59,78 @@ def parse_args(argv):
 
 
 def collective_call(name, group, m_bytes):
-    """A zero-argument function running collective `name` with a whole result of ~m bytes."""
+    """A zero-argument function running collective `name` with a whole result of ~m bytes.
+
+    Allgather, reduce-scatter and all-to-all move activation-like tensors (8 samples, blocks
+    along the channel axis, so they pay the packing an NCHW block needs); allreduce moves a
+    flat gradient.
+    """
     p, r = group.Get_size(), group.Get_rank()
-    count = max(p, m_bytes // 4)
-    sizes = block_sizes(count, p)
-    full = np.ones(count, dtype=np.float32)
-    mine = np.ones(sizes[r], dtype=np.float32)
+    samples = 8
+    channels = max(p, m_bytes // (4 * samples))
+    sizes = block_sizes(channels, p)
+    full = np.ones((samples, channels), dtype=np.float32)
+    mine = np.ones((samples, sizes[r]), dtype=np.float32)
     if name == "allgather":
-        return lambda: comm.allgather(group, mine, 0, sizes)
+        return lambda: comm.allgather(group, mine, 1, sizes)
     if name == "reduce_scatter":
-        return lambda: comm.reduce_scatter(group, full, 0, sizes)
+        return lambda: comm.reduce_scatter(group, full, 1, sizes)
     if name == "allreduce":
-        return lambda: comm.allreduce(group, full)
-    chunks = [np.ones(s, dtype=np.float32) for s in block_sizes(count, p)]  # this rank's share, spread
-    per_peer = [c[:len(c) // p] for c in chunks]
-    return lambda: comm.alltoallv(group, per_peer, [len(per_peer[r])] * p, np.float32)
+        return lambda: comm.allreduce(group, full.reshape(-1))
+    split = block_sizes(samples, p)  # trade the sample split for the channel split
+    x = np.ones((samples, sizes[r]), dtype=np.float32)
+    return lambda: comm.alltoall(group, x, 0, 1, split, sizes)
 
 
 def fit_alpha_beta(samples):
-    """Least-squares (alpha, beta) >= 0 from [(steps, volume bytes, seconds)]."""
+    """Least-squares (alpha, beta) >= 0 from [(steps, volume bytes, seconds)], minimising
+    relative errors (small and large messages alike)."""
     a = np.array([[s, v] for s, v, _ in samples], dtype=np.float64)
     t = np.array([sec for _, _, sec in samples])
-    # Relative errors matter (small and large messages alike): weight each row by 1 / t.
     weights = 1.0 / np.maximum(t, 1e-9)
     solution, *_ = np.linalg.lstsq(a * weights[:, None], t * weights, rcond=None)
     alpha, beta = (max(float(v), 0.0) for v in solution)
     return alpha, beta
 
 
+def fit_packing(samples):
+    """Seconds per byte of the whole result, through the origin, from [(bytes, seconds)]."""
+    m = np.array([b for b, _ in samples], dtype=np.float64)
+    t = np.array([sec for _, sec in samples])
+    return max(float(np.dot(m, t) / np.dot(m, m)), 0.0)
+
+
 def calibrate_collectives(world, args):
-    """{collective: [alpha, beta]} fitted over groups of 2..P neighbouring ranks."""
+    """({collective: [alpha, beta]}, {collective: packing s/byte}).
+
+    cfp's collectives pack and unpack NCHW blocks with local copies, which cost time even on
+    one rank: that packing is measured on a group of one rank (rank 0 alone), and alpha and
+    beta are fitted to what remains of the times over groups of 2..P neighbouring ranks.
+    """
     P = world.Get_size()
+    names = ("allgather", "reduce_scatter", "allreduce", "alltoall")
     messages = MESSAGE_BYTES[::2] if args.quick else MESSAGE_BYTES
-    samples = {name: [] for name in ("allgather", "reduce_scatter", "allreduce", "alltoall")}
+    samples = {name: [] for name in names}
     with comm.use_ledger(comm.CommLedger()):  # calibration traffic stays out of any ledger
+        def packing_samples():
+            return {name: [(m, slowest_median(MPI.COMM_SELF, lambda: timed(collective_call(name, MPI.COMM_SELF, m)),
+                                             args.repeats, 1)["total"]) for m in messages] for name in names}
+        packing = {name: fit_packing(s) for name, s in on_rank0(world, packing_samples).items()}
         for p in range(2, P + 1):
             member = world.Get_rank() < p
             group = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
             if member:
-                for name in samples:
+                for name in names:
                     for m in messages:
                         call = collective_call(name, group, m)
                         seconds = slowest_median(group, lambda: timed(call), args.repeats, 1)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
                             else (p - 1, (p - 1) / p * m)
-                        samples[name].append((steps, volume, seconds))
+                        samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0)))
                 group.Free()
             quiet_barrier(world)
     fitted = {name: list(fit_alpha_beta(s)) if s else [0.0, 0.0] for name, s in samples.items()}
-    return world.bcast(fitted, root=0)
+    return world.bcast(fitted, root=0), packing
 
 
 def calibrate_kernels(args):
@@ -133,24 +157,24 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     backend.set_blas_threads(1)
     start = time.time()
-    links = calibrate_collectives(world, args) if world.Get_size() > 1 else None
+    links, packing = calibrate_collectives(world, args)
     kernels = on_rank0(world, lambda: calibrate_kernels(args))
     if world.Get_rank() == 0:
-        if links is None:  # one rank: no link to measure; keep the profile loadable
-            links = {name: [0.0, 0.0] for name in ("allgather", "reduce_scatter", "allreduce", "alltoall")}
         profile = {
             "name": args.name, "itemsize": 4, "ranks_per_node": world.Get_size(),
             "source": (f"scripts/calibrate.py on {platform.node()} ({platform.processor() or platform.machine()}), "
                        f"{world.Get_size()} ranks, {datetime.date.today().isoformat()}, "
                        f"{'quick' if args.quick else 'full'} run, {time.time() - start:.0f} s"),
             "links": {"intra": links},
+            "packing": packing,
             "kernels": kernels,
         }
         save_json(args.out, profile)
         print(f"wrote {args.out}")
         for name, (alpha, beta) in links.items():
             print(f"  {name:15s} alpha {alpha * 1e6:8.2f} us   beta {beta * 1e9:7.3f} ns/byte "
-                  f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)")
+                  f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)   packing "
+                  f"{packing[name] * 1e9:.3f} ns/byte")
         for name, per_k in kernels.items():
             rates = ", ".join(f"{k}x{k}: {min(p[-1] for p in pts) / 1e9:.0f}-{max(p[-1] for p in pts) / 1e9:.0f}"
                               for k, pts in per_k.items())
