@@ -109,3 +109,16 @@ def test_auto_model_builds_with_the_planners_choices():
     with pytest.raises(ValueError, match="algorithm 'auto' needs the global batch size and a machine profile"):
         build_model("resnet", grid, algorithm="auto")
     grid.free()
+
+
+def test_conv2d_auto_plans_its_own_layer():
+    from cfp.nn import Conv2d
+    grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    profile = MachineProfile.load("cpu-dev")
+    conv = Conv2d(grid, 64, 64, 3, padding=1, algorithm="auto", name="c",
+                  plan_for={"batch": 8, "size": 16, "profile": profile})
+    assert conv.algorithm in ("x", "y", "w")
+    with pytest.raises(ValueError, match="algorithm 'auto' needs plan_for"):
+        Conv2d(grid, 64, 64, 3, algorithm="auto", name="c")
+    conv.free()
+    grid.free()

@@ -8,6 +8,8 @@ import math
 import numpy as np
 
 from ..algorithms import make_conv
+from ..perfmodel import LayerShape
+from ..planner import CHANNEL_ALGORITHMS, plan
 from .module import Module, Parameter
 
 
@@ -21,12 +23,18 @@ class Conv2d(Module):
 
     input_replicated: the input holds all C channels on every channel rank (the network's
     first layer): no gather of x and no dx.
+    algorithm='auto': the planner's fastest channel/filter algorithm for this layer on `grid`,
+    which needs plan_for={'batch': global N, 'size': input H (= W), 'profile': MachineProfile}.
+    (A whole model is better planned at once: cfp.models.build_model(..., algorithm='auto').)
     """
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  algorithm="y", filter_groups=None, input_replicated=False, name="conv", seed=0,
-                 dtype=np.float32):
+                 dtype=np.float32, plan_for=None):
         self.name = name
+        if algorithm == "auto":
+            algorithm, filter_groups = self._planned(grid, in_channels, out_channels, kernel_size, stride,
+                                                     padding, input_replicated, plan_for)
         self.algorithm = algorithm
         self.conv = make_conv(algorithm, grid, in_channels, out_channels, kernel_size,
                               filter_groups=filter_groups, stride=stride, padding=padding, bias=bias,
@@ -44,6 +52,18 @@ class Conv2d(Module):
             b = np.zeros(out_channels, dtype=dtype)
             self.bias = Parameter(f"{name}.bias", self.conv.shard_bias(b), b.shape,
                                   index=None if whole else (self.conv.b_filters,))
+
+    def _planned(self, grid, in_channels, out_channels, kernel_size, stride, padding, first, plan_for):
+        if not plan_for or not {"batch", "size", "profile"} <= set(plan_for):
+            raise ValueError(f"{self.name}: algorithm 'auto' needs plan_for with the global batch, the "
+                             f"input size and a machine profile, got {plan_for!r}")
+        if not isinstance(kernel_size, int) or not isinstance(stride, int) or not isinstance(padding, int):
+            raise ValueError(f"{self.name}: algorithm 'auto' plans square kernels, strides and paddings")
+        layer = LayerShape(self.name, plan_for["batch"], in_channels, out_channels, plan_for["size"],
+                           plan_for["size"], kernel_size, stride, padding, first=first)
+        choice = plan([layer], grid.size, plan_for["profile"], algorithms=CHANNEL_ALGORITHMS,
+                      grid=(grid.axis_size("sample"), grid.axis_size("channel"))).choices[0]
+        return choice.algorithm, choice.p_f if choice.algorithm == "w" else None
 
     @property
     def output_split(self):
