@@ -13,14 +13,13 @@ shards' index sets and takes this rank's shard under the new grid, so a run save
 resume on 1 x 2 or on one rank. The previous `keep - 1` checkpoints are kept.
 """
 import hashlib
-import json
 import os
 import shutil
 
 import numpy as np
 
 from . import backend
-from .io import save_json, save_npz
+from .io import load_json, save_json, save_npz
 from .nn.module import assemble
 
 FORMAT = "cfp-checkpoint-1"
@@ -82,12 +81,10 @@ def latest_checkpoint(directory):
     pointer = os.path.join(directory, "latest.json")
     if not os.path.exists(pointer):
         raise ValueError(f"no checkpoint in {directory!r} (no latest.json)")
-    try:
-        with open(pointer) as f:
-            name = json.load(f)["checkpoint"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{pointer!r} is malformed: {e}") from None
-    return os.path.join(directory, name)
+    latest = load_json(pointer, "checkpoint pointer")
+    if not isinstance(latest, dict) or not isinstance(latest.get("checkpoint"), str):
+        raise ValueError(f"checkpoint pointer {pointer!r} is malformed: expected {{\"checkpoint\": name}}")
+    return os.path.join(directory, latest["checkpoint"])
 
 
 def read_meta(path):
@@ -95,11 +92,7 @@ def read_meta(path):
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         raise ValueError(f"checkpoint {path!r} has no meta.json: it is incomplete")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"checkpoint metadata {meta_path!r} is not valid JSON: {e}") from None
+    meta = load_json(meta_path, "checkpoint metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path!r} is not a {FORMAT} file")
     for name, digest in meta["files"].items():

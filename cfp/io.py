@@ -21,6 +21,17 @@ def load_array(path, what="array"):
     return array
 
 
+def load_json(path, what="JSON"):
+    """The object in the JSON file `path`; ValueError naming the file when missing or malformed."""
+    if not os.path.exists(path):
+        raise ValueError(f"{what} {path!r} does not exist")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+
+
 def _atomic_write(path, write):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -7,11 +7,11 @@ comm.py's: each element counted where it leaves a rank and where it arrives, nev
 own block.
 """
 import dataclasses
-import json
 import math
 import os
 
 from .grid import parse_grid_spec
+from .io import load_json
 from .kernels import conv2d_output_shape
 from .partition import (block_size, block_sizes, check_filter_groups, default_filter_groups,
                         gather_group, scatter_group, union_of_blocks)
@@ -173,12 +173,7 @@ class MachineProfile:
         if not os.path.exists(path):
             names = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
             raise ValueError(f"machine profile {path!r} does not exist (built-in profiles: {', '.join(names)})")
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"machine profile {path!r} is not valid JSON: {e}") from None
-        return cls(data, where=f"machine profile {path!r}")
+        return cls(load_json(path, "machine profile"), where=f"machine profile {path!r}")
 
     def link(self, intra):
         return self.links["intra" if intra or "inter" not in self.links else "inter"]
