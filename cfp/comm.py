@@ -348,7 +348,7 @@ def alltoall(comm, x, split_axis, concat_axis, split_sizes, concat_sizes):
     """
     split_sizes = _check_sizes(comm, split_sizes)
     concat_sizes = _check_sizes(comm, concat_sizes)
-    rank, p = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     split_axis, concat_axis = split_axis % x.ndim, concat_axis % x.ndim
     if split_axis == concat_axis:
         raise ValueError(f"alltoall: split and concatenation axis are both {split_axis}")

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import backend, comm  # noqa: E402
+from cfp import backend  # noqa: E402
 from cfp.benchtools import measure_conv, on_rank0, slowest_median  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402

@@ -3,7 +3,6 @@ import re
 import sys
 
 import numpy as np
-import pytest
 from mpi4py import MPI
 
 from cfp.grid import factorizations

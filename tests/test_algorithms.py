@@ -12,7 +12,7 @@ from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_back
                          conv2d_forward, conv2d_output_shape)
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor, Layout
-from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 

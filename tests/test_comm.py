@@ -134,7 +134,7 @@ def test_ledger_bytes_and_tags(grid_and_groups):
             C.allreduce(comm, np.ones(12, dtype=np.float32))
             C.broadcast(comm, np.ones(5), 0)
             C.sum_reduce(comm, np.ones(5), 0)
-        item, row = 8, 2 * 3 * 8
+        row = 2 * 3 * 8  # bytes of one entry along axis 1: 2 x 3 float64
         by_collective = {rec.collective: rec for rec in ledger.records if rec.layer == f"conv-{name}"}
         assert set(by_collective) == {"allgather", "reduce_scatter", "allreduce", "broadcast", "sum_reduce"}
         assert all(rec.phase == "forward" and rec.group_size == p for rec in by_collective.values())

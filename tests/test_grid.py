@@ -1,5 +1,4 @@
 """ProcessGrid: spec parsing, coordinates, and the communicators made by Comm.Split."""
-import itertools
 
 import pytest
 from mpi4py import MPI

@@ -10,7 +10,7 @@ from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GatherChannels, Glo
                     MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy)
 from cfp.nn.module import assemble
 from cfp.tensor import DistTensor, Layout
-from conftest import WORLD, assert_close_all_ranks, grid_specs
+from conftest import assert_close_all_ranks, grid_specs
 
 pytestmark = pytest.mark.mpi
 

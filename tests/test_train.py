@@ -12,7 +12,7 @@ from cfp import backend
 from cfp.checkpoint import latest_checkpoint, load_checkpoint
 from cfp.nn.module import assemble
 from cfp.train import TrainConfig, train
-from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import SIZE, WORLD, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
