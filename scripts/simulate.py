@@ -167,7 +167,10 @@ def markdown_table(rows):
 def plot(results, path):
     """Predicted iteration time against GPUs (log-log), one panel per model: data parallel,
     hybrid, and ideal linear scaling from the first hybrid point."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib, or the extra cfp[plot])") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -116,15 +116,17 @@ def test_bad_input_stops_every_rank_with_a_clear_error(tmp_path):
 
 
 def test_train_script_end_to_end(tmp_path):
-    log = tmp_path / "run.json"
+    log, curves = tmp_path / "run.json", tmp_path / "curves.png"
     proc, _ = run(2, ["--model", "resnet", "--grid", "channel=2", "--algorithm", "w", "--epochs", "1",
-                      "--train-samples", "256", "--batch-size", "64", "--log", str(log), "--no-progress"],
+                      "--train-samples", "256", "--batch-size", "64", "--log", str(log), "--no-progress",
+                      "--plot", str(curves)],
                   script=TRAIN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test accuracy" in proc.stdout and "communication of rank 0" in proc.stdout
     with open(log) as f:
         record = json.load(f)
     assert len(record["steps"]) == 4 and record["summary"]["ranks"] == 2
+    assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("args,message", [
