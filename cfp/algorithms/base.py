@@ -24,7 +24,7 @@ def _pair(value, name, minimum):
 class ConvAlgorithm:
     """Base of the distributed convolutions on a sample x channel ProcessGrid.
 
-    Subclasses set `name` and `filter_groups(grid)` (the p_f of the stationary-w view: 1 for
+    Subclasses set `name` and `filter_groups_of(grid)` (the p_f of the stationary-w view: 1 for
     stationary-x, P_c for stationary-y) and implement `forward(x, w, b)` and `backward(dy)`.
     `backward` returns (dx, dw, db) with dw and db already summed over the ranks holding the
     same shard (the segmented allreduce), so they equal the shard of the serial gradient.
@@ -76,9 +76,6 @@ class ConvAlgorithm:
     @property
     def bias_shape(self):
         return (len(self.b_filters),)
-
-    def local_samples(self, n_global):
-        return block_size(n_global, self.P_n, self.grid.coord("sample"))
 
     def check_input(self, x, w, b):
         """Local shape checks; they fail alike on every rank for inconsistent global shapes."""
