@@ -9,7 +9,7 @@ the index sets below.
 import numpy as np
 
 from .. import backend, comm
-from ..partition import (block_range, block_size, block_sizes, gather_group, scatter_group,
+from ..partition import (block_range, block_sizes, gather_group, scatter_group,
                          union_of_blocks)
 
 
