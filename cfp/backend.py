@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from .checks import positive_int
+
 try:  # CuPy is optional: cfp runs on NumPy alone.
     import cupy as _cupy
 except Exception:  # ImportError, or a CuPy without a usable CUDA driver
@@ -82,10 +84,9 @@ def set_blas_threads(threads=None, comm=None):
 
     if threads is None:
         threads = default_blas_threads(local_rank_count(comm))
-    if not isinstance(threads, (int, np.integer)) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"BLAS threads must be a positive integer, got {threads!r}")
-    threadpool_limits(limits=int(threads), user_api="blas")
-    return int(threads)
+    threads = positive_int(threads, "BLAS threads")
+    threadpool_limits(limits=threads, user_api="blas")
+    return threads
 
 
 def blas_info():

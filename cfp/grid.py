@@ -12,9 +12,10 @@ node). Axes not named in the spec have size 1.
 import functools
 import itertools
 import math
-import numbers
 
 from mpi4py import MPI
+
+from .checks import positive_int
 
 AXES = ("sample", "height", "width", "channel")
 
@@ -55,10 +56,12 @@ def parse_grid_spec(spec):
 
 
 def _positive_int(value, what):
-    number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else value
-    if isinstance(number, bool) or not isinstance(number, numbers.Integral) or number < 1:
+    """A size from the spec: an integer, or a string of digits."""
+    if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    if isinstance(value, str):
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return int(number)
+    return positive_int(value, what)
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,6 +6,7 @@ the images whole on every channel rank, and the logits are made whole before the
 """
 import numpy as np
 
+from .checks import positive_int
 from .nn import (BatchNorm2d, Conv2d, GatherChannels, GlobalAvgPool2d, Linear, MaxPool2d, Module,
                  ReLU, Residual, Sequential)
 
@@ -53,8 +54,7 @@ class _Builder:
 
 
 def _check_width(value, what, narrowest, grid, algorithm):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    positive_int(value, what)
     P_c = grid.axis_size("channel")
     if algorithm != "sample" and narrowest < P_c:
         raise ValueError(f"{what}={value} gives {narrowest} channels in the narrowest layer, fewer than "
@@ -77,8 +77,7 @@ def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y",
     width x width (each with batch norm and ReLU, a 2x2 max pool after the first half), then
     the classifier. Nearly all its weights are in the wide layers."""
     _check_width(width, "width", width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
-        raise ValueError(f"depth must be a positive integer, got {depth!r}")
+    positive_int(depth, "depth")
     b = _Builder(grid, algorithm, filter_groups, seed, dtype, choices)
     return _finish(_wide_layers(b, width, depth, in_channels, classes, image), b)
 
@@ -141,8 +140,7 @@ class _ShapeRecorder:
 def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
     """The LayerShape of every convolution of model `name` (for the planner), without building it."""
     for what, value in (("width", width), ("depth", depth), ("batch", batch), ("image", image)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        positive_int(value, what)
     recorder = _ShapeRecorder(batch)
     if name == "resnet":
         _resnet_layers(recorder, width, in_channels, classes, image)

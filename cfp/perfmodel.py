@@ -13,8 +13,8 @@ import os
 from .grid import parse_grid_spec
 from .io import load_json
 from .kernels import conv2d_output_shape
-from .partition import (block_size, block_sizes, check_filter_groups, default_filter_groups,
-                        gather_group, scatter_group, union_of_blocks)
+from .partition import (block_size, block_sizes, filter_groups_of, gather_group, scatter_group,
+                        union_of_blocks)
 
 PHASES = ("forward", "backward-filter", "backward-data", "gradient-sync")
 PASSES = ("forward", "backward-data", "backward-filter")
@@ -65,10 +65,7 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     if algorithm == "sample":
         w_count = F * C * Kh * Kw + (F if bias else 0)
     else:
-        p_f = {"x": 1, "y": P_c}.get(algorithm)
-        if p_f is None:
-            p_f = default_filter_groups(P_c) if filter_groups is None else filter_groups
-        check_filter_groups(P_c, p_f)
+        p_f = filter_groups_of(algorithm, P_c, filter_groups)
         row, column = gather_group(c, P_c, p_f), scatter_group(c, P_c, p_f)
         row_sizes = [block_size(C, P_c, k) for k in row]
         column_sizes = [block_size(F, P_c, k) for k in column]
@@ -224,12 +221,12 @@ def _kernel_point(point):
 
 
 def _shard_sizes(layer, algorithm, P_n, P_c, p_f):
-    """The busiest rank's (n, x channels, gathered channels, filters computed, y filters,
-    weight elements): the first block of each partition is the largest."""
+    """With p_f resolved (partition.filter_groups_of), the busiest rank's (n, x channels,
+    gathered channels, filters computed, y filters, weight elements): the first block of each
+    partition is the largest."""
     n = block_size(layer.N, P_n, 0)
     if algorithm == "sample":
         return n, layer.C, layer.C, layer.F, layer.F, layer.F * layer.C * layer.K ** 2
-    p_f = {"x": 1, "y": P_c}.get(algorithm, p_f)
     rows = len(union_of_blocks(layer.C, P_c, gather_group(0, P_c, p_f)))
     cols = len(union_of_blocks(layer.F, P_c, scatter_group(0, P_c, p_f)))
     x_channels = layer.C if layer.first else block_size(layer.C, P_c, 0)
@@ -243,11 +240,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     Ranks of a channel row are neighbours (channel varies fastest), so the row, the column and
     the gradient group stay inside a node when the ranks they span fit in one.
     """
-    if algorithm == "w":
-        p_f = default_filter_groups(P_c) if p_f is None else p_f
-        check_filter_groups(P_c, p_f)
-    else:
-        p_f = {"x": 1, "y": P_c, "sample": 1}[algorithm]
+    p_f = filter_groups_of(algorithm, P_c, p_f)
     q = P_c // p_f
     item = profile.itemsize
     n, x_channels, rows, cols, y_filters, w_count = _shard_sizes(layer, algorithm, P_n, P_c, p_f)

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from . import backend, comm
 from .algorithms import ALGORITHMS
+from .checks import positive_int
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import ShardedLoader, load_digits, synthetic
 from .grid import ProcessGrid
@@ -67,9 +68,7 @@ class TrainConfig:
                 raise ValueError(f"unknown {field} {getattr(self, field)!r}; expected one of "
                                  f"{', '.join(allowed)}")
         for field in ("epochs", "batch_size", "upsample"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+            positive_int(getattr(self, field), field)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.resume and not self.checkpoint_dir:

@@ -22,9 +22,8 @@ def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_gr
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
     if filter_groups is not None and algorithm != "w":
         raise ValueError(f"filter_groups (p_f) applies to algorithm 'w' only, not {algorithm!r}")
-    if algorithm == "w":
-        kwargs["filter_groups"] = filter_groups
-    return ALGORITHMS[algorithm](grid, in_channels, out_channels, kernel_size, **kwargs)
+    return ALGORITHMS[algorithm](grid, in_channels, out_channels, kernel_size,
+                                 filter_groups=filter_groups, **kwargs)
 
 
 __all__ = ["ALGORITHMS", "ConvAlgorithm", "SampleParallel", "StationaryW", "StationaryX",

@@ -9,23 +9,17 @@ the index sets below.
 import numpy as np
 
 from .. import backend, comm
-from ..partition import (block_range, block_sizes, gather_group, scatter_group,
+from ..checks import int_pair, positive_int
+from ..partition import (block_range, block_sizes, filter_groups_of, gather_group, scatter_group,
                          union_of_blocks)
-
-
-def _pair(value, name, minimum):
-    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer))
-                             or v < minimum for v in pair):
-        raise ValueError(f"{name} must be an integer >= {minimum} or a pair of them, got {value!r}")
-    return tuple(int(v) for v in pair)
 
 
 class ConvAlgorithm:
     """Base of the distributed convolutions on a sample x channel ProcessGrid.
 
-    Subclasses set `name` and `filter_groups_of(grid)` (the p_f of the stationary-w view: 1 for
-    stationary-x, P_c for stationary-y) and implement `forward(x, w, b)` and `backward(dy)`.
+    Subclasses set `name` and implement `forward(x, w, b)` and `backward(dy)`; `p_f` is the
+    algorithm's filter groups in the stationary-w view (1 for stationary-x, P_c for
+    stationary-y, given or default for stationary-w; partition.filter_groups_of).
     `backward` returns (dx, dw, db) with dw and db already summed over the ranks holding the
     same shard (the segmented allreduce), so they equal the shard of the serial gradient.
     """
@@ -34,17 +28,18 @@ class ConvAlgorithm:
     weight_replicated = False  # True for sample parallelism: every rank holds all of w
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 bias=True, input_replicated=False, layer="conv"):
+                 bias=True, input_replicated=False, layer="conv", filter_groups=None):
         self.grid = grid
-        self.C = _pair(in_channels, "in_channels", 1)[0]
-        self.F = _pair(out_channels, "out_channels", 1)[0]
-        self.kernel_size = _pair(kernel_size, "kernel_size", 1)
-        self.stride = _pair(stride, "stride", 1)
-        self.padding = _pair(padding, "padding", 0)
+        self.C = positive_int(in_channels, "in_channels")
+        self.F = positive_int(out_channels, "out_channels")
+        self.kernel_size = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
+        self.stride = int_pair(stride, "stride", 1, "a positive integer")
+        self.padding = int_pair(padding, "padding", 0, "a non-negative integer")
         self.bias = bool(bias)
         self.input_replicated = bool(input_replicated) or self.weight_replicated
         self.layer = layer
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
+        self.p_f = filter_groups_of(self.name, self.P_c, filter_groups)
         c = grid.coord("channel")
         self.channel_comm = grid.axis_comm("channel")
         self.gradient_comm = grid.complement_comm("channel")  # ranks holding the same shard
@@ -53,17 +48,13 @@ class ConvAlgorithm:
                            else list(range(*block_range(self.C, self.P_c, c))))
         self._saved = None
 
-    def filter_groups_of(self, grid):
-        raise NotImplementedError
-
     def shard_indices(self, c):
         """(filters, channels, bias filters): the global indices of the weight and bias shard
         held at channel coordinate c."""
         if self.weight_replicated:
             return list(range(self.F)), list(range(self.C)), list(range(self.F))
-        p_f = self.filter_groups_of(self.grid)
-        return (union_of_blocks(self.F, self.P_c, scatter_group(c, self.P_c, p_f)),
-                union_of_blocks(self.C, self.P_c, gather_group(c, self.P_c, p_f)),
+        return (union_of_blocks(self.F, self.P_c, scatter_group(c, self.P_c, self.p_f)),
+                union_of_blocks(self.C, self.P_c, gather_group(c, self.P_c, self.p_f)),
                 list(range(*block_range(self.F, self.P_c, c))))
 
     # -- shapes ------------------------------------------------------------------------------

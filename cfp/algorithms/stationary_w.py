@@ -10,28 +10,22 @@ column's F blocks and the channels of the row's C blocks (partition.union_of_blo
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-from ..partition import (block_size, check_filter_groups, default_filter_groups, gather_group,
-                         scatter_group)
+from ..partition import block_size, gather_group, scatter_group
 from .base import ConvAlgorithm
 
 
 class StationaryW(ConvAlgorithm):
     name = "w"
 
-    def __init__(self, grid, in_channels, out_channels, kernel_size, filter_groups=None, **kwargs):
-        P_c = grid.axis_size("channel")
-        self.p_f = default_filter_groups(P_c) if filter_groups is None else filter_groups
-        self.q = check_filter_groups(P_c, self.p_f)
+    def __init__(self, grid, in_channels, out_channels, kernel_size, **kwargs):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)
-        c = grid.coord("channel")
+        P_c, c = self.P_c, grid.coord("channel")
+        self.q = P_c // self.p_f
         row, column = divmod(c, self.p_f)
         self.row_comm = self.channel_comm.Split(row, column)
         self.column_comm = self.channel_comm.Split(column, row)
         self.row_channel_sizes = [block_size(self.C, P_c, k) for k in gather_group(c, P_c, self.p_f)]
         self.column_filter_sizes = [block_size(self.F, P_c, k) for k in scatter_group(c, P_c, self.p_f)]
-
-    def filter_groups_of(self, grid):
-        return self.p_f
 
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)

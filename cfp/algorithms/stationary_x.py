@@ -13,9 +13,6 @@ from .base import ConvAlgorithm, channel_block_sizes
 class StationaryX(ConvAlgorithm):
     name = "x"
 
-    def filter_groups_of(self, grid):
-        return 1
-
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)
         if self.input_replicated:  # the first layer: take this rank's channels, no message

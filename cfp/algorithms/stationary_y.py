@@ -13,9 +13,6 @@ from .base import ConvAlgorithm, channel_block_sizes
 class StationaryY(ConvAlgorithm):
     name = "y"
 
-    def filter_groups_of(self, grid):
-        return grid.axis_size("channel")
-
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)
         with comm.tag(layer=self.layer, phase="forward"):

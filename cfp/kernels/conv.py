@@ -16,6 +16,7 @@ import operator
 from collections import namedtuple
 
 from cfp.backend import get_array_module
+from cfp.checks import int_pair
 
 # A block of samples holds about this many output pixels: the rows of the forward GEMM and the
 # inner dimension of the backward-filter GEMM. OpenBLAS runs near its peak from about 512 on;
@@ -30,20 +31,6 @@ ConvGeometry = namedtuple(
     "ConvGeometry", "N C H W F Kh Kw sh sw ph pw Ho Wo", module=__name__
 )
 ConvGeometry.__doc__ = """Sizes of one convolution: input, kernel, stride, padding and output."""
-
-
-def _pair(value, name, minimum, expected):
-    """(a, b) from an int or a pair of ints, each >= minimum; else ValueError naming `value`."""
-    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    try:
-        if len(items) != 2 or any(isinstance(v, bool) for v in items):
-            raise TypeError
-        pair = tuple(operator.index(v) for v in items)
-    except TypeError:
-        raise ValueError(f"{name} must be {expected} or a pair of them, got {value!r}") from None
-    if min(pair) < minimum:
-        raise ValueError(f"{name} must be {expected} or a pair of them, got {value!r}")
-    return pair
 
 
 def _shape4(shape, name, layout):
@@ -68,8 +55,8 @@ def conv_geometry(x_shape, w_shape, stride=1, padding=0):
         raise ValueError(
             f"x has C={C} channels but w expects {Cw} (w.shape={tuple(w_shape)})"
         )
-    sh, sw = _pair(stride, "stride", 1, "a positive integer")
-    ph, pw = _pair(padding, "padding", 0, "a non-negative integer")
+    sh, sw = int_pair(stride, "stride", 1, "a positive integer")
+    ph, pw = int_pair(padding, "padding", 0, "a non-negative integer")
     if Kh < 1 or Kw < 1 or Kh > H + 2 * ph or Kw > W + 2 * pw:
         raise ValueError(
             f"kernel {Kh}x{Kw} does not fit the padded input {H + 2 * ph}x{W + 2 * pw} "
