@@ -33,7 +33,7 @@ def _sha256(path):
     return digest.hexdigest()
 
 
-def _tensors(model, optimizer):
+def _tensors(model):
     """{key: Parameter-like (name, data, global_shape, index)} of everything a checkpoint holds."""
     out = {f"param/{p.name}": p for p in model.parameters()}
     out.update({f"buffer/{name}": b for name, b in model.buffers().items()})
@@ -51,7 +51,7 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
     optim_state = optimizer.state_dict()
     if writes:
         arrays = {}
-        for key, p in _tensors(model, optimizer).items():
+        for key, p in _tensors(model).items():
             arrays[f"{key}/data"] = backend.to_host(p.data)
             for dim, ix in enumerate(p.index):
                 if ix is not None:
@@ -62,7 +62,7 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
     grid.comm.Barrier()
     if grid.rank == 0:
         files = sorted(f for f in os.listdir(path) if f.startswith("rank-") and f.endswith(".npz"))
-        shapes = {key: list(p.global_shape) for key, p in _tensors(model, optimizer).items()}
+        shapes = {key: list(p.global_shape) for key, p in _tensors(model).items()}
         save_json(os.path.join(path, "meta.json"), {
             "format": FORMAT, "step": step, "grid": grid.describe(), "shapes": shapes,
             "optimizer": {k: v for k, v in optim_state.items() if k != "state"},
@@ -123,7 +123,7 @@ def load_checkpoint(path, model, optimizer, expect=None):
                 shards.append({k: f[k] for k in f.files})
         except Exception as e:  # a file that matches its checksum but does not load
             raise ValueError(f"checkpoint file {os.path.join(path, name)!r} does not load: {e}") from None
-    tensors = _tensors(model, optimizer)
+    tensors = _tensors(model)
     saved = meta["shapes"]
     if set(saved) != set(tensors):
         missing, extra = sorted(set(tensors) - set(saved)), sorted(set(saved) - set(tensors))

@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from . import backend
 from .partition import block_sizes
+from .report import format_bytes, format_table
 
 PHASES = ("forward", "backward-data", "backward-filter", "gradient-sync", "redistribute", "other")
 
@@ -98,16 +99,7 @@ class CommLedger:
         for key, t in self.totals(by).items():
             rows.append(list(key) + [str(t["calls"]), format_bytes(t["bytes_sent"]),
                                      format_bytes(t["bytes_received"]), f"{t['seconds']:.4f}"])
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        return "\n".join(lines)
-
-
-def format_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        return format_table(rows)
 
 
 _ledgers = [CommLedger()]

@@ -11,6 +11,7 @@ import dataclasses
 
 from .grid import factorizations
 from .perfmodel import layer_cost
+from .report import format_table
 
 CHANNEL_ALGORITHMS = ("x", "y", "w")
 
@@ -119,11 +120,8 @@ class Plan:
                          f"{sum(c.cost['compute'].values()) * 1e3:.2f}",
                          f"{sum(c.cost['comm'].values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
                          f"{c.cost['bytes'] / mib:.2f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"predicted iteration {self.time * 1e3:.2f} ms on {self.ranks} ranks, "
-                     f"{self.memory / mib:.2f} MiB per rank")
-        return "\n".join(lines)
+        return (format_table(rows) + f"\npredicted iteration {self.time * 1e3:.2f} ms on {self.ranks} "
+                f"ranks, {self.memory / mib:.2f} MiB per rank")
 
 
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,

@@ -23,6 +23,7 @@ from cfp.algorithms import ALGORITHMS, make_conv  # noqa: E402
 from cfp.grid import ProcessGrid  # noqa: E402
 from cfp.io import load_array, save_npz  # noqa: E402
 from cfp.kernels import conv2d_output_shape  # noqa: E402
+from cfp.report import format_bytes, format_table  # noqa: E402
 from cfp.tensor import DistTensor, Layout  # noqa: E402
 
 
@@ -78,12 +79,10 @@ def ledger_table(ledger, world):
     for key in keys:
         per_rank = [t.get(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0}) for t in everyone]
         rows.append((key[0], key[1], str(per_rank[0]["calls"]),
-                     comm.format_bytes(per_rank[0]["bytes_sent"]),
-                     comm.format_bytes(per_rank[0]["bytes_received"]),
-                     comm.format_bytes(max(t["bytes_sent"] for t in per_rank)),
-                     comm.format_bytes(sum(t["bytes_sent"] for t in per_rank))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+                     format_bytes(per_rank[0]["bytes_sent"]), format_bytes(per_rank[0]["bytes_received"]),
+                     format_bytes(max(t["bytes_sent"] for t in per_rank)),
+                     format_bytes(sum(t["bytes_sent"] for t in per_rank))))
+    return format_table(rows)
 
 
 def main(argv=None):
