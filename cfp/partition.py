@@ -104,17 +104,22 @@ def filter_groups_of(algorithm, channel_parts, filter_groups=None):
     return channel_parts if algorithm == "y" else 1
 
 
+def row_and_column(c, filter_groups):
+    """(row, column) of channel rank c: divmod(c, p_f)."""
+    return divmod(c, filter_groups)
+
+
 def gather_group(c, channel_parts, filter_groups):
     """The channel coordinates whose x blocks rank c gathers (its row), in group rank order."""
     check_filter_groups(channel_parts, filter_groups)
-    i = c // filter_groups
+    i, _ = row_and_column(c, filter_groups)
     return [i * filter_groups + j for j in range(filter_groups)]
 
 
 def scatter_group(c, channel_parts, filter_groups):
     """The channel coordinates among which rank c reduce-scatters y (its column), in order."""
     q = check_filter_groups(channel_parts, filter_groups)
-    j = c % filter_groups
+    _, j = row_and_column(c, filter_groups)
     return [i * filter_groups + j for i in range(q)]
 
 
