@@ -1,7 +1,13 @@
 """Argument checks shared across cfp, each raising ValueError that names the value and what
-was expected. The checks depend only on their arguments, so every rank raises alike."""
+was expected. The checks depend only on their arguments, so every rank raises alike (the one
+that looks at a single rank's world, alike_on_all_ranks, shares its verdict)."""
+import math
 import numbers
 import operator
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def positive_int(value, what):
@@ -24,3 +30,36 @@ def int_pair(value, name, minimum, expected):
     if min(pair) < minimum:
         raise ValueError(f"{name} must be {expected} or a pair of them, got {value!r}")
     return pair
+
+
+def finite_number(value, what, minimum=None, above=None):
+    """float(value) for a finite number (>= minimum, > above when given); else ValueError.
+    NaN passes every comparison test by failing it, hence the explicit check."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum:g}, got {value!r}")
+    if above is not None and not value > above:
+        raise ValueError(f"{what} must be > {above:g}, got {value!r}")
+    return float(value)
+
+
+def float_dtype(dtype, what):
+    """The dtype when it is float32 or float64 (cfp computes in nothing else); else ValueError."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what} has dtype {dtype}; expected float32 or float64")
+    return dtype
+
+
+def alike_on_all_ranks(comm, check, root=0):
+    """Run `check()` on `root` alone (say, a look at the file system rank 0 will write to) and
+    raise its ValueError on every rank of `comm`, so that all ranks stop together."""
+    problem = None
+    if comm.Get_rank() == root:
+        try:
+            check()
+        except ValueError as e:
+            problem = str(e)
+    problem = comm.bcast(problem, root=root)  # text or None: the pickling form fits
+    if problem is not None:
+        raise ValueError(problem)

@@ -25,17 +25,34 @@ def load_json(path, what="JSON"):
     """The object in the JSON file `path`; ValueError naming the file when missing or malformed."""
     if not os.path.exists(path):
         raise ValueError(f"{what} {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r} is a directory; expected a JSON file")
     try:
         with open(path) as f:
             return json.load(f)
     except ValueError as e:
         raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from None
 
 
 def _atomic_write(path, write):
+    """Write `path` with write(f) on a temporary file `.tmp-*` in its folder, then rename it:
+    a reader sees the old file or the new one, never half of one (cfp.checkpoint removes the
+    `.tmp-*` files a killed writer leaves). The temporary file is created with mode 0666, which
+    the kernel reduces by the umask as for open(): tempfile.mkstemp's private 0600 would make
+    checkpoints and logs unreadable to the group, and reading the umask means setting it, which
+    races with other threads."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    while True:  # a fresh random name, as mkstemp does; O_EXCL refuses one that exists
+        tmp = os.path.join(folder, f".tmp-{os.urandom(6).hex()}-{os.path.basename(path)}")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -54,5 +71,35 @@ def save_npz(path, **arrays):
 
 
 def save_json(path, obj):
-    """Write `obj` as JSON to `path` atomically."""
-    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()))
+    """Write `obj` as JSON to `path` atomically. NaN and infinity are refused (ValueError):
+    they are not JSON, and a number cfp writes is a result, never a placeholder."""
+    text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def check_writable(path, what, directory=False):
+    """ValueError unless `path` can be written: a file (or, with directory=True, a directory)
+    that exists and is writable, or one that can be made, its nearest existing ancestor
+    being a writable directory. Checked by trying (a probe file, removed at once), since the
+    permission bits say little to root or on a read-only file system. Call it before the work
+    whose result goes there, so a bad path costs seconds, not a run."""
+    if not path:
+        raise ValueError(f"{what} path is empty")
+    target = os.path.abspath(path)
+    if os.path.isdir(target) and not directory:
+        raise ValueError(f"{what} {path!r} is a directory; expected a file name")
+    if os.path.exists(target) and directory and not os.path.isdir(target):
+        raise ValueError(f"{what} {path!r} exists and is not a directory")
+    folder = target if directory else os.path.dirname(target)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{what} {path!r} cannot be made: {folder!r} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".tmp-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be written: {folder!r}: {e.strerror}") from None
+    if os.path.isfile(target) and not os.access(target, os.W_OK):
+        raise ValueError(f"{what} {path!r} exists and is not writable")

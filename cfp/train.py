@@ -4,6 +4,8 @@ evaluation, checkpoints (re-shardable), a progress bar, a JSON log and a closing
 `train(config)` is what scripts/train.py runs under mpiexec; the tests call it in-process.
 """
 import dataclasses
+import importlib.util
+import math
 import sys
 import time
 
@@ -12,37 +14,50 @@ from mpi4py import MPI
 
 from . import backend, comm
 from .algorithms import ALGORITHMS
-from .checks import positive_int
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checks import alike_on_all_ranks, finite_number, positive_int
+from .checkpoint import load_checkpoint, resume_point, save_checkpoint
 from .data import ShardedLoader, load_digits, synthetic
 from .grid import ProcessGrid
-from .io import save_json
+from .io import check_writable, save_json
 from .models import MODELS, build_model
 from .nn import SoftmaxCrossEntropy
 from .perfmodel import MachineProfile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
 from .partition import block_range
+from .tensor import Layout, blocks_checked, check_blocks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 DATASETS = ("digits", "synthetic")
+WIDE_DEPTH = 4
+SGD_MOMENTUM = 0.9
+DEFAULT_PROFILE = "cpu-dev"
+
+
+def option(field):
+    """The command-line spelling of a TrainConfig field: max_steps -> --max-steps."""
+    return "--" + field.replace("_", "-")
+
+
+class TrainingDiverged(ValueError):
+    """The loss (or a weight) became NaN or infinite: the run stops rather than go on."""
 
 
 @dataclasses.dataclass
 class TrainConfig:
     model: str = "resnet"
     width: int = 1
-    depth: int = 4  # wide CNN only
+    depth: int = None  # wide CNN only (default WIDE_DEPTH)
     grid: str = "sample=1"
     algorithm: str = "y"  # or "auto": the planner's choice per layer on this grid
-    filter_groups: int = None
-    profile: str = "cpu-dev"  # machine profile for "auto": a JSON file or a built-in name
+    filter_groups: int = None  # algorithm w only
+    profile: str = None  # algorithm auto only: a JSON file or a built-in name (default DEFAULT_PROFILE)
     memory_limit: float = None  # MiB per rank the "auto" plan must fit
     epochs: int = 10
     batch_size: int = 64
     lr: float = 0.1
     optimizer: str = "sgd"
-    momentum: float = 0.9
+    momentum: float = None  # sgd only (default SGD_MOMENTUM)
     weight_decay: float = 5e-4
     schedule: str = "cosine"
     warmup_steps: int = 0
@@ -60,24 +75,53 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self):
-        """ValueError naming the bad option; the same on every rank (no MPI involved)."""
+        """ValueError naming the bad option, or an option this combination would ignore; the
+        same on every rank (no MPI involved)."""
         for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS) + ("auto",)),
                                ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
                                ("dataset", DATASETS), ("dtype", ("float32", "float64"))):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"unknown {field} {getattr(self, field)!r}; expected one of "
                                  f"{', '.join(allowed)}")
-        for field in ("epochs", "batch_size", "upsample"):
-            positive_int(getattr(self, field), field)
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        for field in ("width", "epochs", "batch_size", "upsample"):
+            positive_int(getattr(self, field), option(field))
+        for field in ("depth", "filter_groups", "train_samples", "max_steps", "threads"):
+            if getattr(self, field) is not None:
+                positive_int(getattr(self, field), option(field))
+        for field in ("warmup_steps", "seed"):
+            if isinstance(getattr(self, field), bool) or not isinstance(getattr(self, field), int) \
+                    or getattr(self, field) < 0:
+                raise ValueError(f"{option(field)} must be a non-negative integer, got {getattr(self, field)!r}")
+        finite_number(self.lr, "--lr", above=0)
+        finite_number(self.weight_decay, "--weight-decay", minimum=0)
+        if self.momentum is not None:
+            finite_number(self.momentum, "--momentum", minimum=0)
+        if self.memory_limit is not None:
+            finite_number(self.memory_limit, "--memory-limit", above=0)
+        for field, needs, value in (("filter_groups", "algorithm", "w"), ("profile", "algorithm", "auto"),
+                                    ("memory_limit", "algorithm", "auto"), ("depth", "model", "wide"),
+                                    ("momentum", "optimizer", "sgd")):
+            if getattr(self, field) is not None and getattr(self, needs) != value:
+                raise ValueError(f"{option(field)} applies to {option(needs)} {value} only; with "
+                                 f"{option(needs)} {getattr(self, needs)} it would be ignored")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
+
+    def check_outputs(self):
+        """ValueError unless every file this run will write can be written (this rank's view)."""
+        if self.log:
+            check_writable(self.log, "--log")
+        if self.plot:
+            check_writable(self.plot, "--plot")
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ValueError("--plot needs matplotlib (pip install matplotlib)")
+        if self.checkpoint_dir:
+            check_writable(self.checkpoint_dir, "--checkpoint-dir", directory=True)
 
     def model_description(self):
         """What a checkpoint must match to be loaded into this run's model."""
         return {"model": self.model, "width": self.width,
-                "depth": self.depth if self.model == "wide" else None,
+                "depth": (self.depth or WIDE_DEPTH) if self.model == "wide" else None,
                 "dataset": self.dataset, "upsample": self.upsample}
 
 
@@ -89,13 +133,17 @@ def _dataset(cfg, dtype):
         x, y = synthetic(1200, 1, side, side, 10, seed=cfg.seed, dtype=dtype)
         x_train, y_train, x_test, y_test = x[:1000], y[:1000], x[1000:], y[1000:]
     if cfg.train_samples is not None:
+        if cfg.train_samples > len(x_train):
+            raise ValueError(f"--train-samples {cfg.train_samples} is more than the {len(x_train)} training "
+                             f"samples of {cfg.dataset}")
         x_train, y_train = x_train[:cfg.train_samples], y_train[:cfg.train_samples]
     return x_train, y_train, x_test, y_test
 
 
 def _optimizer(cfg, params):
     if cfg.optimizer == "sgd":
-        return SGD(params, cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        momentum = SGD_MOMENTUM if cfg.momentum is None else cfg.momentum
+        return SGD(params, cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adam":
         return Adam(params, cfg.lr, weight_decay=cfg.weight_decay)
     return AdamW(params, cfg.lr, weight_decay=cfg.weight_decay)
@@ -111,12 +159,22 @@ def _schedule(cfg, optimizer, total_steps):
     return LinearWarmup(optimizer, cfg.warmup_steps, after=after)
 
 
+def check_batch(grid, x_local, y_local):
+    """That the ranks' blocks of a batch form one global batch (split by sample, whole over
+    the other axes; tensor.check_blocks), before the layers trust it."""
+    check_blocks(x_local, Layout(("sample",) + (None,) * (x_local.ndim - 1)), grid, "the input batch")
+    check_blocks(y_local, Layout(("sample",)), grid, "the labels")
+
+
 def train_step(model, loss_fn, optimizer, x_local, y_local):
     """One step on this rank's block of a global batch: forward, loss, backward (gradients
-    synchronised inside the layers), update. Returns (loss, correct in the global batch)."""
-    loss, correct = loss_fn.forward(model.forward(x_local), y_local)
-    model.backward(loss_fn.backward())
-    optimizer.step()
+    synchronised inside the layers), update. Returns (loss, correct in the global batch).
+    The batch is checked once (check_batch); the layers then run without checks of their own."""
+    check_batch(loss_fn.grid, x_local, y_local)
+    with blocks_checked():
+        loss, correct = loss_fn.forward(model.forward(x_local), y_local)
+        model.backward(loss_fn.backward())
+        optimizer.step()
     return loss, correct
 
 
@@ -127,7 +185,10 @@ def evaluate(model, loss_fn, grid, x, y, batch_size=256):
     for start in range(0, len(x), batch_size):
         n_global = min(batch_size, len(x) - start)
         lo, hi = block_range(n_global, grid.axis_size("sample"), grid.coord("sample"))
-        loss, right = loss_fn.forward(model.forward(x[start + lo:start + hi]), y[start + lo:start + hi])
+        x_local, y_local = x[start + lo:start + hi], y[start + lo:start + hi]
+        check_batch(grid, x_local, y_local)
+        with blocks_checked():
+            loss, right = loss_fn.forward(model.forward(x_local), y_local)
         total_loss += loss * n_global
         correct += right
     model.train()
@@ -135,7 +196,31 @@ def evaluate(model, loss_fn, grid, x, y, batch_size=256):
 
 
 def _max_over_ranks(grid, value):
-    return grid.comm.allreduce(value, op=MPI.MAX)
+    out = np.zeros(1, dtype=np.int64)
+    grid.comm.Allreduce(np.array([value], dtype=np.int64), out, op=MPI.MAX)
+    return int(out[0])
+
+
+def _weights_finite(grid, model):
+    """True on every rank when no rank's shards hold NaN or infinity (collective)."""
+    mine = np.array([all(bool(np.isfinite(backend.to_host(p.data)).all()) for p in model.parameters())],
+                    dtype=np.int64)
+    everyone = np.zeros(1, dtype=np.int64)
+    grid.comm.Allreduce(mine, everyone, op=MPI.MIN)
+    return bool(everyone[0])
+
+
+def _diverged(cfg, rank0, step, what, history, epochs_log):
+    """Stop a run whose loss or weights are no longer finite: the log (when asked for) keeps
+    the finite steps and says that the run diverged; no checkpoint is written."""
+    last = history[-1] if history else None
+    message = (f"training diverged at step {step}: {what}"
+               + (f"; the last finite loss was {last['loss']:.6g} at step {last['step']}" if last else "")
+               + f". No checkpoint was written for it; try a smaller learning rate than --lr {cfg.lr:g}")
+    if rank0 and cfg.log:
+        save_json(cfg.log, {"config": dataclasses.asdict(cfg), "steps": history, "epochs": epochs_log,
+                            "diverged": {"step": step, "reason": what, "message": message}, "summary": None})
+    raise TrainingDiverged(message)
 
 
 def train(cfg, world=None, keep_model=False):
@@ -147,6 +232,7 @@ def train(cfg, world=None, keep_model=False):
     """
     cfg.validate()
     world = MPI.COMM_WORLD if world is None else world
+    alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
     grid = ProcessGrid(cfg.grid, comm=world)
     rank0 = grid.rank == 0
@@ -159,10 +245,10 @@ def train(cfg, world=None, keep_model=False):
               "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
               "image": x_train.shape[2]}
     if cfg.algorithm == "auto":
-        config.update(batch=cfg.batch_size, profile=MachineProfile.load(cfg.profile),
+        config.update(batch=cfg.batch_size, profile=MachineProfile.load(cfg.profile or DEFAULT_PROFILE),
                       memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
     if cfg.model == "wide":
-        config["depth"] = cfg.depth
+        config["depth"] = cfg.depth or WIDE_DEPTH
     model = build_model(cfg.model, grid, **config)
     if cfg.algorithm == "auto" and rank0:
         chosen = ", ".join(f"{name} {a}" + (f"(p_f={p})" if p else "") for name, (a, p) in model.algorithms.items())
@@ -177,7 +263,10 @@ def train(cfg, world=None, keep_model=False):
     # Where training stands: `step` updates done, the next batch is `skip` of epoch `first_epoch`.
     history, epochs_log, step, first_epoch, skip = [], [], 0, 0, 0
     if cfg.resume:
-        path = latest_checkpoint(cfg.checkpoint_dir)
+        path, skipped = resume_point(cfg.checkpoint_dir)
+        if rank0:
+            for bad, reason in skipped:
+                print(f"checkpoint {bad} is corrupt ({reason}); resuming from {path} instead", flush=True)
         meta = load_checkpoint(path, model, optimizer, expect={"model": cfg.model_description()})
         schedule.load_state_dict(meta["schedule"])
         history, epochs_log = meta["history"], meta["epochs"]
@@ -188,47 +277,60 @@ def train(cfg, world=None, keep_model=False):
     ledger = comm.CommLedger()
     progress = _progress_bar(rank0 and cfg.progress, stop_at, step)
     start = time.perf_counter()
-    images = 0
-    with comm.use_ledger(ledger):
-        for epoch in range(first_epoch, cfg.epochs):
-            if step >= stop_at:
-                break
-            loader.set_epoch(epoch)
-            batch = 0
-            for batch, (x_local, y_local, n_global) in enumerate(loader, start=1):
-                if batch <= skip:  # resuming inside this epoch: these batches were done
-                    continue
-                lr = optimizer.lr
-                loss, correct = train_step(model, loss_fn, optimizer, x_local, y_local)
-                schedule.step()
-                step += 1
-                images += n_global
-                history.append({"step": step, "epoch": epoch, "loss": float(loss),
-                                "accuracy": correct / n_global, "lr": lr})
-                if progress is not None:
-                    elapsed = time.perf_counter() - start
-                    progress.set_postfix(loss=f"{loss:.4f}", acc=f"{correct / n_global:.3f}",
-                                         img_s=f"{images / elapsed:.0f}", refresh=False)
-                    progress.update(1)
+    images, first_step = 0, step
+    last_checkpoint = path if cfg.resume else None
+    try:
+        # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
+        with comm.use_ledger(ledger), np.errstate(over="ignore", invalid="ignore"):
+            for epoch in range(first_epoch, cfg.epochs):
                 if step >= stop_at:
                     break
-            skip = 0
-            finished = batch == len(loader)
-            test_loss, test_accuracy = evaluate(model, loss_fn, grid, x_test, y_test)
-            epochs_log.append({"epoch": epoch, "step": step, "test_loss": test_loss,
-                               "test_accuracy": test_accuracy})
-            if cfg.checkpoint_dir:
-                save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, grid, {
-                    "model": cfg.model_description(), "epoch": epoch + 1 if finished else epoch,
-                    "batch": 0 if finished else batch, "schedule": schedule.state_dict(),
-                    "history": history, "epochs": epochs_log})
+                loader.set_epoch(epoch)
+                batch = 0
+                for batch, (x_local, y_local, n_global) in enumerate(loader, start=1):
+                    if batch <= skip:  # resuming inside this epoch: these batches were done
+                        continue
+                    lr = optimizer.lr
+                    loss, correct = train_step(model, loss_fn, optimizer, x_local, y_local)
+                    if not math.isfinite(loss):  # the same value on every rank: all stop here
+                        _diverged(cfg, rank0, step + 1, f"the loss is {loss}", history, epochs_log)
+                    schedule.step()
+                    step += 1
+                    images += n_global
+                    history.append({"step": step, "epoch": epoch, "loss": float(loss),
+                                    "accuracy": correct / n_global, "lr": lr})
+                    if progress is not None:
+                        elapsed = time.perf_counter() - start
+                        progress.set_postfix(loss=f"{loss:.4f}", acc=f"{correct / n_global:.3f}",
+                                             img_s=f"{images / elapsed:.0f}", refresh=False)
+                        progress.update(1)
+                    if step >= stop_at:
+                        break
+                skip = 0
+                finished = batch == len(loader)
+                if not _weights_finite(grid, model):  # the last update broke them: never save that
+                    _diverged(cfg, rank0, step, "a weight is no longer finite", history, epochs_log)
+                test_loss, test_accuracy = evaluate(model, loss_fn, grid, x_test, y_test)
+                epochs_log.append({"epoch": epoch, "step": step, "test_loss": test_loss,
+                                   "test_accuracy": test_accuracy})
+                if cfg.checkpoint_dir:
+                    last_checkpoint = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, grid, {
+                        "model": cfg.model_description(), "epoch": epoch + 1 if finished else epoch,
+                        "batch": 0 if finished else batch, "schedule": schedule.state_dict(),
+                        "history": history, "epochs": epochs_log})
+    except KeyboardInterrupt:
+        where = (f"the last checkpoint is {last_checkpoint} (continue with --resume)" if last_checkpoint
+                 else "no checkpoint was saved")
+        raise KeyboardInterrupt(f"at step {step}; {where}") from None
+    finally:
+        if progress is not None:
+            progress.close()
     seconds = time.perf_counter() - start
-    if progress is not None:
-        progress.close()
 
     summary = {
         "grid": grid.describe(), "ranks": grid.size, "algorithm": cfg.algorithm, "threads_per_rank": threads,
-        "steps": step, "seconds": seconds, "images_per_second": images / seconds if seconds > 0 else 0.0,
+        "steps": step, "steps_this_session": step - first_step, "seconds": seconds,
+        "images_per_second": images / seconds if seconds > 0 else 0.0,
         "final_loss": history[-1]["loss"] if history else None,
         "test_accuracy": epochs_log[-1]["test_accuracy"] if epochs_log else None,
         "parameter_bytes_per_rank": _max_over_ranks(grid, sum(p.data.nbytes for p in model.parameters())),
@@ -263,7 +365,10 @@ def _print_summary(summary, ledger):
     mib = 1024.0 ** 2
     acc = summary["test_accuracy"]
     print(f"\ntest accuracy {acc:.4f}" if acc is not None else "\nno epoch finished")
-    print(f"{summary['steps']} steps in {summary['seconds']:.1f} s, {summary['images_per_second']:.0f} "
+    this_session = summary["steps_this_session"]
+    resumed = "" if this_session == summary["steps"] else f" ({summary['steps']} in all, resumed at step " \
+        f"{summary['steps'] - this_session})"
+    print(f"{this_session} steps in {summary['seconds']:.1f} s{resumed}, {summary['images_per_second']:.0f} "
           f"images/s on {summary['ranks']} rank(s), grid {summary['grid']}, algorithm {summary['algorithm']}, "
           f"{summary['threads_per_rank']} BLAS thread(s) per rank")
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "

@@ -10,7 +10,6 @@ forward, backward-data and backward-filter of 1x1, 3x3 and 5x5 convolutions over
 sizes at 1 BLAS thread, on rank 0 alone (the others sleep). All ranks are taken to share one
 node (ranks_per_node = P).
 """
-import argparse
 import datetime
 import os
 import platform
@@ -22,9 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import backend, comm  # noqa: E402
+from cfp import backend, cli, comm  # noqa: E402
 from cfp.benchtools import on_rank0, quiet_barrier, slowest_median, timed  # noqa: E402
-from cfp.io import save_json  # noqa: E402
+from cfp.checks import alike_on_all_ranks, positive_int  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_flops,  # noqa: E402
                          conv2d_forward)
 from cfp.partition import block_sizes  # noqa: E402
@@ -50,12 +50,14 @@ MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--out", required=True, help="the machine profile (JSON) to write")
-    p.add_argument("--name", default=platform.node() or "this machine")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--name", default=platform.node() or "this machine", help="the profile's name")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions of each measurement")
     p.add_argument("--quick", action="store_true", help="fewer shapes and messages (for tests)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    positive_int(args.repeats, "--repeats")
+    return args
 
 
 def collective_call(name, group, m_bytes):
@@ -129,8 +131,20 @@ def calibrate_collectives(world, args):
                         samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0)))
                 group.Free()
             quiet_barrier(world)
-    fitted = {name: list(fit_alpha_beta(s)) if s else [0.0, 0.0] for name, s in samples.items()}
-    return world.bcast(fitted, root=0), packing
+    fitted = np.array([fit_alpha_beta(samples[name]) if samples[name] else (0.0, 0.0) for name in names])
+    world.Bcast(fitted, root=0)  # rank 0's fit, to every rank
+    return {name: [float(a), float(b)] for name, (a, b) in zip(names, fitted)}, packing
+
+
+def check_fits(links, ranks):
+    """ValueError when a fit is physically impossible (no ranks to fit on, or zero seconds per
+    byte: infinitely fast links), which is what a noisy machine produces."""
+    if ranks < 2:
+        raise ValueError("calibration needs at least 2 ranks to fit the links (mpiexec -n 2 or more)")
+    bad = [name for name, (alpha, beta) in links.items() if not beta > 0]
+    if bad:
+        raise ValueError(f"the fit of {', '.join(bad)} gives zero seconds per byte, which no link has: "
+                         f"the timings were too noisy; rerun on a quiet machine (or with more --repeats)")
 
 
 def calibrate_kernels(args):
@@ -155,9 +169,13 @@ def calibrate_kernels(args):
 def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        check_fits({}, world.Get_size())
+    alike_on_all_ranks(world, lambda: check_writable(args.out, "--out"))
     backend.set_blas_threads(1)
     start = time.time()
     links, packing = calibrate_collectives(world, args)
+    check_fits(links, world.Get_size())  # the fit is broadcast: every rank judges it alike
     kernels = on_rank0(world, lambda: calibrate_kernels(args))
     if world.Get_rank() == 0:
         profile = {
@@ -183,4 +201,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

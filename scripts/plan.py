@@ -9,12 +9,13 @@ No MPI run is needed: the plan is a prediction from the machine profile (see scr
 Layers are planned as a chain in model order (a residual block's projection counts as the layer
 after the block's convolutions).
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cfp import cli  # noqa: E402
+from cfp.checks import finite_number, positive_int  # noqa: E402
 from cfp.grid import parse_grid_spec  # noqa: E402
 from cfp.models import layer_shapes  # noqa: E402
 from cfp.perfmodel import MachineProfile  # noqa: E402
@@ -22,38 +23,43 @@ from cfp.planner import plan  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--model", default="wide", help="resnet or wide")
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--image", type=int, default=8)
-    p.add_argument("--in-channels", type=int, default=1)
+    p.add_argument("--width", type=int, default=256,
+                   help="resnet: width multiplier; wide: channels per layer")
+    p.add_argument("--depth", type=int, default=4, help="wide: number of wide layers")
+    p.add_argument("--image", type=int, default=8, help="input height and width")
+    p.add_argument("--in-channels", type=int, default=1, help="channels of the input images")
     p.add_argument("--batch", type=int, default=64, help="global mini-batch")
-    p.add_argument("--ranks", type=int, required=True)
-    p.add_argument("--profile", default="cpu-dev")
-    p.add_argument("--memory-limit", type=float, help="MiB per rank")
+    p.add_argument("--ranks", type=int, required=True, help="number of ranks to plan for")
+    p.add_argument("--profile", default="cpu-dev",
+                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name")
+    p.add_argument("--memory-limit", type=float, help="MiB per rank the plan must fit")
     p.add_argument("--grid", help="plan on this grid only (as a model built on one grid runs)")
     p.add_argument("--data-parallel", action="store_true", help="data parallelism only, for comparison")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("width", "depth", "image", "in_channels", "batch", "ranks"):
+        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
+    if args.memory_limit is not None:
+        finite_number(args.memory_limit, "--memory-limit", above=0)
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        profile = MachineProfile.load(args.profile)
-        layers = layer_shapes(args.model, args.batch, args.width, args.depth, args.in_channels, image=args.image)
-        grid = None
-        if args.grid:
-            sizes = parse_grid_spec(args.grid)
-            grid = (sizes.get("sample", 1), sizes.get("channel", 1))
-            if grid[0] * grid[1] != args.ranks:
-                raise ValueError(f"grid {args.grid} has {grid[0] * grid[1]} ranks, --ranks says {args.ranks}")
-        limit = None if args.memory_limit is None else args.memory_limit * 2 ** 20
-        kwargs = {"algorithms": ("sample",)} if args.data_parallel else {}
-        result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, **kwargs)
-    except ValueError as e:
-        print(f"plan.py: error: {e}", file=sys.stderr)
-        return 2
+    profile = MachineProfile.load(args.profile)
+    layers = layer_shapes(args.model, args.batch, args.width, args.depth, args.in_channels, image=args.image)
+    grid = None
+    if args.grid:
+        sizes = parse_grid_spec(args.grid)
+        if set(sizes) - {"sample", "channel"}:
+            raise ValueError(f"grid {args.grid}: the planner plans sample x channel grids only")
+        grid = (sizes.get("sample", 1), sizes.get("channel", 1))
+        if grid[0] * grid[1] != args.ranks:
+            raise ValueError(f"grid {args.grid} has {grid[0] * grid[1]} ranks, --ranks says {args.ranks}")
+    limit = None if args.memory_limit is None else args.memory_limit * 2 ** 20
+    kwargs = {"algorithms": ("sample",)} if args.data_parallel else {}
+    result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, **kwargs)
     print(f"# {args.model} width {args.width}, {args.image}x{args.image} images, global batch {args.batch}, "
           f"{args.ranks} ranks, profile {profile.name}")
     print(result.table())
@@ -61,4 +67,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

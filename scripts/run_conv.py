@@ -2,13 +2,13 @@
 
     mpiexec -n P python -m mpi4py scripts/run_conv.py --input x.npy --weight w.npy \\
         --grad-output dy.npy [--bias b.npy] [--stride S] [--padding P] \\
-        --algorithm {sample,x,y,w} --grid sample=A,channel=B [--filter-groups p_f] --out result.npz
+        --algorithm {sample,x,y,w} --grid sample=A,channel=B [--filter-groups p_f] --out result.npz \\
+        [--allow-nonfinite]
 
 Every rank reads the global tensors and takes its block; the results y, dx, dw (and db) are
 gathered and written by rank 0 to the .npz file, and the communication ledger is printed. Use
 it to check another implementation against cfp, or to watch an algorithm's traffic.
 """
-import argparse
 import os
 import sys
 import time
@@ -18,28 +18,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import backend, comm  # noqa: E402
+from cfp import backend, cli, comm  # noqa: E402
 from cfp.algorithms import ALGORITHMS, make_conv  # noqa: E402
 from cfp.grid import ProcessGrid  # noqa: E402
-from cfp.io import load_array, save_npz  # noqa: E402
+from cfp.checks import alike_on_all_ranks  # noqa: E402
+from cfp.io import check_writable, load_array, save_npz  # noqa: E402
 from cfp.kernels import conv2d_output_shape  # noqa: E402
 from cfp.report import format_bytes, format_table  # noqa: E402
 from cfp.tensor import DistTensor, Layout  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--input", required=True, help="x: (N, C, H, W) .npy")
     p.add_argument("--weight", required=True, help="w: (F, C, Kh, Kw) .npy")
     p.add_argument("--grad-output", required=True, help="dy: (N, F, Ho, Wo) .npy")
     p.add_argument("--bias", help="b: (F,) .npy (optional)")
-    p.add_argument("--stride", type=int, default=1)
-    p.add_argument("--padding", type=int, default=0)
+    p.add_argument("--stride", type=int, default=1, help="stride of the convolution (rows and columns)")
+    p.add_argument("--padding", type=int, default=0, help="zero padding on each side (rows and columns)")
     p.add_argument("--algorithm", required=True, help="one of " + ", ".join(ALGORITHMS))
     p.add_argument("--grid", required=True, help="e.g. sample=2,channel=2")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing P_c)")
     p.add_argument("--threads", type=int, help="BLAS threads per rank (default cores // ranks per node)")
     p.add_argument("--out", required=True, help="result .npz (written by rank 0)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convolve inputs that hold NaN or infinity (refused otherwise)")
     return p.parse_args(argv)
 
 
@@ -56,6 +59,12 @@ def load_problem(args):
     dtypes = {name: a.dtype for name, a in named}
     if len(set(dtypes.values())) > 1:
         raise ValueError(f"the tensors must share one dtype, got {dtypes}")
+    if not args.allow_nonfinite:
+        for name, a in named:
+            bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+            if bad:
+                raise ValueError(f"{name} holds {bad} NaN or infinite value(s); pass --allow-nonfinite "
+                                 f"to convolve them anyway")
     if x.ndim != 4 or w.ndim != 4:
         raise ValueError(f"input must be (N, C, H, W) and weight (F, C, Kh, Kw); got shapes "
                          f"{x.shape} and {w.shape}")
@@ -89,17 +98,14 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    try:
-        backend.set_blas_threads(args.threads)
-        x, w, b, dy = load_problem(args)
-        grid = ProcessGrid(args.grid)
-        conv = make_conv(args.algorithm, grid, x.shape[1], w.shape[0], w.shape[2:],
-                         filter_groups=args.filter_groups, stride=args.stride, padding=args.padding,
-                         bias=b is not None, layer="conv")
-    except ValueError as e:  # every rank sees the same files and arguments: all stop here
-        if rank == 0:
-            print(f"run_conv.py: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    # Every rank reads the same files and arguments, so these checks fail alike everywhere.
+    alike_on_all_ranks(world, lambda: check_writable(args.out, "--out"))
+    backend.set_blas_threads(args.threads)
+    x, w, b, dy = load_problem(args)
+    grid = ProcessGrid(args.grid)
+    conv = make_conv(args.algorithm, grid, x.shape[1], w.shape[0], w.shape[2:],
+                     filter_groups=args.filter_groups, stride=args.stride, padding=args.padding,
+                     bias=b is not None, layer="conv")
 
     split = Layout(("sample", None if args.algorithm == "sample" else "channel", None, None))
     x_local = DistTensor.from_global(x, split, grid).local
@@ -135,4 +141,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

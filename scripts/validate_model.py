@@ -9,7 +9,6 @@ median of the slowest rank, 1 BLAS thread per rank, float32). Predicted: cfp.per
 layer_cost with the machine profile (scripts/calibrate.py measures one). At 2 or more ranks it
 ends with a memory check: a model too large for a limit on one rank, planned under the limit.
 """
-import argparse
 import os
 import sys
 import tracemalloc
@@ -19,10 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import backend  # noqa: E402
+from cfp import backend, cli  # noqa: E402
+from cfp.checks import alike_on_all_ranks, finite_number, positive_int  # noqa: E402
 from cfp.benchtools import measure_conv  # noqa: E402
 from cfp.grid import ProcessGrid  # noqa: E402
-from cfp.io import save_json  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost  # noqa: E402
 from cfp.data import synthetic  # noqa: E402
 from cfp.models import build_model, layer_shapes  # noqa: E402
@@ -62,7 +62,9 @@ def memory_check(world, profile, args):
         train_step(model, loss_fn, optimizer, x, y)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    peaks = world.allgather(peak)
+    peaks = np.empty(world.Get_size(), dtype=np.int64)
+    world.Allgather(np.array([peak], dtype=np.int64), peaks)
+    peaks = [int(p) for p in peaks]
     model.free()
     grid.free()
     return {"model": f"wide CNN width {args.memory_width}, depth 2, 8x8, batch {args.memory_batch}",
@@ -71,22 +73,31 @@ def memory_check(world, profile, args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--profile", default="cpu-dev")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--json")
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
+    p.add_argument("--profile", default="cpu-dev",
+                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each layer")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
+    p.add_argument("--json", help="write every measured and predicted number to this JSON file")
     p.add_argument("--memory-width", type=int, default=512, help="width of the memory check's model")
-    p.add_argument("--memory-batch", type=int, default=16)
+    p.add_argument("--memory-batch", type=int, default=16, help="global batch of the memory check's model")
     p.add_argument("--memory-fraction", type=float, default=0.75,
                    help="the memory check's limit, as a fraction of the one-rank prediction")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("repeats", "memory_width", "memory_batch"):
+        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
+    if isinstance(args.warmup, bool) or args.warmup < 0:
+        raise ValueError(f"--warmup must be a non-negative integer, got {args.warmup}")
+    finite_number(args.memory_fraction, "--memory-fraction", above=0)
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     P = world.Get_size()
+    if args.json:
+        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
     backend.set_blas_threads(1)
     profile = MachineProfile.load(args.profile)
     rng = np.random.default_rng(0)
@@ -146,4 +157,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -9,9 +9,11 @@ the index sets below.
 import numpy as np
 
 from .. import backend, comm
-from ..checks import int_pair, positive_int
+from ..checks import float_dtype, int_pair, positive_int
+from ..kernels import conv2d_output_shape
 from ..partition import (block_range, block_sizes, filter_groups_of, gather_group, scatter_group,
                          union_of_blocks)
+from ..tensor import Layout, check_blocks
 
 
 class ConvAlgorithm:
@@ -38,6 +40,11 @@ class ConvAlgorithm:
         self.bias = bool(bias)
         self.input_replicated = bool(input_replicated) or self.weight_replicated
         self.layer = layer
+        for axis in ("height", "width"):
+            if grid.axis_size(axis) > 1:  # until spatial parallelism exists, never a silent replica
+                raise ValueError(f"{layer}: grid {grid.describe()} splits the {axis} axis over "
+                                 f"{grid.axis_size(axis)} ranks; the convolutions support sample and "
+                                 f"channel axes only (spatial parallelism is not implemented)")
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
         self.p_f = filter_groups_of(self.name, self.P_c, filter_groups)
         c = grid.coord("channel")
@@ -47,6 +54,7 @@ class ConvAlgorithm:
         self.x_channels = (list(range(self.C)) if self.input_replicated
                            else list(range(*block_range(self.C, self.P_c, c))))
         self._saved = None
+        self._output_shape = None
 
     def shard_indices(self, c):
         """(filters, channels, bias filters): the global indices of the weight and bias shard
@@ -68,8 +76,21 @@ class ConvAlgorithm:
     def bias_shape(self):
         return (len(self.b_filters),)
 
+    @property
+    def input_layout(self):
+        """x's layout: split by sample, and by channel unless every rank holds all of C."""
+        return Layout(("sample", None if self.input_replicated else "channel", None, None))
+
     def check_input(self, x, w, b):
-        """Local shape checks; they fail alike on every rank for inconsistent global shapes."""
+        """The checks of forward's inputs: dtypes (float32 or float64, one for all), this rank's
+        shapes, then, collectively, that the ranks' x blocks form one tensor (tensor.check_blocks,
+        skipped inside tensor.blocks_checked()), so that no rank computes on a tensor the others
+        do not share. Remembers the output block's shape for backward's check of dy."""
+        float_dtype(x.dtype, f"{self.layer}: x")
+        for name, a in (("weight shard", w), ("bias shard", b)):
+            if a is not None and a.dtype != x.dtype:
+                raise ValueError(f"{self.layer}: {name} has dtype {a.dtype}, x has {x.dtype}; "
+                                 f"expected one dtype for both")
         if x.ndim != 4 or x.shape[1] != len(self.x_channels):
             raise ValueError(
                 f"{self.layer}: x block has shape {tuple(x.shape)}, expected (n, "
@@ -81,6 +102,22 @@ class ConvAlgorithm:
         if self.bias and (b is None or tuple(b.shape) != self.bias_shape):
             got = None if b is None else tuple(b.shape)
             raise ValueError(f"{self.layer}: bias shard has shape {got}, expected {self.bias_shape}")
+        check_blocks(x, self.input_layout, self.grid, f"{self.layer}: x")
+        n, _, H, W = x.shape
+        filters = self.F if self.weight_replicated else len(self.b_filters)
+        self._output_shape = conv2d_output_shape((n, 1, H, W), (filters, 1) + self.kernel_size,
+                                                 **self.conv_args())
+
+    def saved_for(self, dy):
+        """What forward kept for backward, after checking that dy is the gradient of the block
+        forward returned (its shape and dtype)."""
+        if self._saved is None:
+            raise ValueError(f"{self.layer}: backward called before forward")
+        x, w = self._saved
+        if tuple(dy.shape) != tuple(self._output_shape) or dy.dtype != x.dtype:
+            raise ValueError(f"{self.layer}: dy block has shape {tuple(dy.shape)} and dtype {dy.dtype}; "
+                             f"expected {tuple(self._output_shape)} {x.dtype}, the output block of forward")
+        return x, w
 
     def conv_args(self):
         return {"stride": self.stride, "padding": self.padding}

@@ -22,7 +22,7 @@ class SampleParallel(ConvAlgorithm):
         return y
 
     def backward(self, dy, need_dx=True):
-        x, w = self._saved
+        x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         dw = conv2d_backward_filter(x, dy, w.shape, **self.conv_args())
         dx = conv2d_backward_data(dy, w, x.shape, **self.conv_args()) if need_dx else None

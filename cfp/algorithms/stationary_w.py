@@ -42,7 +42,7 @@ class StationaryW(ConvAlgorithm):
         return y
 
     def backward(self, dy, need_dx=True):
-        x_row, w = self._saved
+        x_row, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes)

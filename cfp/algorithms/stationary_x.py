@@ -26,7 +26,7 @@ class StationaryX(ConvAlgorithm):
         return y
 
     def backward(self, dy, need_dx=True):
-        x, w = self._saved
+        x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid))

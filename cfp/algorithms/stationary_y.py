@@ -25,7 +25,7 @@ class StationaryY(ConvAlgorithm):
         return y
 
     def backward(self, dy, need_dx=True):
-        x_all_channels, w = self._saved
+        x_all_channels, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dw = conv2d_backward_filter(x_all_channels, dy, w.shape, **self.conv_args())

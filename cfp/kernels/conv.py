@@ -16,7 +16,7 @@ import operator
 from collections import namedtuple
 
 from cfp.backend import get_array_module
-from cfp.checks import int_pair
+from cfp.checks import float_dtype, int_pair
 
 # A block of samples holds about this many output pixels: the rows of the forward GEMM and the
 # inner dimension of the backward-filter GEMM. OpenBLAS runs near its peak from about 512 on;
@@ -81,9 +81,11 @@ def conv2d_flops(x_shape, w_shape, stride=1, padding=0):
 
 
 def _require_ndim4(array, name, layout):
+    """A 4-D float32 or float64 array (integers and complex numbers are not convolved here)."""
     if getattr(array, "ndim", None) != 4:
         shape = getattr(array, "shape", None)
         raise ValueError(f"{name} must be a 4-D array {layout}, got shape {shape!r}")
+    float_dtype(array.dtype, name)
 
 
 def _require_dy(dy, g):

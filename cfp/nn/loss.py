@@ -42,6 +42,7 @@ class SoftmaxCrossEntropy:
     """
 
     def __init__(self, grid, name="loss"):
+        self.grid = grid
         self.comm = grid.complement_comm("channel")
         self.name = name
 

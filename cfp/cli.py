@@ -1,0 +1,148 @@
+"""How cfp's scripts start and stop under mpiexec: one way to fail, said once, never lost.
+
+A script's `main(argv)` raises ValueError for bad input (options, files, a diverged run) and
+returns an exit status otherwise; `sys.exit(cli.run(main))` runs it on every rank. On the way
+out every rank reports its outcome on a communicator kept for this alone (design.md, section
+"One way to fail"):
+
+- all ranks arrive (the usual case: the checks fail alike everywhere, or all succeed): rank 0
+  prints one line `script.py: error: <what>` per distinct message, a barrier makes sure it is
+  out, and every rank finalises MPI and exits with the same status. Nobody calls MPI_Abort, so
+  no rank can kill rank 0 before its message is written.
+- a failing rank whose peers never arrive within `CFP_FAILURE_WAIT` seconds (default 10; they
+  wait in a collective for it) prints its own message, naming its rank, and aborts the job.
+
+Exit statuses: 2 for bad input and diverged runs, 130 for Ctrl-C (one line, plus what the
+script adds, e.g. where the last checkpoint is), 1 for an unexpected exception (its traceback,
+printed once). argparse's messages and --help are printed by rank 0 only.
+"""
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+USAGE_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+UNEXPECTED = 1
+
+
+class UsageError(ValueError):
+    """A bad command line (argparse's complaint), reported like any other bad input."""
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for scripts that run on many ranks: its errors raise UsageError (so they take
+    the same way out as every other error) and its help is printed by rank 0 alone."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
+def script_description(doc):
+    """The first paragraph of a script's docstring, as one line: its --help description
+    (the first line alone may stop mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def failure_wait():
+    """Seconds a failing rank waits for the others to report before it aborts the job."""
+    try:
+        return max(0.0, float(os.environ.get("CFP_FAILURE_WAIT", "10")))
+    except ValueError:
+        return 10.0
+
+
+def _outcome(main, argv):
+    """(status, message) of running main(argv) on this rank; message is None on success."""
+    try:
+        status = main(argv)
+        return (0 if status is None else int(status)), None
+    except KeyboardInterrupt as e:
+        detail = str(e)
+        return INTERRUPTED, "interrupted" + (f": {detail}" if detail else "")
+    except ValueError as e:
+        return USAGE_ERROR, f"error: {e}"
+    except SystemExit as e:  # a script that exits by itself keeps its status
+        if e.code in (None, 0):
+            return 0, None
+        if isinstance(e.code, int):
+            return e.code, None
+        return USAGE_ERROR, f"error: {e.code}"
+    except Exception:  # noqa: BLE001 - a bug: show where, once
+        return UNEXPECTED, "error: unexpected failure (a bug in cfp)\n" + traceback.format_exc().rstrip()
+
+
+def _wait(request, seconds):
+    """True when the non-blocking `request` completed within `seconds` (None: no limit)."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _closing_lines(name, messages):
+    """The lines rank 0 prints: each distinct message once, naming the ranks when they differ."""
+    distinct = {}
+    for rank, message in enumerate(messages):
+        if message is not None:
+            distinct.setdefault(message, []).append(rank)
+    if len(distinct) == 1:
+        return [f"{name}: {next(iter(distinct))}"]
+    return [f"{name}: {m} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
+            for m, r in distinct.items()]
+
+
+def run(main, argv=None, name=None):
+    """Run `main(argv)` on every rank of COMM_WORLD and return the exit status all ranks agree
+    on (0 when every rank succeeded). Call it as `sys.exit(cli.run(main))`."""
+    name = name or os.path.basename(sys.argv[0]) or "cfp"
+    world = MPI.COMM_WORLD
+    outcomes = world.Dup()  # used by nothing else, so no other collective can be in its way
+    status, message = _outcome(main, argv)
+    mine = np.array([status], dtype=np.int64)
+    worst = np.zeros(1, dtype=np.int64)
+    request = outcomes.Iallreduce(mine, worst, op=MPI.MAX)
+    # A rank that succeeded waits as long as it takes (rank 0 may still be writing its files);
+    # a failing one only as long as the others can take to fail the same way.
+    if not _wait(request, None if message is None and status == 0 else failure_wait()):
+        where = f" (rank {world.Get_rank()} of {world.Get_size()}; the other ranks did not report " \
+                f"within {failure_wait():g} s, so the job is aborted)"
+        sys.stdout.flush()
+        print(f"{name}: {message or f'exit status {status}'}{where}", file=sys.stderr, flush=True)
+        world.Abort(status or UNEXPECTED)
+    if worst[0] == 0:
+        outcomes.Free()
+        return 0
+    messages = outcomes.gather(message, root=0)  # text, so the pickling form is the right one
+    if world.Get_rank() == 0:
+        sys.stdout.flush()
+        for line in _closing_lines(name, messages):
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+    outcomes.Barrier()  # rank 0's lines are out before any rank leaves
+    outcomes.Free()
+    MPI.Finalize()  # a clean end: `python -m mpi4py` then exits with the status, no MPI_Abort
+    return int(worst[0])
