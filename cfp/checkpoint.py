@@ -11,9 +11,24 @@ a temporary name and renamed: a checkpoint interrupted half-way is never the one
 points to. Loading checks every checksum and shape, assembles each global tensor from the
 shards' index sets and takes this rank's shard under the new grid, so a run saved on 2 x 2 can
 resume on 1 x 2 or on one rank. The previous `keep - 1` checkpoints are kept.
+
+What a killed or damaged run leaves behind is handled here:
+
+- Names read from latest.json and meta.json must be plain entries of their directory (no
+  `..`, absolute path, path separator, or symlink resolving outside): these files are data
+  anyone may have edited, and loading must not read, nor cleaning delete, outside DIR.
+  A meta.json without its "files", "shapes" or "optimizer" is refused by name, like a
+  garbled one.
+- After each save rank 0 deletes what interrupted saves left: `.tmp-*` files (cfp.io's
+  temporary names) and step-* directories without a usable meta.json.
+- `resume_point(DIR)` is the checkpoint to resume from: the one latest.json names or, when
+  that one is damaged, the newest step-* directory that passes every check, with the reasons
+  the ones before it were refused. Every rank reads the same files in the same order, so
+  every rank picks the same one (or raises the same ValueError).
 """
 import hashlib
 import os
+import re
 import shutil
 
 import numpy as np
@@ -23,6 +38,10 @@ from .io import load_json, save_json, save_npz
 from .nn.module import assemble
 
 FORMAT = "cfp-checkpoint-1"
+POINTER = "latest.json"
+_STEP = re.compile(r"step-(\d+)$")
+_TEMPORARY = ".tmp-"  # the prefix of cfp.io's temporary files
+_META_FIELDS = ("files", "shapes", "optimizer")  # what load_checkpoint reads besides "format"
 
 
 def _sha256(path):
@@ -40,13 +59,49 @@ def _tensors(model):
     return out
 
 
+def _inside(directory, name, source):
+    """The path of entry `name` of `directory`. `name` comes from `source` (a JSON file, or the
+    directory's listing), which may have been edited: ValueError unless it is one plain entry,
+    so that no checkpoint makes cfp read or delete files elsewhere."""
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if (not isinstance(name, str) or name in ("", ".", "..") or os.path.isabs(name) or "\0" in name
+            or any(s in name for s in separators)):
+        raise ValueError(f"{source} names {name!r}: expected the name of an entry of {directory!r} "
+                         f"(no '..', absolute path or path separator)")
+    path = os.path.join(directory, name)
+    real, root = os.path.realpath(path), os.path.realpath(directory)
+    if real == root or os.path.commonpath([real, root]) != root:
+        raise ValueError(f"{source} names {name!r}, a symlink to {real!r}, outside {directory!r}")
+    return path
+
+
+def step_directories(directory):
+    """The step-N names in `directory`, newest (largest N) first; none when it does not exist."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = [(int(m.group(1)), name) for name in names for m in [_STEP.match(name)] if m]
+    return [name for _, name in sorted(steps, reverse=True)]
+
+
+def _clear(path):
+    """Remove whatever is at `path` (a leftover of an interrupted save of the same step), so a
+    checkpoint written there holds only this save's shards."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
 def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
     """Write checkpoint `step` collectively; return its path. `meta` (JSON-able) is stored as is."""
     name = f"step-{step:08d}"
     path = os.path.join(directory, name)
     writes = grid.coord("sample") == 0  # the other sample ranks hold copies of the same shards
     if grid.rank == 0:
-        os.makedirs(path, exist_ok=True)
+        _clear(path)
+        os.makedirs(path)
     grid.comm.Barrier()
     optim_state = optimizer.state_dict()
     if writes:
@@ -68,33 +123,98 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
             "optimizer": {k: v for k, v in optim_state.items() if k != "state"},
             "files": {f: _sha256(os.path.join(path, f)) for f in files}, **meta,
         })
-        save_json(os.path.join(directory, "latest.json"), {"checkpoint": name})
-        old = sorted(d for d in os.listdir(directory) if d.startswith("step-") and d != name)
-        for stale in old[:max(0, len(old) - (keep - 1))]:
-            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
+        save_json(os.path.join(directory, POINTER), {"checkpoint": name})
+        _tidy(directory, name, keep)
     grid.comm.Barrier()
     return path
 
 
+def _tidy(directory, current, keep):
+    """After checkpoint `current` is saved and named in latest.json: delete the step-*
+    directories of interrupted saves (no usable meta.json), all but the newest `keep - 1`
+    other checkpoints, and the `.tmp-*` files killed writers left. Best effort: a file that
+    cannot be removed does not undo a good save. Symlinked entries are never followed."""
+    kept = []
+    for name in step_directories(directory):
+        path = os.path.join(directory, name)
+        if name == current or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if not _is_complete(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif len(kept) < keep - 1:
+            kept.append(name)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    for folder in [directory, os.path.join(directory, current)] + [os.path.join(directory, n) for n in kept]:
+        _remove_temporaries(folder)
+
+
+def _is_complete(path):
+    """Whether `path` has a meta.json that loads and names its files: an interrupted save
+    never gets that far (meta.json is written after the shards). Checksums are not read here:
+    a complete checkpoint with a damaged shard is kept for `resume_point` to report."""
+    try:
+        _load_meta(path)
+    except ValueError:
+        return False
+    return True
+
+
+def _remove_temporaries(folder):
+    """Delete the `.tmp-*` files in `folder`: cfp.io's temporary files of writers that were
+    killed before they could rename them (nobody else writes into a checkpoint directory)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(_TEMPORARY) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+
+
 def latest_checkpoint(directory):
-    """The path latest.json points to; ValueError when there is none."""
-    pointer = os.path.join(directory, "latest.json")
+    """The path latest.json points to; ValueError when there is none or it names a path
+    outside `directory`."""
+    pointer = os.path.join(directory, POINTER)
     if not os.path.exists(pointer):
-        raise ValueError(f"no checkpoint in {directory!r} (no latest.json)")
+        raise ValueError(f"no checkpoint in {directory!r} (no {POINTER})")
     latest = load_json(pointer, "checkpoint pointer")
     if not isinstance(latest, dict) or not isinstance(latest.get("checkpoint"), str):
         raise ValueError(f"checkpoint pointer {pointer!r} is malformed: expected {{\"checkpoint\": name}}")
-    return os.path.join(directory, latest["checkpoint"])
+    return _inside(directory, latest["checkpoint"], f"checkpoint pointer {pointer!r}")
 
 
-def read_meta(path):
-    """The checkpoint's meta.json, after checking that its files exist and match their checksums."""
+def _load_meta(path):
+    """The checkpoint's meta.json, checked for its format, the fields loading reads, and file
+    names that stay inside `path`; the files themselves are not read."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         raise ValueError(f"checkpoint {path!r} has no meta.json: it is incomplete")
     meta = load_json(meta_path, "checkpoint metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path!r} is not a {FORMAT} file")
+    for field in _META_FIELDS:
+        if field not in meta:
+            raise ValueError(f"checkpoint metadata {meta_path!r} has no {field!r} entry")
+        if not isinstance(meta[field], dict):
+            raise ValueError(f"checkpoint metadata {meta_path!r}: {field!r} is a "
+                             f"{type(meta[field]).__name__}, expected a JSON object")
+    if not meta["files"]:
+        raise ValueError(f"checkpoint metadata {meta_path!r} names no shard files")
+    for name, digest in meta["files"].items():
+        _inside(path, name, f"checkpoint metadata {meta_path!r}")
+        if not isinstance(digest, str):
+            raise ValueError(f"checkpoint metadata {meta_path!r}: the checksum of {name!r} is "
+                             f"{digest!r}, expected a SHA-256 hex string")
+    return meta
+
+
+def read_meta(path):
+    """The checkpoint's meta.json, after checking that its files exist and match their checksums."""
+    meta = _load_meta(path)
     for name, digest in meta["files"].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -103,6 +223,46 @@ def read_meta(path):
             raise ValueError(f"checkpoint file {file!r} is corrupt: its SHA-256 does not match "
                              f"meta.json (truncated or altered)")
     return meta
+
+
+def _candidates(directory):
+    """(where, resolve) of each checkpoint `resume_point` may use, in the order it tries them:
+    resolve() gives the checkpoint's path, or raises ValueError when its name is unusable."""
+    pointer = os.path.join(directory, POINTER)
+    if os.path.exists(pointer):
+        yield pointer, lambda: latest_checkpoint(directory)
+    for name in step_directories(directory):
+        yield (os.path.join(directory, name),
+               lambda name=name: _inside(directory, name, f"checkpoint directory {directory!r}"))
+
+
+def resume_point(directory):
+    """(path, skipped): the checkpoint to resume from and the (path, reason) of each one refused
+    before it. The one latest.json names comes first, then every step-* directory, newest
+    first; the first that passes read_meta's checks is chosen, and those after it are not read.
+    A missing latest.json is not a refusal (a save killed before writing it leaves a usable
+    step-*). ValueError, saying why each was refused, when none passes. Deterministic: the same
+    files give the same answer on every rank."""
+    skipped, tried = [], set()
+    for where, resolve in _candidates(directory):
+        try:
+            path = resolve()
+        except ValueError as e:
+            skipped.append((where, str(e)))
+            continue
+        if path in tried:
+            continue
+        tried.add(path)
+        try:
+            read_meta(path)
+        except ValueError as e:
+            skipped.append((path, str(e)))
+            continue
+        return path, skipped
+    if not skipped:
+        raise ValueError(f"no checkpoint in {directory!r} (no {POINTER}, no step-* directory)")
+    raise ValueError(f"no valid checkpoint in {directory!r}: " +
+                     "; ".join(f"{path} refused: {reason}" for path, reason in skipped))
 
 
 def load_checkpoint(path, model, optimizer, expect=None):

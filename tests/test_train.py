@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from cfp import backend
-from cfp.checkpoint import latest_checkpoint, load_checkpoint
+from cfp.checkpoint import latest_checkpoint, load_checkpoint, resume_point
 from cfp.nn.module import assemble
 from cfp.train import TrainConfig, train
 from conftest import SIZE, WORLD, assert_close_all_ranks, grid_specs, raises_on_all_ranks
@@ -130,8 +130,10 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(mpi_tmp_
         with open(shard, "r+b") as f:
             f.truncate(os.path.getsize(shard) // 2)
     WORLD.Barrier()
-    raises_on_all_ranks(ValueError, lambda: train(TrainConfig(**{**cfg.__dict__, "resume": True})),
-                        match="is corrupt: its SHA-256 does not match")
+    # --resume refuses it and goes back to the previous one (tests/test_checkpoint_safety.py).
+    path, skipped = resume_point(directory)
+    assert path == steps[0] and [bad for bad, _ in skipped] == [latest], (path, skipped)
+    assert "is corrupt: its SHA-256 does not match" in skipped[0][1]
     # The previous checkpoint is intact and loads into the same model.
     result = train(config(epochs=1, grid=spec, train_samples=4 * BATCH, max_steps=1), keep_model=True)
     from cfp.optim import SGD
