@@ -9,7 +9,6 @@ speedup over one rank (the serial kernels timed on rank 0 in the same run, while
 ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
 the weight and activation memory per rank. A table on stdout; --json keeps the rows.
 """
-import argparse
 import os
 import sys
 import time
@@ -19,9 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import backend  # noqa: E402
+from cfp import backend, cli  # noqa: E402
+from cfp.algorithms import ALGORITHMS  # noqa: E402
 from cfp.benchtools import measure_conv, on_rank0, slowest_median  # noqa: E402
+from cfp.checks import alike_on_all_ranks, positive_int  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402
                          conv2d_flops, conv2d_forward, conv2d_output_shape)
 
@@ -29,23 +31,44 @@ MiB = 1024.0 ** 2
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", required=True, help="N,C,F,H,W,K (kernel K x K)")
-    p.add_argument("--stride", type=int, default=1)
-    p.add_argument("--padding", type=int, help="default K // 2")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
+    p.add_argument("--shape", required=True,
+                   help="N,C,F,H,W,K: batch, input channels, output channels, height, width, kernel K x K")
+    p.add_argument("--stride", type=int, default=1, help="stride of the convolution")
+    p.add_argument("--padding", type=int, help="zero padding on each side (default: K // 2)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed iterations, of which the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations before them")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--algorithms", default="sample,x,y,w")
-    p.add_argument("--json", help="write the rows here (rank 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="element type")
+    p.add_argument("--algorithms", default="sample,x,y,w",
+                   help=f"comma-separated algorithms to time, of {', '.join(ALGORITHMS)}")
+    p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     try:
         args.N, args.C, args.F, args.H, args.W, args.K = (int(v) for v in args.shape.split(","))
     except ValueError:
-        p.error(f"--shape must be N,C,F,H,W,K, got {args.shape!r}")
+        raise ValueError(f"--shape must be N,C,F,H,W,K (six positive integers), got {args.shape!r}") from None
+    for name in "NCFHWK":
+        positive_int(getattr(args, name), f"--shape {args.shape}: {name}")
+    for name in ("stride", "repeats", "threads"):
+        positive_int(getattr(args, name), f"--{name}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be a non-negative integer, got {args.warmup}")
     if args.padding is None:
         args.padding = args.K // 2
+    elif args.padding < 0:
+        raise ValueError(f"--padding must be a non-negative integer, got {args.padding}")
+    try:  # the kernel must fit the padded input
+        conv2d_output_shape((args.N, args.C, args.H, args.W), (args.F, args.C, args.K, args.K),
+                            args.stride, args.padding)
+    except ValueError as e:
+        raise ValueError(f"--shape {args.shape} with --padding {args.padding}: {e}") from None
+    wanted = args.algorithms.split(",")
+    unknown = [a for a in wanted if a not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "
+                         f"expected a comma-separated list of {', '.join(ALGORITHMS)}")
     return args
 
 
@@ -76,6 +99,8 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     P, rank = world.Get_size(), world.Get_rank()
+    if args.json:
+        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
     threads = backend.set_blas_threads(args.threads)
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
@@ -118,10 +143,9 @@ def main(argv=None):
                   f"{r['bytes_sent_per_rank'] / MiB:.2f} | {r['weight_bytes_per_rank'] / MiB:.2f} | "
                   f"{r['kept_activation_bytes_per_rank'] / MiB:.2f} |")
         if args.json:
-            from cfp.io import save_json
             save_json(args.json, {"arguments": vars(args), "ranks": P, "threads": threads, "rows": rows})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -1,9 +1,8 @@
 """Time cfp's local convolution kernels (forward, backward-data, backward-filter) against PyTorch.
 
-Single process, no MPI: `python scripts/bench_kernels.py --threads 1 --repeats 5 [--json out.json]`.
+Single process, no mpiexec: `python scripts/bench_kernels.py --threads 1 --repeats 5 [--json out.json]`.
 """
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -14,7 +13,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from cfp import cli  # noqa: E402
 from cfp.backend import blas_info, set_blas_threads  # noqa: E402
+from cfp.checks import positive_int  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.kernels import (  # noqa: E402
     conv2d_backward_data,
     conv2d_backward_filter,
@@ -140,18 +142,26 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per pass (median)")
+def parse_args(argv):
+    parser = cli.ArgumentParser(description=cli.script_description(__doc__))
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed calls per pass, of which the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="BLAS and torch threads")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
                         help="N x C x F x H x W x K, stride 1, padding K // 2 "
                              f"(default: {' '.join(DEFAULT_SHAPES)})")
-    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    for name in ("repeats", "threads"):
+        positive_int(getattr(args, name), f"--{name}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.json:
+        check_writable(args.json, "--json")
     shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
 
     threads = set_blas_threads(args.threads)
@@ -178,8 +188,9 @@ def main(argv=None):
         rows.append(bench_shape(shape, np.dtype(args.dtype), args.repeats, rng))
     print(markdown_table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"context": context, "rows": rows}, indent=2) + "\n")
+        save_json(args.json, {"context": context, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

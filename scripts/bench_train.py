@@ -9,7 +9,6 @@ non-blocking barrier, so they have the cores to themselves. The P-rank rows run 
 factorization with every algorithm; a step is timed on the slowest rank. float32, SGD with
 momentum, synthetic 10-class data; BLAS threads 1 per rank.
 """
-import argparse
 import os
 import sys
 
@@ -18,11 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import backend  # noqa: E402
-from cfp.benchtools import on_rank0, slowest_median, timed  # noqa: E402
+from cfp import backend, cli  # noqa: E402
+from cfp.algorithms import ALGORITHMS  # noqa: E402
+from cfp.benchtools import quiet_barrier, slowest_median, timed  # noqa: E402
+from cfp.checks import alike_on_all_ranks, positive_int  # noqa: E402
 from cfp.data import synthetic  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
-from cfp.io import save_json  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.models import build_model  # noqa: E402
 from cfp.nn import SoftmaxCrossEntropy  # noqa: E402
 from cfp.optim import SGD  # noqa: E402
@@ -36,17 +37,42 @@ except ImportError:  # the comparison is optional
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="wide", choices=["wide", "resnet"])
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--depth", type=int, default=4)
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
+    p.add_argument("--model", default="wide", choices=["wide", "resnet"],
+                   help="the model to train; the PyTorch twin exists for wide only")
+    p.add_argument("--width", type=int, default=256,
+                   help="resnet: width multiplier; wide: channels per layer")
+    p.add_argument("--depth", type=int, default=4, help="wide: number of wide layers")
     p.add_argument("--image", type=int, default=16, help="side of the square input images")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--algorithms", default="sample,x,y,w")
-    p.add_argument("--json")
-    return p.parse_args(argv)
+    p.add_argument("--batch-size", type=int, default=32, help="global mini-batch")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed training steps, of which the median is reported")
+    p.add_argument("--warmup", type=int, default=2, help="untimed training steps before them")
+    p.add_argument("--algorithms", default="sample,x,y,w",
+                   help=f"comma-separated algorithms to time at P ranks, of {', '.join(ALGORITHMS)}")
+    p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    args = p.parse_args(argv)
+    for name in ("width", "depth", "image", "batch_size", "steps"):
+        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be a non-negative integer, got {args.warmup}")
+    unknown = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "
+                         f"expected a comma-separated list of {', '.join(ALGORITHMS)}")
+    if torch is not None and args.model != "wide":
+        raise ValueError(f"--model {args.model}: the PyTorch comparison exists for --model wide only "
+                         "(torch is installed, so it would run)")
+    return args
+
+
+def seconds_on_rank0(world, work):
+    """work() (a number of seconds) on rank 0 alone, broadcast to every rank; the others wait
+    in a quiet_barrier, so rank 0 has the machine's cores to itself (the one-rank rows)."""
+    seconds = np.array([work() if world.Get_rank() == 0 else 0.0], dtype=np.float64)
+    quiet_barrier(world)
+    world.Bcast(seconds, root=0)
+    return float(seconds[0])
 
 
 def cfp_step_time(args, comm, spec, algorithm, x, y):
@@ -68,8 +94,8 @@ def cfp_step_time(args, comm, spec, algorithm, x, y):
 
 def torch_model(args):
     nn = torch.nn
-    if args.model != "wide":
-        raise SystemExit("the PyTorch twin exists for --model wide only")
+    if args.model != "wide":  # parse_args refuses it before any work
+        raise ValueError(f"--model {args.model}: the PyTorch twin exists for --model wide only")
     w = args.width
     layers = [nn.Conv2d(1, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
     for i in range(args.depth):
@@ -99,6 +125,8 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     P = world.Get_size()
+    if args.json:
+        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
     backend.set_blas_threads(1)
     x, y = synthetic(args.batch_size, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
     rows = []
@@ -107,11 +135,12 @@ def main(argv=None):
         rows.append({"system": system, "ranks": ranks, "threads": threads, "config": config,
                      "step_s": seconds, "images_per_s": args.batch_size / seconds})
 
-    row("cfp", 1, 1, "sample=1", on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y)))
+    row("cfp", 1, 1, "sample=1",
+        seconds_on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y)))
     if torch is not None:
-        row("torch", 1, 1, "-", on_rank0(world, lambda: torch_step_time(args, 1, x, y)))
+        row("torch", 1, 1, "-", seconds_on_rank0(world, lambda: torch_step_time(args, 1, x, y)))
         if P > 1:
-            row("torch", 1, P, "-", on_rank0(world, lambda: torch_step_time(args, P, x, y)))
+            row("torch", 1, P, "-", seconds_on_rank0(world, lambda: torch_step_time(args, P, x, y)))
     if P > 1:
         for P_n, P_c in factorizations(P):
             spec = f"sample={P_n},channel={P_c}"
@@ -141,4 +170,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -21,16 +21,17 @@ measurements. Only convolutions (and the classifier as a 1x1 convolution) are mo
 norm, ReLU, pooling, the loss and the optimizer step cost nothing here, and the gradient
 allreduces are not overlapped with compute.
 """
-import argparse
 import collections
-import json
+import importlib.util
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cfp import planner  # noqa: E402
+from cfp import cli, planner  # noqa: E402
+from cfp.checks import positive_int  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.models import layer_shapes  # noqa: E402
 from cfp.perfmodel import LayerShape, MachineProfile  # noqa: E402
 
@@ -166,11 +167,9 @@ def markdown_table(rows):
 
 def plot(results, path):
     """Predicted iteration time against GPUs (log-log), one panel per model: data parallel,
-    hybrid, and ideal linear scaling from the first hybrid point."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib (pip install matplotlib, or the extra cfp[plot])") from None
+    hybrid, and ideal linear scaling from the first hybrid point (parse_args has checked that
+    matplotlib is installed)."""
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -204,32 +203,35 @@ def plot(results, path):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--profile", default="reference-v100",
-                   help="machine profile: a JSON file or a built-in name (default reference-v100)")
+                   help="machine profile: a JSON file or a built-in name")
     p.add_argument("--batch", type=int, default=512, help="global batch, fixed at every scale")
     p.add_argument("--resnet-width", type=int, default=4, help="ResNet-50 channel multiplier")
-    p.add_argument("--cnn-width", type=int, default=4096)
-    p.add_argument("--cnn-depth", type=int, default=4)
-    p.add_argument("--cnn-image", type=int, default=32)
+    p.add_argument("--cnn-width", type=int, default=4096, help="channels per layer of the wide CNN")
+    p.add_argument("--cnn-depth", type=int, default=4, help="number of wide layers of the wide CNN")
+    p.add_argument("--cnn-image", type=int, default=32, help="side of the wide CNN's square input images")
     p.add_argument("--max-gpus", type=int, default=1024, help="largest scale (powers of two from 4)")
     p.add_argument("--json", help="write every number to this JSON file")
-    p.add_argument("--plot", help="write the scaling plot to this PNG file")
+    p.add_argument("--plot", help="write the scaling plot to this PNG file (needs matplotlib)")
     args = p.parse_args(argv)
     for name in ("batch", "resnet_width", "cnn_width", "cnn_depth", "cnn_image"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
     if args.max_gpus < 4:
-        p.error("--max-gpus must be at least 4")
+        raise ValueError(f"--max-gpus must be at least 4, got {args.max_gpus}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"--plot {args.plot}: needs matplotlib, which is not installed "
+                         "(pip install matplotlib, or the extra cfp[plot])")
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        profile = MachineProfile.load(args.profile)
-    except ValueError as e:
-        sys.exit(f"simulate.py: {e}")
+def run_simulation(args):
+    """Plan both models at every scale, print the tables and write --json and --plot; returns
+    {model title: [simulate_scale rows]}."""
+    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+        if path:
+            check_writable(path, option)
+    profile = MachineProfile.load(args.profile)
     memory_limit = profile.data.get("memory_per_rank")
     scales = [2 ** k for k in range(2, args.max_gpus.bit_length())]  # 4, 8, ... up to --max-gpus
     models = {
@@ -255,15 +257,19 @@ def main(argv=None):
         print(markdown_table(results[title]) + "\n")
     print(f"(planned in {time.time() - started:.1f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"profile": profile.name, "source": profile.source, "batch": args.batch,
-                       "memory_limit": memory_limit, "resnet_width": args.resnet_width,
-                       "cnn_width": args.cnn_width, "cnn_depth": args.cnn_depth, "cnn_image": args.cnn_image,
-                       "scales": scales, "models": results}, f, indent=1)
+        save_json(args.json, {"profile": profile.name, "source": profile.source, "batch": args.batch,
+                              "memory_limit": memory_limit, "resnet_width": args.resnet_width,
+                              "cnn_width": args.cnn_width, "cnn_depth": args.cnn_depth,
+                              "cnn_image": args.cnn_image, "scales": scales, "models": results})
     if args.plot:
         plot(results, args.plot)
     return results
 
 
+def main(argv=None):
+    run_simulation(parse_args(argv))
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

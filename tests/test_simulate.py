@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from cfp import cli
 from cfp.perfmodel import MachineProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,9 +100,42 @@ def test_main_writes_tables_json_and_plot(simulate, tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_options_exit_with_a_message(simulate, capsys):
-    with pytest.raises(SystemExit):
+def test_main_returns_an_exit_status(simulate, capsys):
+    """main returns 0 for cli.run; run_simulation returns the rows it printed."""
+    argv = ["--max-gpus", "4", "--batch", "8", "--resnet-width", "1", "--cnn-width", "32", "--cnn-depth", "2",
+            "--cnn-image", "8"]
+    assert simulate.main(argv) == 0
+    results = simulate.run_simulation(simulate.parse_args(argv))
+    assert len(results) == 2 and all([r["gpus"] for r in rows] == [4] for rows in results.values())
+    capsys.readouterr()
+
+
+def test_bad_options_raise_value_error(simulate):
+    with pytest.raises(ValueError, match="--max-gpus must be at least 4, got 2"):
         simulate.main(["--max-gpus", "2"])
-    assert "--max-gpus must be at least 4" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="does not exist"):
+    with pytest.raises(ValueError, match="--cnn-depth must be a positive integer, got 0"):
+        simulate.main(["--cnn-depth", "0"])
+    with pytest.raises(ValueError, match="does not exist"):
         simulate.main(["--profile", "no-such-profile"])
+    with pytest.raises(cli.UsageError, match="invalid int value"):
+        simulate.main(["--batch", "many"])
+    with pytest.raises(cli.UsageError, match="unrecognized arguments"):
+        simulate.main(["--no-such-option"])
+
+
+def test_output_paths_are_checked_before_planning(simulate, tmp_path, capsys):
+    with pytest.raises(ValueError, match="--json .* is a directory"):
+        simulate.main(["--max-gpus", "4", "--json", str(tmp_path)])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--plot .* cannot be made"):
+        simulate.main(["--max-gpus", "4", "--plot", str(blocker / "scaling.png")])
+    assert capsys.readouterr().out == ""  # nothing planned or printed
+
+
+def test_plot_without_matplotlib_fails_up_front(simulate, tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(simulate.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="--plot .*needs matplotlib"):
+        simulate.parse_args(["--plot", str(tmp_path / "scaling.png")])
