@@ -6,8 +6,8 @@ out every rank reports its outcome on a communicator kept for this alone (design
 "One way to fail"):
 
 - all ranks arrive (the usual case: the checks fail alike everywhere, or all succeed): rank 0
-  prints one line `script.py: error: <what>` per distinct message, a barrier makes sure it is
-  out, and every rank finalises MPI and exits with the same status. Nobody calls MPI_Abort, so
+  prints one line `script.py: error: <what>` (and, indented, what other ranks said that
+  differs), a barrier makes sure it is out, and every rank finalises MPI and exits with the same status. Nobody calls MPI_Abort, so
   no rank can kill rank 0 before its message is written.
 - a failing rank whose peers never arrive within `CFP_FAILURE_WAIT` seconds (default 10; they
   wait in a collective for it) prints its own message, naming its rank, and aborts the job.
@@ -104,15 +104,17 @@ def _wait(request, seconds):
 
 
 def _closing_lines(name, messages):
-    """The lines rank 0 prints: each distinct message once, naming the ranks when they differ."""
+    """The lines rank 0 prints: the first failing rank's message, then, indented, what other
+    ranks said that differs from it (each distinct message once, with its ranks)."""
     distinct = {}
     for rank, message in enumerate(messages):
         if message is not None:
             distinct.setdefault(message, []).append(rank)
-    if len(distinct) == 1:
-        return [f"{name}: {next(iter(distinct))}"]
-    return [f"{name}: {m} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
-            for m, r in distinct.items()]
+    first, *others = distinct.items()
+    lines = [f"{name}: {first[0]}"]
+    for message, ranks in others:
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} said: {message}")
+    return lines
 
 
 def run(main, argv=None, name=None):

@@ -93,7 +93,7 @@ class DistTensor:
         expected = _box_shape(self.box())
         if tuple(local.shape) != expected:
             raise ValueError(
-                f"rank {grid.rank}: local block has shape {tuple(local.shape)}, layout {layout} "
+                f"local block has shape {tuple(local.shape)}, layout {layout} "
                 f"of global shape {self.global_shape} on {grid.describe()} expects {expected}"
             )
         self.local = local

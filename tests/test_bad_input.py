@@ -1,0 +1,243 @@
+"""The bad-input catalogue: each kind of bad input to the scripts and the Python API, run
+under mpiexec as a user would, must end the job with exactly one clear message naming the
+problem, a non-zero exit status and within seconds; a race test repeats a quick failure
+and requires the message every time (no MPI_Abort may kill rank 0 before it is out)."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from run_suite import ROOT
+from test_scripts import run, write_problem
+
+SCRIPTS = os.path.join(ROOT, "scripts")
+API_CASE = os.path.join(ROOT, "tests", "harness", "api_case.py")
+QUICK = ["--no-progress", "--grid", "channel=2", "--epochs", "1", "--train-samples", "128", "--batch-size", "32"]
+
+
+def fails_once(nprocs, script, args, message, seconds=30):
+    """Run `script args` on `nprocs` ranks; it must fail with one `name: error:` line that
+    matches `message`, a non-zero status, within `seconds`."""
+    proc, took = run(nprocs, args, timeout=60, script=script)
+    name = os.path.basename(script)
+    assert proc.returncode != 0, f"{args}: exit status 0\n{proc.stdout}{proc.stderr}"
+    assert proc.stderr.count(f"{name}: error:") == 1, f"{args}: not one error line:\n{proc.stderr}"
+    assert re.search(message, proc.stderr), f"{args}: {message!r} not in:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert took < seconds, f"{args}: took {took:.1f} s"
+    return proc
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Paths that cannot be written (as root too), and one that is a directory."""
+    plain = tmp_path / "plain-file"
+    plain.write_text("not a directory")
+    return {"tmp": tmp_path, "under_file": str(plain / "out.json"), "dir": str(tmp_path),
+            "plain": str(plain), "proc": "/proc/cfp-cannot-write-here.json"}
+
+
+TRAIN_CASES = [
+    (["--model", "vgg"], "unknown model 'vgg'"),
+    (["--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),
+    (["--dtype", "float16"], "unknown dtype 'float16'"),
+    (["--grid", "sample=2", "--batch-size", "1"], "batch size 1 is smaller than the sample axis"),
+    (["--grid", "channel=2", "--model", "wide", "--width", "1"], "width=1 gives 1 channels"),
+    (["--grid", "sample=3"], "grid sample=3 needs 3 ranks, the communicator has 2"),
+    (["--grid", "height=2"], "splits the height axis over 2 ranks"),
+    (["--grid", "depth=2"], "unknown grid axis 'depth'"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
+    (["--max-steps", "-3"], "--max-steps must be a positive integer, got -3"),
+    (["--train-samples", "-10"], "--train-samples must be a positive integer, got -10"),
+    (["--train-samples", "99999"], "--train-samples 99999 is more than the 1437 training samples"),
+    (["--epochs", "0"], "epochs must be a positive integer"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--lr", "-0.1"], r"--lr must be > 0, got -0.1"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--algorithm", "auto", "--memory-limit", "nan"], "--memory-limit must be a finite number, got nan"),
+    (["--algorithm", "auto", "--filter-groups", "2"], "--filter-groups applies to --algorithm w only"),
+    (["--algorithm", "y", "--profile", "cpu-dev"], "--profile applies to --algorithm auto only"),
+    (["--memory-limit", "64"], "--memory-limit applies to --algorithm auto only"),
+    (["--depth", "3"], "--depth applies to --model wide only"),
+    (["--optimizer", "adam", "--momentum", "0.5"], "--momentum applies to --optimizer sgd only"),
+    (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+]
+
+
+@pytest.mark.parametrize("args,message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
+def test_train_bad_option(args, message):
+    fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + args, message)
+
+
+@pytest.mark.parametrize("option,key,message", [
+    ("--log", "dir", "--log '.*' is a directory; expected a file name"),
+    ("--log", "under_file", "--log '.*' cannot be made: '.*plain-file' is a file"),
+    ("--plot", "proc", "--plot '/proc/.*' cannot be written"),
+    ("--checkpoint-dir", "plain", "--checkpoint-dir '.*plain-file' exists and is not a directory"),
+    ("--algorithm auto --profile", "dir", "machine profile '.*' is a directory"),
+])
+def test_train_bad_path_fails_before_the_work(files, option, key, message):
+    *before, flag = option.split()
+    proc = fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + before + [flag, files[key]], message)
+    assert "test accuracy" not in proc.stdout  # nothing was trained
+
+
+def test_train_profile_without_links_is_refused(tmp_path):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"name": "half a profile", "ranks_per_node": 2}')
+    fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + ["--algorithm", "auto", "--profile", str(bad)],
+               "is not a valid machine profile: missing or malformed 'links'")
+
+
+def test_train_that_diverges_stops_with_a_message_and_no_nan_in_the_log(tmp_path):
+    log, ckpt = tmp_path / "run.json", tmp_path / "ckpt"
+    proc = fails_once(2, os.path.join(SCRIPTS, "train.py"),
+                      QUICK + ["--lr", "1e6", "--log", str(log), "--checkpoint-dir", str(ckpt)],
+                      r"training diverged at step \d+: .*try a smaller learning rate than --lr 1e\+06", seconds=60)
+    assert "RuntimeWarning" not in proc.stderr
+    text = log.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    record = json.loads(text)
+    assert record["summary"] is None and record["diverged"]["step"] >= 1
+    assert all(np.isfinite(s["loss"]) for s in record["steps"])
+    assert not any(p.name.startswith("step-") for p in ckpt.iterdir()) if ckpt.exists() else True
+
+
+@pytest.fixture
+def problem(tmp_path):
+    args, _ = write_problem(tmp_path)
+    return args, tmp_path
+
+
+def _with(args, flag, value):
+    changed = list(args)
+    changed[changed.index(flag) + 1] = value
+    return changed
+
+
+RUN_CONV = os.path.join(SCRIPTS, "run_conv.py")
+
+
+def test_run_conv_bad_input(problem, files):
+    args, folder = problem
+    base = ["--algorithm", "y", "--grid", "channel=2", "--out", str(folder / "r.npz")]
+    nan_x = folder / "nan_x.npy"
+    x = np.load(_value(args, "--input"))
+    x[0, 0, 0, 0] = np.nan
+    np.save(nan_x, x)
+    int_x = folder / "int_x.npy"
+    np.save(int_x, np.zeros(x.shape, dtype=np.int64))
+    cases = [
+        (_with(args, "--input", str(nan_x)) + base, "input holds 1 NaN or infinite value.*--allow-nonfinite"),
+        (_with(args, "--input", str(int_x)) + base, "input has dtype int64; expected float32 or float64"),
+        (args + ["--algorithm", "y", "--grid", "channel=2", "--out", files["dir"]], "--out '.*' is a directory"),
+        (args + ["--algorithm", "y", "--grid", "channel=2", "--out", files["proc"]], "--out '/proc/.*' cannot be written"),
+        (args + ["--algorithm", "y", "--grid", "height=2", "--out", str(folder / "r.npz")],
+         "splits the height axis over 2 ranks"),
+        (args + ["--algorithm", "y", "--grid", "channel=2"], "the following arguments are required: --out"),
+        (args + ["--algorithm", "x", "--grid", "channel=2", "--filter-groups", "2", "--out", str(folder / "r.npz")],
+         "applies to algorithm 'w' only"),
+        (_with(args, "--stride", "0") + base, "stride must be a positive integer"),
+    ]
+    for case_args, message in cases:
+        fails_once(2, RUN_CONV, case_args, message)
+    assert not (folder / "r.npz").exists()  # every failure came before the work
+    # With the flag the NaN goes through, as asked.
+    proc, _ = run(2, _with(args, "--input", str(nan_x)) + base + ["--allow-nonfinite"], script=RUN_CONV)
+    assert proc.returncode == 0, proc.stderr
+    with np.load(folder / "r.npz", allow_pickle=False) as result:
+        assert np.isnan(result["y"]).any()
+
+
+def _value(args, flag):
+    return args[args.index(flag) + 1]
+
+
+PLAN = os.path.join(SCRIPTS, "plan.py")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "0"], "--ranks must be a positive integer, got 0"),
+    (["--ranks", "4", "--memory-limit", "nan"], "--memory-limit must be a finite number, got nan"),
+    (["--ranks", "4", "--grid", "height=4"], "plans sample x channel grids only"),
+    (["--ranks", "4", "--grid", "sample=3"], "grid sample=3 has 3 ranks, --ranks says 4"),
+    (["--ranks", "4", "--model", "vgg"], "unknown model 'vgg'"),
+    (["--ranks", "4", "--profile", "no-such-machine"], "machine profile 'no-such-machine' does not exist"),
+    (["--ranks", "4", "--width", "-2"], "--width must be a positive integer"),
+    ([], "the following arguments are required: --ranks"),
+])
+def test_plan_bad_input(args, message):
+    fails_once(2, PLAN, args, message)
+
+
+def test_plan_profile_that_is_a_directory(files):
+    fails_once(2, PLAN, ["--ranks", "2", "--profile", files["dir"]], "is a directory; expected a JSON file")
+
+
+CALIBRATE = os.path.join(SCRIPTS, "calibrate.py")
+
+
+def test_calibrate_bad_input(files):
+    fails_once(2, CALIBRATE, ["--out", files["dir"], "--quick"], "--out '.*' is a directory")
+    fails_once(2, CALIBRATE, ["--out", files["under_file"], "--quick"], "cannot be made")
+    fails_once(2, CALIBRATE, ["--out", str(files["tmp"] / "p.json"), "--repeats", "0"],
+               "--repeats must be a positive integer, got 0")
+    fails_once(1, CALIBRATE, ["--out", str(files["tmp"] / "p.json"), "--quick"], "needs at least 2 ranks")
+
+
+VALIDATE = os.path.join(SCRIPTS, "validate_model.py")
+
+
+def test_validate_model_bad_input(files, tmp_path):
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text('["not", "a", "profile"]')
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text('{"name": "x", ')
+    fails_once(2, VALIDATE, ["--profile", str(malformed)], "is not a valid machine profile")
+    fails_once(2, VALIDATE, ["--profile", str(garbled)], "is not valid JSON")
+    fails_once(2, VALIDATE, ["--profile", files["dir"]], "is a directory; expected a JSON file")
+    fails_once(2, VALIDATE, ["--repeats", "0"], "--repeats must be a positive integer")
+    fails_once(2, VALIDATE, ["--memory-fraction", "nan"], "--memory-fraction must be a finite number")
+    fails_once(2, VALIDATE, ["--json", files["dir"]], "--json '.*' is a directory")
+
+
+API_CASES = [
+    ("heights_differ", 2, r"conv: x: the ranks' blocks do not form one tensor \(rank 1 holds \(2, 2, 5, 5\)"),
+    ("heights_differ", 4, r"the ranks' blocks do not form one tensor"),
+    ("dtypes_differ", 2, r"the ranks' blocks do not form one tensor \(their dtypes differ\).*float32.*float64"),
+    ("dtypes_differ", 3, r"their dtypes differ"),
+    ("samples_differ", 2, r"rank 0 holds \(3, 4, 6, 5\) where a tensor of global shape \(4, 4, 6, 5\)"),
+    ("integer_input", 2, "conv: x has dtype int64; expected float32 or float64"),
+    ("complex_input", 2, "conv: x has dtype complex128; expected float32 or float64"),
+    ("weight_dtype_differs", 2, "weight shard has dtype float32, x has float64"),
+    ("spatial_grid", 2, "grid height=2 splits the height axis"),
+    ("spatial_grid", 4, "grid height=4 splits the height axis"),
+    ("backward_first", 2, "backward called before forward"),
+    ("wrong_grad_output", 2, r"dy block has shape \(2, 2, 7, 5\).*expected \(2, 2, 6, 5\)"),
+    ("integer_kernel_input", 2, "x has dtype int64; expected float32 or float64"),
+    ("wrong_block", 2, r"local block has shape \(5, 3\)"),
+    ("train_zero_steps", 2, "--max-steps must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize("case,nprocs,message", API_CASES, ids=[f"{c}-{n}" for c, n, _ in API_CASES])
+def test_python_api_bad_input(case, nprocs, message):
+    fails_once(nprocs, API_CASE, [case], message)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_the_message_is_never_lost(nprocs):
+    """Every rank raises the same error at once, the race that lost rank 0's message when the
+    ranks aborted: it must be there every time."""
+    repeats = int(os.environ.get("CFP_RACE_REPEATS", "50" if nprocs == 2 else "10"))
+    lost = []
+    for i in range(repeats):
+        proc, _ = run(nprocs, ["--model", "vgg"], timeout=60, script=os.path.join(SCRIPTS, "train.py"))
+        if proc.returncode == 0 or proc.stderr.count("train.py: error: unknown model 'vgg'") != 1:
+            lost.append((i, proc.returncode, proc.stderr[-300:]))
+    assert not lost, f"{len(lost)} of {repeats} runs lost or repeated the message: {lost[:3]}"
