@@ -6,7 +6,9 @@ evaluation, checkpoints (re-shardable), a progress bar, a JSON log and a closing
 import dataclasses
 import importlib.util
 import math
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -210,6 +212,41 @@ def _weights_finite(grid, model):
     return bool(everyone[0])
 
 
+class _CtrlC:
+    """Ctrl-C during training, taken at a step boundary by all ranks together.
+
+    mpiexec passes SIGINT to every rank, but a rank blocked inside a collective cannot raise
+    until the collective returns, which it never does once another rank has left it. So the
+    first SIGINT only sets a flag; at the start of every step the ranks OR their flags (one
+    small allreduce) and, when any is set, all raise KeyboardInterrupt at the same step. A
+    second Ctrl-C interrupts at once, as usual."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def check(self, grid):
+        """Raise KeyboardInterrupt on every rank when any rank has seen Ctrl-C (collective)."""
+        anyone = np.zeros(1, dtype=np.int64)
+        grid.comm.Allreduce(np.array([int(self.requested)], dtype=np.int64), anyone, op=MPI.MAX)
+        if anyone[0]:
+            raise KeyboardInterrupt
+
+
 def _diverged(cfg, rank0, step, what, history, epochs_log):
     """Stop a run whose loss or weights are no longer finite: the log (when asked for) keeps
     the finite steps and says that the run diverged; no checkpoint is written."""
@@ -268,6 +305,10 @@ def train(cfg, world=None, keep_model=False):
             for bad, reason in skipped:
                 print(f"checkpoint {bad} is corrupt ({reason}); resuming from {path} instead", flush=True)
         meta = load_checkpoint(path, model, optimizer, expect={"model": cfg.model_description()})
+        missing = [k for k in ("schedule", "history", "epochs", "step", "epoch", "batch") if k not in meta]
+        if missing:
+            raise ValueError(f"checkpoint {path!r} was not written by cfp's training loop: its meta.json "
+                             f"lacks {', '.join(missing)}")
         schedule.load_state_dict(meta["schedule"])
         history, epochs_log = meta["history"], meta["epochs"]
         step, first_epoch, skip = meta["step"], meta["epoch"], meta["batch"]
@@ -281,7 +322,7 @@ def train(cfg, world=None, keep_model=False):
     last_checkpoint = path if cfg.resume else None
     try:
         # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
-        with comm.use_ledger(ledger), np.errstate(over="ignore", invalid="ignore"):
+        with comm.use_ledger(ledger), np.errstate(over="ignore", invalid="ignore"), _CtrlC() as ctrl_c:
             for epoch in range(first_epoch, cfg.epochs):
                 if step >= stop_at:
                     break
@@ -290,6 +331,7 @@ def train(cfg, world=None, keep_model=False):
                 for batch, (x_local, y_local, n_global) in enumerate(loader, start=1):
                     if batch <= skip:  # resuming inside this epoch: these batches were done
                         continue
+                    ctrl_c.check(grid)
                     lr = optimizer.lr
                     loss, correct = train_step(model, loss_fn, optimizer, x_local, y_local)
                     if not math.isfinite(loss):  # the same value on every rank: all stop here

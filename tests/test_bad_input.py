@@ -5,11 +5,15 @@ and requires the message every time (no MPI_Abort may kill rank 0 before it is o
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from run_suite import ROOT
+from run_suite import ROOT, mpiexec_path, single_thread_env
 from test_scripts import run, write_problem
 
 SCRIPTS = os.path.join(ROOT, "scripts")
@@ -241,3 +245,32 @@ def test_the_message_is_never_lost(nprocs):
         if proc.returncode == 0 or proc.stderr.count("train.py: error: unknown model 'vgg'") != 1:
             lost.append((i, proc.returncode, proc.stderr[-300:]))
     assert not lost, f"{len(lost)} of {repeats} runs lost or repeated the message: {lost[:3]}"
+
+
+def test_ctrl_c_says_one_line_with_the_last_checkpoint_and_exits_130(tmp_path):
+    """SIGINT to mpiexec (what Ctrl-C in a terminal sends; mpiexec passes it to every rank)."""
+    directory = tmp_path / "ckpt"
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", os.path.join(SCRIPTS, "train.py"),
+           "--grid", "channel=2", "--train-samples", "128", "--batch-size", "32", "--epochs", "500",
+           "--no-progress", "--checkpoint-dir", str(directory)]
+    proc = subprocess.Popen(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=120), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and not (directory / "latest.json").exists():
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        seconds = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.count("train.py: interrupted") == 1, err
+    assert re.search(r"train.py: interrupted: at step \d+; the last checkpoint is .*step-\d+ "
+                     r"\(continue with --resume\)", err), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert seconds < 15, f"took {seconds:.1f} s to stop"
