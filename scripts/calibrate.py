@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+import scipy.optimize  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from cfp import backend, cli, comm  # noqa: E402
@@ -85,14 +86,16 @@ def collective_call(name, group, m_bytes):
 
 
 def fit_alpha_beta(samples):
-    """Least-squares (alpha, beta) >= 0 from [(steps, volume bytes, seconds)], minimising
-    relative errors (small and large messages alike)."""
-    a = np.array([[s, v] for s, v, _ in samples], dtype=np.float64)
-    t = np.array([sec for _, _, sec in samples])
-    weights = 1.0 / np.maximum(t, 1e-9)
-    solution, *_ = np.linalg.lstsq(a * weights[:, None], t * weights, rcond=None)
-    alpha, beta = (max(float(v), 0.0) for v in solution)
-    return alpha, beta
+    """Non-negative least-squares (alpha, beta) from [(steps, volume bytes, seconds, measured seconds)]
+    where `seconds` is what alpha and beta must explain (the measurement less the packing),
+    minimising errors relative to the whole measurement (small and large messages alike). The
+    weights come from the measurement, not the remainder: a remainder near zero (the packing
+    is most of the time) must not outweigh every other sample."""
+    a = np.array([[s, v] for s, v, _, _ in samples], dtype=np.float64)
+    t = np.array([sec for _, _, sec, _ in samples])
+    weights = 1.0 / np.maximum(np.array([total for *_, total in samples]), 1e-9)
+    alpha, beta = scipy.optimize.nnls(a * weights[:, None], t * weights)[0]
+    return float(alpha), float(beta)
 
 
 def fit_packing(samples):
@@ -128,7 +131,7 @@ def calibrate_collectives(world, args):
                         seconds = slowest_median(group, lambda: timed(call), args.repeats, 1)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
                             else (p - 1, (p - 1) / p * m)
-                        samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0)))
+                        samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
                 group.Free()
             quiet_barrier(world)
     fitted = np.array([fit_alpha_beta(samples[name]) if samples[name] else (0.0, 0.0) for name in names])
@@ -136,12 +139,14 @@ def calibrate_collectives(world, args):
     return {name: [float(a), float(b)] for name, (a, b) in zip(names, fitted)}, packing
 
 
-def check_fits(links, ranks):
-    """ValueError when a fit is physically impossible (no ranks to fit on, or zero seconds per
-    byte: infinitely fast links), which is what a noisy machine produces."""
+def check_fits(links, packing, ranks):
+    """ValueError when a fit is physically impossible: no ranks to fit on, or a collective whose
+    large messages would cost zero seconds per byte (beta and the packing both zero), which is
+    what a noisy machine produces. beta = 0 alone is possible: on two ranks the per-byte cost of
+    the link and of the packing cannot be told apart, and the packing may carry all of it."""
     if ranks < 2:
         raise ValueError("calibration needs at least 2 ranks to fit the links (mpiexec -n 2 or more)")
-    bad = [name for name, (alpha, beta) in links.items() if not beta > 0]
+    bad = [name for name, (alpha, beta) in links.items() if not beta + packing.get(name, 0.0) > 0]
     if bad:
         raise ValueError(f"the fit of {', '.join(bad)} gives zero seconds per byte, which no link has: "
                          f"the timings were too noisy; rerun on a quiet machine (or with more --repeats)")
@@ -170,12 +175,12 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     if world.Get_size() < 2:
-        check_fits({}, world.Get_size())
+        check_fits({}, {}, world.Get_size())
     alike_on_all_ranks(world, lambda: check_writable(args.out, "--out"))
     backend.set_blas_threads(1)
     start = time.time()
     links, packing = calibrate_collectives(world, args)
-    check_fits(links, world.Get_size())  # the fit is broadcast: every rank judges it alike
+    check_fits(links, packing, world.Get_size())  # both are rank 0's: every rank judges alike
     kernels = on_rank0(world, lambda: calibrate_kernels(args))
     if world.Get_rank() == 0:
         profile = {
