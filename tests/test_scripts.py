@@ -143,3 +143,24 @@ def test_train_script_bad_input(args, message):
     assert message in proc.stderr, proc.stderr
     assert proc.stderr.count("train.py: error:") == 1
     assert seconds < 30
+
+
+SCRIPT_FILES = sorted(f for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("name", SCRIPT_FILES)
+def test_help_describes_every_option_in_whole_sentences(name):
+    """--help as a newcomer meets it: printed once, a description that ends its sentence, and
+    a help text for every option (argparse adds the defaults)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), "--help"], capture_output=True,
+                          text=True, env=single_thread_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    description = text.split("\n\n")[1].strip()
+    assert description.endswith((".", ")")), f"{name}: the description stops mid-sentence: {description!r}"
+    options = text.split("options:")[1]
+    entries = re.split(r"\n  (?=-)", "\n" + options.strip("\n"))[1:]
+    for entry in entries:
+        flag_part = entry.split("  ")[0]
+        words = entry[len(flag_part):].split()
+        assert words, f"{name}: option {flag_part.strip()} has no help text"
