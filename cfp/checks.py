@@ -63,3 +63,25 @@ def alike_on_all_ranks(comm, check, root=0):
     problem = comm.bcast(problem, root=root)  # text or None: the pickling form fits
     if problem is not None:
         raise ValueError(problem)
+
+
+def nonnegative_int(value, what):
+    """int(value) for an integer >= 0 (bool excluded); else "{what} must be a non-negative integer"."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def option_name(field):
+    """The command-line spelling of an option's field: max_steps -> --max-steps."""
+    return "--" + field.replace("_", "-")
+
+
+def int_options(holder, positive=(), nonnegative=()):
+    """Check the integer options named (by field) on `holder`, parsed arguments or a config:
+    each a positive or a non-negative integer, the error naming the option (--max-steps).
+    None means the option was not given and passes."""
+    for names, check in ((positive, positive_int), (nonnegative, nonnegative_int)):
+        for name in names:
+            if getattr(holder, name) is not None:
+                check(getattr(holder, name), option_name(name))

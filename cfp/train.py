@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from . import backend, comm
 from .algorithms import ALGORITHMS
-from .checks import alike_on_all_ranks, finite_number, positive_int
+from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import load_checkpoint, resume_point, save_checkpoint
 from .data import ShardedLoader, load_digits, synthetic
 from .grid import ProcessGrid
@@ -34,11 +34,6 @@ DATASETS = ("digits", "synthetic")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
 DEFAULT_PROFILE = "cpu-dev"
-
-
-def option(field):
-    """The command-line spelling of a TrainConfig field: max_steps -> --max-steps."""
-    return "--" + field.replace("_", "-")
 
 
 class TrainingDiverged(ValueError):
@@ -85,15 +80,9 @@ class TrainConfig:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"unknown {field} {getattr(self, field)!r}; expected one of "
                                  f"{', '.join(allowed)}")
-        for field in ("width", "epochs", "batch_size", "upsample"):
-            positive_int(getattr(self, field), option(field))
-        for field in ("depth", "filter_groups", "train_samples", "max_steps", "threads"):
-            if getattr(self, field) is not None:
-                positive_int(getattr(self, field), option(field))
-        for field in ("warmup_steps", "seed"):
-            if isinstance(getattr(self, field), bool) or not isinstance(getattr(self, field), int) \
-                    or getattr(self, field) < 0:
-                raise ValueError(f"{option(field)} must be a non-negative integer, got {getattr(self, field)!r}")
+        int_options(self, positive=("width", "epochs", "batch_size", "upsample", "depth", "filter_groups",
+                                    "train_samples", "max_steps", "threads"),
+                    nonnegative=("warmup_steps", "seed"))
         finite_number(self.lr, "--lr", above=0)
         finite_number(self.weight_decay, "--weight-decay", minimum=0)
         if self.momentum is not None:

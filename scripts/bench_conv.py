@@ -21,7 +21,7 @@ from mpi4py import MPI  # noqa: E402
 from cfp import backend, cli  # noqa: E402
 from cfp.algorithms import ALGORITHMS  # noqa: E402
 from cfp.benchtools import measure_conv, on_rank0, slowest_median  # noqa: E402
-from cfp.checks import alike_on_all_ranks, positive_int  # noqa: E402
+from cfp.checks import alike_on_all_ranks, int_options, positive_int  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
 from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402
@@ -51,14 +51,9 @@ def parse_args(argv):
         raise ValueError(f"--shape must be N,C,F,H,W,K (six positive integers), got {args.shape!r}") from None
     for name in "NCFHWK":
         positive_int(getattr(args, name), f"--shape {args.shape}: {name}")
-    for name in ("stride", "repeats", "threads"):
-        positive_int(getattr(args, name), f"--{name}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be a non-negative integer, got {args.warmup}")
+    int_options(args, positive=("stride", "repeats", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
-    elif args.padding < 0:
-        raise ValueError(f"--padding must be a non-negative integer, got {args.padding}")
     try:  # the kernel must fit the padded input
         conv2d_output_shape((args.N, args.C, args.H, args.W), (args.F, args.C, args.K, args.K),
                             args.stride, args.padding)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from cfp import cli  # noqa: E402
 from cfp.backend import blas_info, set_blas_threads  # noqa: E402
-from cfp.checks import positive_int  # noqa: E402
+from cfp.checks import int_options  # noqa: E402
 from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.kernels import (  # noqa: E402
     conv2d_backward_data,
@@ -153,8 +153,7 @@ def parse_args(argv):
                              f"(default: {' '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        positive_int(getattr(args, name), f"--{name}")
+    int_options(args, positive=("repeats", "threads"))
     return args
 
 

@@ -20,7 +20,7 @@ from mpi4py import MPI  # noqa: E402
 from cfp import backend, cli  # noqa: E402
 from cfp.algorithms import ALGORITHMS  # noqa: E402
 from cfp.benchtools import quiet_barrier, slowest_median, timed  # noqa: E402
-from cfp.checks import alike_on_all_ranks, positive_int  # noqa: E402
+from cfp.checks import alike_on_all_ranks, int_options  # noqa: E402
 from cfp.data import synthetic  # noqa: E402
 from cfp.grid import ProcessGrid, factorizations  # noqa: E402
 from cfp.io import check_writable, save_json  # noqa: E402
@@ -52,10 +52,7 @@ def parse_args(argv):
                    help=f"comma-separated algorithms to time at P ranks, of {', '.join(ALGORITHMS)}")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
-    for name in ("width", "depth", "image", "batch_size", "steps"):
-        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be a non-negative integer, got {args.warmup}")
+    int_options(args, positive=("width", "depth", "image", "batch_size", "steps"), nonnegative=("warmup",))
     unknown = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "

@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cfp import cli  # noqa: E402
-from cfp.checks import finite_number, positive_int  # noqa: E402
+from cfp.checks import finite_number, int_options  # noqa: E402
 from cfp.grid import parse_grid_spec  # noqa: E402
 from cfp.models import layer_shapes  # noqa: E402
 from cfp.perfmodel import MachineProfile  # noqa: E402
@@ -38,8 +38,7 @@ def parse_args(argv):
     p.add_argument("--grid", help="plan on this grid only (as a model built on one grid runs)")
     p.add_argument("--data-parallel", action="store_true", help="data parallelism only, for comparison")
     args = p.parse_args(argv)
-    for name in ("width", "depth", "image", "in_channels", "batch", "ranks"):
-        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
+    int_options(args, positive=("width", "depth", "image", "in_channels", "batch", "ranks"))
     if args.memory_limit is not None:
         finite_number(args.memory_limit, "--memory-limit", above=0)
     return args

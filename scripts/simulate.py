@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cfp import cli, planner  # noqa: E402
-from cfp.checks import positive_int  # noqa: E402
+from cfp.checks import int_options  # noqa: E402
 from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.models import layer_shapes  # noqa: E402
 from cfp.perfmodel import LayerShape, MachineProfile  # noqa: E402
@@ -215,8 +215,7 @@ def parse_args(argv):
     p.add_argument("--json", help="write every number to this JSON file")
     p.add_argument("--plot", help="write the scaling plot to this PNG file (needs matplotlib)")
     args = p.parse_args(argv)
-    for name in ("batch", "resnet_width", "cnn_width", "cnn_depth", "cnn_image"):
-        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
+    int_options(args, positive=("batch", "resnet_width", "cnn_width", "cnn_depth", "cnn_image"))
     if args.max_gpus < 4:
         raise ValueError(f"--max-gpus must be at least 4, got {args.max_gpus}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

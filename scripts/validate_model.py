@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from cfp import backend, cli  # noqa: E402
-from cfp.checks import alike_on_all_ranks, finite_number, positive_int  # noqa: E402
+from cfp.checks import alike_on_all_ranks, finite_number, int_options  # noqa: E402
 from cfp.benchtools import measure_conv  # noqa: E402
 from cfp.grid import ProcessGrid  # noqa: E402
 from cfp.io import check_writable, save_json  # noqa: E402
@@ -84,10 +84,7 @@ def parse_args(argv):
     p.add_argument("--memory-fraction", type=float, default=0.75,
                    help="the memory check's limit, as a fraction of the one-rank prediction")
     args = p.parse_args(argv)
-    for name in ("repeats", "memory_width", "memory_batch"):
-        positive_int(getattr(args, name), f"--{name.replace('_', '-')}")
-    if isinstance(args.warmup, bool) or args.warmup < 0:
-        raise ValueError(f"--warmup must be a non-negative integer, got {args.warmup}")
+    int_options(args, positive=("repeats", "memory_width", "memory_batch"), nonnegative=("warmup",))
     finite_number(args.memory_fraction, "--memory-fraction", above=0)
     return args
 

@@ -1,4 +1,6 @@
 """Shared test helpers: the world size, grids over every factorization, collective assertions."""
+import importlib.util
+import os
 import re
 import sys
 
@@ -14,6 +16,15 @@ SIZE = WORLD.Get_size()
 def grid_specs(naxes=2, axes=("sample", "channel")):
     """'sample=a,channel=b' for every factorization a * b of the world size."""
     return [",".join(f"{a}={n}" for a, n in zip(axes, f)) for f in factorizations(SIZE, naxes)]
+
+
+def load_script(name):
+    """scripts/NAME.py as a module, for tests that call its functions in-process."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rel_err(a, b):

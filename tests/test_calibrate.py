@@ -1,19 +1,13 @@
 """scripts/calibrate.py's fits: alpha and beta recovered from exact timings, not collapsed to
 zero by samples whose packing is most of their time, and physically impossible fits refused."""
-import importlib.util
-import os
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def calibrate():
-    spec = importlib.util.spec_from_file_location("calibrate", os.path.join(ROOT, "scripts", "calibrate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("calibrate")
 
 
 def samples(alpha, beta, packing, p=2, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20), noise=()):

@@ -8,16 +8,14 @@ import pytest
 
 from cfp import cli
 from cfp.perfmodel import MachineProfile
+from conftest import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def simulate():
-    spec = importlib.util.spec_from_file_location("simulate", os.path.join(ROOT, "scripts", "simulate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("simulate")
 
 
 @pytest.fixture(scope="module")
