@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from . import comm
 from .algorithms import make_conv
-from .tensor import DistTensor, Layout, blocks_checked, check_blocks
+from .tensor import DistTensor, Layout, check_blocks
 
 
 def slowest_median(world, step, repeats, warmup):
@@ -70,7 +70,7 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
 
     def step():
         ledger.reset()
-        with comm.use_ledger(ledger), blocks_checked():
+        with comm.use_ledger(ledger), comm.inputs_checked():
             t0 = time.perf_counter()
             conv.forward(x_local, w_shard, b_shard)
             t1 = time.perf_counter()

@@ -23,6 +23,13 @@ and own block b: allgather sends (p-1) b and receives m - b; reduce-scatter send
 receives (p-1) b; allreduce is a reduce-scatter followed by an allgather of the flattened array
 in balanced blocks (2 (p-1)/p m each way when p divides it); broadcast: the root sends (p-1) m,
 the others receive m; sum_reduce is the mirror; alltoall counts the blocks for other ranks.
+
+Agreement: ranks that pass blocks of different shapes or dtypes would make MPI read past a
+buffer or, worse, return garbage. Outside a layer (no `tag(layer=...)`) and outside
+`inputs_checked()`, each collective first checks across its group, with one small allgather
+that the ledger does not count, that the ranks' blocks fit together, and raises the same
+ValueError on every rank when they do not. A layer checks its inputs where they enter
+(tensor.check_blocks) and its collectives then work on what it derived from them.
 """
 import contextlib
 import dataclasses
@@ -125,6 +132,75 @@ def tag(layer=None, phase=None):
     return get_ledger().tag(layer, phase)
 
 
+_trusted = [0]
+
+
+@contextlib.contextmanager
+def inputs_checked():
+    """Within the block, collectives and tensor.check_blocks trust their caller: whoever entered
+    it has checked the tensors the computation starts from (train_step checks the batch once),
+    and what is derived from them is consistent by construction. Every rank enters it on the
+    same code path, so the ranks agree on whether to check."""
+    _trusted[0] += 1
+    try:
+        yield
+    finally:
+        _trusted[0] -= 1
+
+
+def checking(layer_trusted=True):
+    """True where inputs are checked across ranks: outside inputs_checked() and (for the
+    collectives, layer_trusted) outside a layer's tag."""
+    return not _trusted[0] and not (layer_trusted and get_ledger().layer != "-")
+
+
+MAX_NDIM = 8
+
+
+def gather_shapes(comm, x):
+    """Every rank's (ndim, dtype number, shape...) as rows of an int64 array (one allgather,
+    not recorded in the ledger): what the agreement checks compare."""
+    shape = tuple(x.shape)
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensors of more than {MAX_NDIM} dimensions are not supported, got shape {shape}")
+    mine = np.full(2 + MAX_NDIM, -1, dtype=np.int64)
+    mine[0], mine[1] = len(shape), np.dtype(x.dtype).num
+    mine[2:2 + len(shape)] = shape
+    every = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    comm.Allgather(mine, every)
+    return every
+
+
+def dtype_name(num):
+    """The name of the dtype whose number (np.dtype.num) is `num`."""
+    for scalar in set(np.sctypeDict.values()):
+        if np.dtype(scalar).num == num:
+            return np.dtype(scalar).name
+    return f"dtype #{num}"
+
+
+def describe_shapes(every):
+    """'rank 0: (2, 3) float64; rank 1: ...' from gather_shapes' rows."""
+    return "; ".join(f"rank {r}: {tuple(int(n) for n in row[2:2 + row[0]])} {dtype_name(row[1])}"
+                     for r, row in enumerate(every))
+
+
+def _agree(comm, x, collective, free_axis=None):
+    """ValueError on every rank of `comm` unless all ranks pass arrays of one dtype and number
+    of dimensions, equal in every dimension but `free_axis` (whose blocks the caller checked)."""
+    if comm.Get_size() == 1 or not checking():
+        return
+    every = gather_shapes(comm, x)
+    if free_axis is not None:
+        every[:, 2 + free_axis] = 0
+    if (every == every[0]).all():
+        return
+    shown = gather_shapes(comm, x) if free_axis is not None else every
+    along = "" if free_axis is None else f" (except along axis {free_axis})"
+    raise ValueError(f"{collective}: the ranks' arrays differ in dtype or shape{along}, so they cannot "
+                     f"be combined: {describe_shapes(shown)}")
+
+
 # ---------------------------------------------------------------------------------------------
 # helpers
 
@@ -176,6 +252,7 @@ def allgather(comm, x, axis, sizes):
             f"allgather: rank {rank} holds {x.shape[axis]} entries along axis {axis}, "
             f"the block sizes say {sizes[rank]}"
         )
+    _agree(comm, x, "allgather", free_axis=axis)
     xp = backend.get_array_module(x)
     mine = np.ascontiguousarray(backend.to_host(x))
     # Each rank's block travels as it lies in memory; one concatenation then puts the blocks
@@ -214,6 +291,7 @@ def reduce_scatter(comm, x, axis, sizes):
             f"reduce_scatter: axis {axis} has extent {x.shape[axis]}, the block sizes "
             f"{sizes} add up to {sum(sizes)}"
         )
+    _agree(comm, x, "reduce_scatter")
     xp = backend.get_array_module(x)
     host = backend.to_host(x)
     shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
@@ -248,6 +326,7 @@ def allreduce(comm, x):
     same weight shard. Adjoint: itself.
     """
     rank, p = comm.Get_rank(), comm.Get_size()
+    _agree(comm, x, "allreduce")
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
     out = np.empty_like(host)
@@ -271,6 +350,7 @@ def broadcast(comm, x, root=0):
     """The root's `x` on every rank. Every rank passes an array of the root's shape and dtype
     (its content is ignored off the root). Adjoint: `sum_reduce(comm, dy, root)`."""
     rank, p = comm.Get_rank(), comm.Get_size()
+    _agree(comm, x, "broadcast")
     xp = backend.get_array_module(x)
     out = np.array(backend.to_host(x), order="C", copy=True)
     with _Timer() as t:
@@ -286,6 +366,7 @@ def sum_reduce(comm, x, root=0):
     """The sum of `x` over the ranks, on the root; zeros of the same shape elsewhere.
     Adjoint: `broadcast(comm, dy, root)`."""
     rank, p = comm.Get_rank(), comm.Get_size()
+    _agree(comm, x, "sum_reduce")
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
     out = np.zeros_like(host)
@@ -315,6 +396,8 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
         raise ValueError(f"alltoallv needs one chunk and one count per rank of a group of {p}")
     send_counts = np.array([c.size for c in send_chunks], dtype=np.int64)
     recv_counts = np.array(recv_counts, dtype=np.int64)
+    if p > 1 and checking():
+        _agree_counts(comm, send_counts, recv_counts, dtype)
     sendbuf = (np.concatenate(send_chunks).astype(dtype, copy=False) if p > 1
                else np.ascontiguousarray(send_chunks[0], dtype=dtype))
     recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
@@ -328,6 +411,23 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
     get_ledger().record("alltoall", p, (send_counts.sum() - send_counts[rank]) * item,
                         (recv_counts.sum() - recv_counts[rank]) * item, t.seconds)
     return np.split(recvbuf, np.cumsum(recv_counts)[:-1])
+
+
+def _agree_counts(comm, send_counts, recv_counts, dtype):
+    """ValueError on every rank unless what each rank sends each other is what that rank
+    expects from it, in one dtype (an all-to-all of the counts and one allgather)."""
+    arriving = np.empty_like(send_counts)
+    comm.Alltoall(send_counts, arriving)
+    mine = np.array([np.dtype(dtype).num, int((arriving == recv_counts).all())], dtype=np.int64)
+    every = np.empty((comm.Get_size(), 2), dtype=np.int64)
+    comm.Allgather(mine, every)
+    if len(set(every[:, 0])) > 1:
+        raise ValueError("alltoall: the ranks exchange different dtypes: " +
+                         ", ".join(f"rank {r} {dtype_name(n)}" for r, n in enumerate(every[:, 0])))
+    wrong = [r for r, ok in enumerate(every[:, 1]) if not ok]
+    if wrong:
+        raise ValueError(f"alltoall: rank(s) {wrong} expect element counts that their peers do not send "
+                         f"(the ranks' blocks do not fit together)")
 
 
 def alltoall(comm, x, split_axis, concat_axis, split_sizes, concat_sizes):

@@ -7,9 +7,7 @@ other layout, also on another grid over the same ranks, by one all-to-all of the
 intersections of index boxes. `check_blocks` makes sure the ranks' blocks form one tensor
 before a distributed layer works on them.
 """
-import contextlib
 import math
-import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -192,56 +190,24 @@ class DistTensor:
                 f"grid={self.grid.describe()}, local_shape={tuple(self.local.shape)})")
 
 
-MAX_NDIM = 8
-_checked = threading.local()
-
-
-@contextlib.contextmanager
-def blocks_checked():
-    """Inside this block check_blocks trusts its caller: whoever entered it has checked the
-    tensors the computation starts from (train_step checks the batch once), and what the
-    layers pass on is consistent by construction. Every rank enters it on the same code path,
-    so the ranks agree on whether to check."""
-    depth = getattr(_checked, "depth", 0)
-    _checked.depth = depth + 1
-    try:
-        yield
-    finally:
-        _checked.depth = depth
-
-
 def check_blocks(local, layout, grid, what, force=False):
     """The global shape of the tensor whose blocks the ranks of `grid` hold as `local` under
     `layout`, after checking that they form one: the same dtype and number of dimensions
     everywhere, equal extents where a dimension is replicated, and along a split dimension
     the blocks of the balanced partition of one extent. Collective over grid.comm (one
     allgather of a few integers, outside the ledger); a ValueError naming `what`, the ranks
-    and their shapes, alike on every rank. Skipped (returns None) inside blocks_checked()."""
-    if getattr(_checked, "depth", 0) and not force:
+    and their shapes, alike on every rank. Skipped (returns None) inside
+    comm.inputs_checked(), unless `force`."""
+    if not collectives.checking(layer_trusted=False) and not force:
         return None
     if not isinstance(layout, Layout):
         layout = Layout(layout)
-    shape = tuple(local.shape)
-    mine = np.full(2 + MAX_NDIM, -1, dtype=np.int64)
-    mine[0], mine[1] = len(shape), np.dtype(local.dtype).num
-    mine[2:2 + min(len(shape), MAX_NDIM)] = shape[:MAX_NDIM]
-    every = np.empty((grid.size, mine.size), dtype=np.int64)
-    grid.comm.Allgather(mine, every)
+    every = collectives.gather_shapes(grid.comm, local)
     problem = _blocks_problem(every, layout, grid)
     if problem is None:
         return _global_shape(every, layout, grid)
-    held = "; ".join(f"rank {r}: {tuple(int(n) for n in row[2:2 + row[0]])} {_dtype_name(row[1])}"
-                     for r, row in enumerate(every))
     raise ValueError(f"{what}: the ranks' blocks do not form one tensor ({problem}) under layout "
-                     f"{layout} on grid {grid.describe()}: {held}")
-
-
-def _dtype_name(num):
-    """The name of the dtype whose number (np.dtype.num) is `num`."""
-    for scalar in set(np.sctypeDict.values()):
-        if np.dtype(scalar).num == num:
-            return np.dtype(scalar).name
-    return f"dtype #{num}"
+                     f"{layout} on grid {grid.describe()}: {collectives.describe_shapes(every)}")
 
 
 def _global_shape(every, layout, grid):
@@ -269,8 +235,6 @@ def _blocks_problem(every, layout, grid):
     ndim = int(every[0, 0])
     if ndim != layout.ndim:
         return f"they are {ndim}-D, the layout is {layout.ndim}-D"
-    if ndim > MAX_NDIM:
-        return f"more than {MAX_NDIM} dimensions"
     global_shape = _global_shape(every, layout, grid)
     for r, row in enumerate(every):
         box = layout.box(global_shape, grid, grid.coords_of(r))

@@ -26,7 +26,7 @@ from .nn import SoftmaxCrossEntropy
 from .perfmodel import MachineProfile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
 from .partition import block_range
-from .tensor import Layout, blocks_checked, check_blocks
+from .tensor import Layout, check_blocks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
@@ -162,7 +162,7 @@ def train_step(model, loss_fn, optimizer, x_local, y_local):
     synchronised inside the layers), update. Returns (loss, correct in the global batch).
     The batch is checked once (check_batch); the layers then run without checks of their own."""
     check_batch(loss_fn.grid, x_local, y_local)
-    with blocks_checked():
+    with comm.inputs_checked():
         loss, correct = loss_fn.forward(model.forward(x_local), y_local)
         model.backward(loss_fn.backward())
         optimizer.step()
@@ -178,7 +178,7 @@ def evaluate(model, loss_fn, grid, x, y, batch_size=256):
         lo, hi = block_range(n_global, grid.axis_size("sample"), grid.coord("sample"))
         x_local, y_local = x[start + lo:start + hi], y[start + lo:start + hi]
         check_batch(grid, x_local, y_local)
-        with blocks_checked():
+        with comm.inputs_checked():
             loss, right = loss_fn.forward(model.forward(x_local), y_local)
         total_loss += loss * n_global
         correct += right

@@ -225,6 +225,9 @@ API_CASES = [
     ("wrong_grad_output", 2, r"dy block has shape \(2, 2, 7, 5\).*expected \(2, 2, 6, 5\)"),
     ("integer_kernel_input", 2, "x has dtype int64; expected float32 or float64"),
     ("wrong_block", 2, r"local block has shape \(5, 3\)"),
+    ("collective_shapes_differ", 2, r"allgather: the ranks' arrays differ .*rank 0: \(2, 1, 5\) float64; "
+                                    r"rank 1: \(2, 1, 6\) float64"),
+    ("collective_dtypes_differ", 3, r"allreduce: the ranks' arrays differ .*float32"),
     ("train_zero_steps", 2, "--max-steps must be a positive integer, got 0"),
 ]
 

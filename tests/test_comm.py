@@ -172,3 +172,35 @@ def test_float32_and_empty_blocks():
     assert y.dtype == np.float32 and y.shape == (2, 3)
     expected = np.repeat(np.arange(min(2, p)), [sizes[k] for k in range(min(2, p))])
     assert_close_all_ranks(y[:, 0], expected.astype(np.float32), 1e-300, "float32 allgather")
+
+
+def test_collectives_refuse_blocks_that_do_not_fit_together():
+    """Ranks passing different shapes or dtypes get one ValueError on every rank, not MPI's
+    'Message truncated' or garbage; inside a layer's tag the collectives trust the layer."""
+    from conftest import SIZE, raises_on_all_ranks
+    if SIZE == 1:
+        pytest.skip("one rank always agrees with itself")
+    r = WORLD.Get_rank()
+    sizes = block_sizes(SIZE, SIZE)
+    taller = np.ones((2, 1, 3 + (r == SIZE - 1), 2))  # the last rank's H differs
+    raises_on_all_ranks(ValueError, lambda: C.allgather(WORLD, taller, 1, sizes),
+                        match=r"allgather: the ranks' arrays differ in dtype or shape \(except along axis 1\)")
+    raises_on_all_ranks(ValueError, lambda: C.reduce_scatter(WORLD, np.ones((2, SIZE + (r == 0))), 1,
+                                                             block_sizes(SIZE + (r == 0), SIZE)),
+                        match="reduce_scatter: the ranks' arrays differ")
+    mixed = np.ones(4, dtype=np.float32 if r == 0 else np.float64)
+    raises_on_all_ranks(ValueError, lambda: C.allreduce(WORLD, mixed), match=r"allreduce: .*float32.*float64")
+    raises_on_all_ranks(ValueError, lambda: C.broadcast(WORLD, np.ones(3 + r)), match="broadcast: ")
+    raises_on_all_ranks(ValueError, lambda: C.sum_reduce(WORLD, np.ones(3 + r)), match="sum_reduce: ")
+    # Rank 0 expects one element more from every peer than the peers send.
+    send = [np.ones(1) for _ in range(SIZE)]
+    recv = [1 + (r == 0 and s != 0) for s in range(SIZE)]
+    raises_on_all_ranks(ValueError, lambda: C.alltoallv(WORLD, send, recv, np.float64),
+                        match=r"alltoall: rank\(s\) \[0\] expect element counts")
+    # The same blocks that fit pass, and nothing above moved any data into the ledger.
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        C.allgather(WORLD, np.ones((2, 1, 3, 2)), 1, sizes)
+        with C.tag(layer="conv", phase="forward"):  # a layer's collective: no extra check
+            C.allreduce(WORLD, np.ones(4))
+    assert [rec.collective for rec in ledger.records] == ["allgather", "allreduce"]

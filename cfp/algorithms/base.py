@@ -84,7 +84,7 @@ class ConvAlgorithm:
     def check_input(self, x, w, b):
         """The checks of forward's inputs: dtypes (float32 or float64, one for all), this rank's
         shapes, then, collectively, that the ranks' x blocks form one tensor (tensor.check_blocks,
-        skipped inside tensor.blocks_checked()), so that no rank computes on a tensor the others
+        skipped inside comm.inputs_checked()), so that no rank computes on a tensor the others
         do not share. Remembers the output block's shape for backward's check of dy."""
         float_dtype(x.dtype, f"{self.layer}: x")
         for name, a in (("weight shard", w), ("bias shard", b)):

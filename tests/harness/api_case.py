@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cfp import cli  # noqa: E402
+from cfp import cli, comm  # noqa: E402
 from cfp.algorithms import make_conv  # noqa: E402
 from cfp.grid import ProcessGrid  # noqa: E402
 from cfp.kernels import conv2d_forward  # noqa: E402
@@ -88,13 +88,22 @@ def wrong_block():
     DistTensor(np.ones((5, 3)), (4, 3), Layout(("sample", None)), grid)
 
 
+def collective_shapes_differ():
+    comm.allgather(MPI.COMM_WORLD, np.ones((2, 1, 5 + RANK)), 1, [1] * SIZE)
+
+
+def collective_dtypes_differ():
+    comm.allreduce(MPI.COMM_WORLD, np.ones(3, dtype=np.float32 if RANK else np.float64))
+
+
 def train_zero_steps():
     train(TrainConfig(max_steps=0, grid=f"channel={SIZE}", progress=False))
 
 
 CASES = {f.__name__: f for f in (heights_differ, dtypes_differ, samples_differ, integer_input, complex_input,
                                  weight_dtype_differs, spatial_grid, backward_first, wrong_grad_output,
-                                 integer_kernel_input, wrong_block, train_zero_steps)}
+                                 integer_kernel_input, wrong_block, collective_shapes_differ,
+                                 collective_dtypes_differ, train_zero_steps)}
 
 
 def main(argv):
