@@ -94,17 +94,38 @@ def _clear(path):
         shutil.rmtree(path)
 
 
+def _together(comm, step=None):
+    """Run `step()` (None: nothing to do on this rank) and meet the other ranks: every rank
+    raises the first failing rank's error (OSError or ValueError, as a ValueError naming the
+    file), instead of one rank failing while the others wait for it at a barrier."""
+    problem = None
+    if step is not None:
+        try:
+            step()
+        except (OSError, ValueError) as e:
+            problem = f"saving the checkpoint failed: {e}"
+    problems = comm.allgather(problem)  # text or None per rank: the pickling form fits
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise ValueError(first)
+
+
 def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
-    """Write checkpoint `step` collectively; return its path. `meta` (JSON-able) is stored as is."""
+    """Write checkpoint `step` collectively; return its path. `meta` (JSON-able) is stored as is.
+    A rank that cannot write (a full disk, a directory that went away) makes every rank raise
+    the same ValueError; the previous checkpoint stays the one latest.json names."""
     name = f"step-{step:08d}"
     path = os.path.join(directory, name)
     writes = grid.coord("sample") == 0  # the other sample ranks hold copies of the same shards
-    if grid.rank == 0:
+    first = grid.rank == 0
+
+    def make_directory():
         _clear(path)
         os.makedirs(path)
-    grid.comm.Barrier()
+    _together(grid.comm, make_directory if first else None)
     optim_state = optimizer.state_dict()
-    if writes:
+
+    def write_shards():
         arrays = {}
         for key, p in _tensors(model).items():
             arrays[f"{key}/data"] = backend.to_host(p.data)
@@ -114,8 +135,9 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
             for buffer, value in optim_state["state"].get(p.name, {}).items():
                 arrays[f"{key}/optim/{buffer}"] = backend.to_host(value)
         save_npz(os.path.join(path, f"rank-{grid.rank:05d}.npz"), **arrays)
-    grid.comm.Barrier()
-    if grid.rank == 0:
+    _together(grid.comm, write_shards if writes else None)
+
+    def publish():
         files = sorted(f for f in os.listdir(path) if f.startswith("rank-") and f.endswith(".npz"))
         shapes = {key: list(p.global_shape) for key, p in _tensors(model).items()}
         save_json(os.path.join(path, "meta.json"), {
@@ -125,7 +147,7 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
         })
         save_json(os.path.join(directory, POINTER), {"checkpoint": name})
         _tidy(directory, name, keep)
-    grid.comm.Barrier()
+    _together(grid.comm, publish if first else None)
     return path
 
 

@@ -367,3 +367,24 @@ def test_a_save_killed_half_way_costs_only_the_steps_since_the_previous_checkpoi
     meta = checkpoint.read_meta(os.path.join(directory, STEP4))
     assert_all_ranks(not temporaries and sorted(meta["files"]) == [f"rank-{r:05d}.npz" for r in range(SIZE)],
                      f"temporaries {temporaries}, files {sorted(meta['files'])}")
+
+
+@pytest.mark.mpi
+def test_a_rank_that_cannot_write_its_shard_stops_every_rank_alike(mpi_tmp_path, monkeypatch):
+    """A full disk on one writing rank: every rank raises the same ValueError (nobody is left
+    waiting at a barrier) and latest.json still names the previous checkpoint."""
+    directory = str(mpi_tmp_path / "ckpt")
+    write_shard = checkpoint.save_npz
+    last_writer = SIZE - 1  # config() runs on sample=1: every rank writes a shard
+
+    def full_disk(path, **arrays):
+        if STEP4 in path and RANK == last_writer:
+            raise OSError(28, "No space left on device", path)
+        return write_shard(path, **arrays)
+
+    monkeypatch.setattr(checkpoint, "save_npz", full_disk)
+    raises_on_all_ranks(ValueError, lambda: train(config(directory)),
+                        match=r"saving the checkpoint failed: .*No space left on device")
+    monkeypatch.undo()
+    path, skipped = checkpoint.resume_point(directory)
+    assert_all_ranks(path == os.path.join(directory, STEP2), f"resume_point gave {path}, {skipped}")

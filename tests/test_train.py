@@ -100,6 +100,7 @@ def test_checkpoint_resumes_on_other_grids(mpi_tmp_path):
                        world=world)
         history = result["history"]
         assert [h["step"] for h in history] == list(range(1, 2 * per_epoch + 1))
+        assert (result["steps"], result["steps_this_session"]) == (2 * per_epoch, 2 * per_epoch - stop)
         return np.array([h["loss"] for h in history[stop:]])
 
     if WORLD.Get_rank() == 0:  # each resumed run saves anew: give each its own copy
