@@ -83,7 +83,6 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     sent = sum(r.bytes_sent for r in ledger.records)
     most = np.empty(3)
     world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept], dtype=np.float64), most, op=MPI.MAX)
-    conv.free()
     return {"forward_s": times["forward"], "backward_s": times["backward"],
             "bytes_sent_per_rank": int(most[0]), "weight_bytes_per_rank": int(most[1]),
             "kept_activation_bytes_per_rank": int(most[2])}

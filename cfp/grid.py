@@ -16,6 +16,7 @@ import math
 from mpi4py import MPI
 
 from .checks import positive_int
+from .partition import check_filter_groups, row_and_column
 
 AXES = ("sample", "height", "width", "channel")
 
@@ -100,6 +101,7 @@ class ProcessGrid:
         self.coords = self.coords_of(self.rank)
         self._axis_comms = {}
         self._complement_comms = {}
+        self._row_and_column_comms = {}  # p_f -> stationary-w's (row, column), made on first use
         for axis in AXES:  # same order on every rank: the splits are collective
             others = tuple(self.coords[a] for a in AXES if a != axis)
             color = self._index(others, [self.shape[a] for a in AXES if a != axis])
@@ -138,6 +140,21 @@ class ProcessGrid:
         """Ranks with the same coordinate along `axis` as this one."""
         return self._complement_comms[self._check_axis(axis)]
 
+    def row_and_column_comms(self, filter_groups):
+        """Stationary-w's groups inside this rank's channel group for p_f = `filter_groups`:
+        the row (the p_f channel ranks whose x blocks it gathers, ranked by column) and the
+        column (the q = P_c / p_f ranks it reduce-scatters y with, ranked by row), channel rank
+        c sitting at (row, column) = divmod(c, p_f) (partition.row_and_column). Made on the
+        first request for this p_f (collective over the grid: every rank builds its layers in
+        the same order), then cached, and freed with the grid."""
+        check_filter_groups(self.shape["channel"], filter_groups)
+        p_f = int(filter_groups)
+        if p_f not in self._row_and_column_comms:
+            row, column = row_and_column(self.coords["channel"], p_f)
+            channel = self.axis_comm("channel")
+            self._row_and_column_comms[p_f] = (channel.Split(row, column), channel.Split(column, row))
+        return self._row_and_column_comms[p_f]
+
     def _check_axis(self, axis):
         if axis not in AXES:
             raise ValueError(f"unknown grid axis {axis!r}; expected one of {', '.join(AXES)}")
@@ -155,8 +172,10 @@ class ProcessGrid:
 
     def free(self):
         """Release the communicators this grid made (collective over the grid)."""
-        for c in list(self._axis_comms.values()) + list(self._complement_comms.values()):
+        pairs = [c for pair in self._row_and_column_comms.values() for c in pair]
+        for c in pairs + list(self._axis_comms.values()) + list(self._complement_comms.values()):
             c.Free()
+        self._row_and_column_comms.clear()
         self._axis_comms.clear()
         self._complement_comms.clear()
         self.comm.Free()

@@ -254,7 +254,7 @@ def train(cfg, world=None, keep_model=False):
     dict (also in the JSON log). Raises ValueError for bad options, alike on every rank.
 
     keep_model: also return the trained model and its grid (summary["model"], ["grid_object"]),
-    whose communicators the caller then frees (model.free(), grid.free()).
+    whose communicators the caller then frees (grid.free(): the grid owns them all).
     """
     cfg.validate()
     world = MPI.COMM_WORLD if world is None else world
@@ -380,7 +380,6 @@ def train(cfg, world=None, keep_model=False):
     if keep_model:
         summary["model"], summary["grid_object"] = model, grid
     else:
-        model.free()
         grid.free()
     return summary
 

@@ -84,7 +84,6 @@ def cfp_step_time(args, comm, spec, algorithm, x, y):
     lo, hi = block_range(len(x), grid.axis_size("sample"), grid.coord("sample"))
     seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x[lo:hi], y[lo:hi])),
                              args.steps, args.warmup)["total"]
-    model.free()
     grid.free()
     return seconds
 

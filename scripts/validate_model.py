@@ -65,7 +65,6 @@ def memory_check(world, profile, args):
     peaks = np.empty(world.Get_size(), dtype=np.int64)
     world.Allgather(np.array([peak], dtype=np.int64), peaks)
     peaks = [int(p) for p in peaks]
-    model.free()
     grid.free()
     return {"model": f"wide CNN width {args.memory_width}, depth 2, 8x8, batch {args.memory_batch}",
             "one_rank_predicted": one_rank, "limit": limit, "planned": model.plan.memory,

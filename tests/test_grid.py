@@ -92,3 +92,29 @@ def test_channel_varies_fastest():
 ])
 def test_bad_grid_raises_on_every_rank(spec, match):
     raises_on_all_ranks(ValueError, lambda: ProcessGrid(spec), match=match)
+
+
+@pytest.mark.mpi
+def test_the_grid_owns_stationary_w_row_and_column_groups():
+    """row_and_column_comms(p_f): made once per p_f and shared by every layer, the row holding
+    the p_f channel ranks of this rank's row in column order, the column the q ranks of its
+    column in row order; freed with the grid."""
+    from cfp.algorithms import make_conv
+    from cfp.partition import row_and_column
+    size = MPI.COMM_WORLD.Get_size()
+    grid = ProcessGrid(f"channel={size}")
+    c = grid.coord("channel")
+    for p_f in [d for d in range(1, size + 1) if size % d == 0]:
+        row, column = grid.row_and_column_comms(p_f)
+        assert grid.row_and_column_comms(p_f) == (row, column)  # cached, not split again
+        i, j = row_and_column(c, p_f)
+        assert (row.Get_size(), row.Get_rank()) == (p_f, j)
+        assert (column.Get_size(), column.Get_rank()) == (size // p_f, i)
+        members = row.allgather(c)
+        assert members == [i * p_f + k for k in range(p_f)], members
+        a = make_conv("w", grid, 4 * size, 4 * size, 3, filter_groups=p_f)
+        b = make_conv("w", grid, 4 * size, 4 * size, 1, filter_groups=p_f)
+        assert a.row_comm is b.row_comm and a.column_comm is b.column_comm
+    with pytest.raises(ValueError, match="does not divide"):
+        grid.row_and_column_comms(size + 1)
+    grid.free()

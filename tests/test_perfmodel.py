@@ -120,5 +120,4 @@ def test_conv2d_auto_plans_its_own_layer():
     assert conv.algorithm in ("x", "y", "w")
     with pytest.raises(ValueError, match="algorithm 'auto' needs plan_for"):
         Conv2d(grid, 64, 64, 3, algorithm="auto", name="c")
-    conv.free()
     grid.free()

@@ -33,7 +33,6 @@ def weights(result):
     for p in model.parameters():
         pieces = grid.comm.allgather((p.index, backend.to_host(p.data)))
         out[p.name] = assemble(p.global_shape, pieces, p.data.dtype)
-    model.free()
     grid.free()
     return out
 

@@ -169,9 +169,6 @@ class ConvAlgorithm:
         db = total[dw.size:].reshape(db.shape) if db is not None else None
         return dw, db
 
-    def free(self):
-        """Release the communicators this algorithm made (collective; the grid's are its own)."""
-
     def __repr__(self):
         return (f"{type(self).__name__}({self.layer}: C={self.C}, F={self.F}, "
                 f"kernel={self.kernel_size}, grid {self.grid.describe()})")

@@ -10,7 +10,7 @@ column's F blocks and the channels of the row's C blocks (partition.union_of_blo
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-from ..partition import block_size, gather_group, row_and_column, scatter_group
+from ..partition import block_size, gather_group, scatter_group
 from .base import ConvAlgorithm
 
 
@@ -21,9 +21,7 @@ class StationaryW(ConvAlgorithm):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)
         P_c, c = self.P_c, grid.coord("channel")
         self.q = P_c // self.p_f
-        row, column = row_and_column(c, self.p_f)
-        self.row_comm = self.channel_comm.Split(row, column)
-        self.column_comm = self.channel_comm.Split(column, row)
+        self.row_comm, self.column_comm = grid.row_and_column_comms(self.p_f)
         self.row_channel_sizes = [block_size(self.C, P_c, k) for k in gather_group(c, P_c, self.p_f)]
         self.column_filter_sizes = [block_size(self.F, P_c, k) for k in scatter_group(c, P_c, self.p_f)]
 
@@ -54,7 +52,3 @@ class StationaryW(ConvAlgorithm):
                 dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes)
         dw, db = self.sync_gradients(dw, db)
         return dx, dw, db
-
-    def free(self):
-        self.row_comm.Free()
-        self.column_comm.Free()

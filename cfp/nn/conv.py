@@ -73,9 +73,6 @@ class Conv2d(Module):
     def own_parameters(self):
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
-    def free(self):
-        self.conv.free()
-
     def forward(self, x):
         return self.conv.forward(x, self.weight.data, None if self.bias is None else self.bias.data)
 

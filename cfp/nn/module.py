@@ -97,11 +97,6 @@ class Module:
     def eval(self):
         return self.train(False)
 
-    def free(self):
-        """Release the communicators this module and its children made (collective)."""
-        for child in self.children():
-            child.free()
-
     def zero_grad(self):
         for p in self.parameters():
             p.grad = None
