@@ -65,6 +65,27 @@ def alike_on_all_ranks(comm, check, root=0):
         raise ValueError(problem)
 
 
+def int_at_least(value, what, minimum):
+    """The integer `value` (any integer type, bool excluded) when it is >= minimum; else
+    "{what} must be an integer >= {minimum}"."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def at_least(value, minimum, what):
+    """`value` when it is a number >= minimum (infinity allowed, NaN refused); else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+    return value
+
+
 def nonnegative_int(value, what):
     """int(value) for an integer >= 0 (bool excluded); else "{what} must be a non-negative integer"."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:

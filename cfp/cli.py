@@ -2,8 +2,8 @@
 
 A script's `main(argv)` raises ValueError for bad input (options, files, a diverged run) and
 returns an exit status otherwise; `sys.exit(cli.run(main))` runs it on every rank. On the way
-out every rank reports its outcome on a communicator kept for this alone (design.md, section
-"One way to fail"):
+out every rank reports its outcome on a communicator kept for this alone (docs/design.md,
+section 8):
 
 - all ranks arrive (the usual case: the checks fail alike everywhere, or all succeed): rank 0
   prints one line `script.py: error: <what>` (and, indented, what other ranks said that

@@ -1,7 +1,10 @@
 """Collectives along one tensor axis, each paired with its adjoint, and the CommLedger.
 
-Every byte cfp moves between ranks goes through this module, which records each call in the
+Every tensor cfp moves between ranks goes through this module, which records each call in the
 active `CommLedger` (layer, phase, collective, group size, bytes sent and received, seconds).
+Bookkeeping messages of a few numbers or words (the agreement checks below, train.py's flags
+and statistics, the checkpoint's error exchange, cli's outcome, benchmark timings) use
+mpi4py directly and are not recorded: the ledger is what the cost model predicts.
 
 Adjoint pairs (for the inner products summed over the ranks of `comm`):
 

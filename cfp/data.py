@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from .backend import get_array_module
+from .checks import int_at_least
 from .partition import block_range
 
 
@@ -22,8 +23,7 @@ def load_digits(upsample=1, test_fraction=0.2, seed=0, dtype=np.float32):
     with the defaults 1437 training and 360 test images, the same on every call. Upsampling
     repeats each pixel upsample x upsample times (nearest neighbour: no new values, exact).
     """
-    if isinstance(upsample, bool) or not isinstance(upsample, int) or upsample < 1:
-        raise ValueError(f"upsample must be an integer >= 1, got {upsample!r}")
+    int_at_least(upsample, "upsample", 1)
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     try:
@@ -56,8 +56,7 @@ def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32):
     """
     for value, what in ((n, "n"), (channels, "channels"), (height, "height"), (width, "width"),
                         (classes, "classes")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"synthetic: {what} must be an integer >= 1, got {value!r}")
+        int_at_least(value, f"synthetic: {what}", 1)
     rng = np.random.default_rng(seed)
     offsets = rng.standard_normal((classes, channels, 1, 1))
     patterns = rng.standard_normal((classes, channels, height, width))
@@ -84,8 +83,7 @@ class ShardedLoader:
     def __init__(self, x, y, batch_size, grid=None, shuffle=True, seed=0, drop_last=False):
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} samples, y has {len(y)}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
+        int_at_least(batch_size, "batch size", 1)
         self.x, self.y = x, y
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -18,12 +18,7 @@ A parameter with no buffers (not yet updated, or SGD without momentum) may be le
 import math
 
 from .backend import get_array_module
-
-
-def _check_at_least(value, minimum, what):
-    if not value >= minimum:  # also rejects NaN
-        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
-    return value
+from .checks import at_least, int_at_least
 
 
 class Optimizer:
@@ -151,9 +146,9 @@ class SGD(Optimizer):
         super().__init__(params, lr, hyper)
 
     def _check_hyper(self, lr, hyper):
-        _check_at_least(lr, 0.0, "SGD learning rate")
-        _check_at_least(hyper["momentum"], 0.0, "SGD momentum")
-        _check_at_least(hyper["weight_decay"], 0.0, "SGD weight_decay")
+        at_least(lr, 0.0, "SGD learning rate")
+        at_least(hyper["momentum"], 0.0, "SGD momentum")
+        at_least(hyper["weight_decay"], 0.0, "SGD weight_decay")
         if hyper["nesterov"] and (hyper["momentum"] <= 0 or hyper["dampening"] != 0):
             raise ValueError(f"SGD with nesterov=True needs momentum > 0 and dampening 0, got "
                              f"momentum={hyper['momentum']!r}, dampening={hyper['dampening']!r}")
@@ -196,9 +191,9 @@ class Adam(Optimizer):
 
     def _check_hyper(self, lr, hyper):
         name = "AdamW" if hyper["decoupled"] else "Adam"
-        _check_at_least(lr, 0.0, f"{name} learning rate")
-        _check_at_least(hyper["eps"], 0.0, f"{name} eps")
-        _check_at_least(hyper["weight_decay"], 0.0, f"{name} weight_decay")
+        at_least(lr, 0.0, f"{name} learning rate")
+        at_least(hyper["eps"], 0.0, f"{name} eps")
+        at_least(hyper["weight_decay"], 0.0, f"{name} weight_decay")
         for key in ("beta1", "beta2"):
             if not 0.0 <= hyper[key] < 1.0:
                 raise ValueError(f"{name} {key} must be in [0, 1), got {hyper[key]!r}")
@@ -276,8 +271,7 @@ class StepLR(LRSchedule):
     """lr_at(t) = base_lr * gamma ** (t // step_size), as torch.optim.lr_scheduler.StepLR."""
 
     def __init__(self, optimizer, step_size, gamma=0.1):
-        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
-            raise ValueError(f"StepLR step_size must be an integer >= 1, got {step_size!r}")
+        int_at_least(step_size, "StepLR step_size", 1)
         if not gamma > 0:
             raise ValueError(f"StepLR gamma must be > 0, got {gamma!r}")
         self.step_size = step_size
@@ -298,9 +292,8 @@ class CosineLR(LRSchedule):
     """
 
     def __init__(self, optimizer, total_steps, min_lr=0.0):
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"CosineLR total_steps must be an integer >= 1, got {total_steps!r}")
-        _check_at_least(min_lr, 0.0, "CosineLR min_lr")
+        int_at_least(total_steps, "CosineLR total_steps", 1)
+        at_least(min_lr, 0.0, "CosineLR min_lr")
         self.total_steps = total_steps
         self.min_lr = float(min_lr)
         super().__init__(optimizer)
@@ -323,9 +316,7 @@ class LinearWarmup(LRSchedule):
     """
 
     def __init__(self, optimizer, warmup_steps, after=None):
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"LinearWarmup warmup_steps must be an integer >= 0, "
-                             f"got {warmup_steps!r}")
+        int_at_least(warmup_steps, "LinearWarmup warmup_steps", 0)
         if after is not None and after.optimizer is not optimizer:
             raise ValueError("LinearWarmup: the `after` schedule drives a different optimizer")
         self.warmup_steps = warmup_steps

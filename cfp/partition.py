@@ -6,23 +6,11 @@ Every index computation of cfp goes through here, so the whole code base agrees 
 """
 
 
-import operator
-
-
-def _as_int(value, what, minimum):
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return number
+from .checks import int_at_least
 
 
 def _check(extent, parts):
-    return _as_int(extent, "extent", 0), _as_int(parts, "number of parts", 1)
+    return int_at_least(extent, "extent", 0), int_at_least(parts, "number of parts", 1)
 
 
 def block_sizes(extent, parts):
@@ -77,8 +65,8 @@ def block_owner(extent, parts, index):
 
 def check_filter_groups(channel_parts, filter_groups):
     """p_f must be a positive integer dividing P_c; returns q = P_c // p_f."""
-    channel_parts = _as_int(channel_parts, "channel grid size", 1)
-    p_f = _as_int(filter_groups, "filter groups p_f", 1)
+    channel_parts = int_at_least(channel_parts, "channel grid size", 1)
+    p_f = int_at_least(filter_groups, "filter groups p_f", 1)
     if channel_parts % p_f:
         divisors = [d for d in range(1, channel_parts + 1) if channel_parts % d == 0]
         raise ValueError(f"filter groups p_f={p_f} does not divide the channel grid size "
@@ -89,7 +77,7 @@ def check_filter_groups(channel_parts, filter_groups):
 def default_filter_groups(channel_parts):
     """The p_f stationary-w uses when none is given: the divisor of P_c nearest sqrt(P_c)
     from below (a 2 x 2 split of P_c = 4)."""
-    channel_parts = _as_int(channel_parts, "channel grid size", 1)
+    channel_parts = int_at_least(channel_parts, "channel grid size", 1)
     return max(d for d in range(1, channel_parts + 1)
                if channel_parts % d == 0 and d * d <= channel_parts)
 

@@ -1,5 +1,5 @@
 """The cost model of the convolution algorithms: bytes each rank sends and receives per phase,
-and predicted time and memory per rank from a machine profile (design.md section 4).
+and predicted time and memory per rank from a machine profile (docs/design.md section 4).
 
 Bytes are worked out from shapes and the partition arithmetic alone (never from the ledger), so
 that the ledger of a real run can be checked against them exactly. The byte convention is
@@ -92,7 +92,7 @@ def ledger_bytes(ledger, layer=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Time and memory: the alpha-beta-gamma model of design.md section 4, with the constants of a
+# Time and memory: the alpha-beta-gamma model of docs/design.md section 4, with the constants of a
 # machine profile (measured by scripts/calibrate.py, or a built-in reference profile).
 
 COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall")

@@ -10,7 +10,7 @@ from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GatherChannels, Glo
                     MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy)
 from cfp.nn.module import assemble
 from cfp.tensor import DistTensor, Layout
-from conftest import assert_close_all_ranks, grid_specs
+from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs
 
 pytestmark = pytest.mark.mpi
 
@@ -70,7 +70,10 @@ def compare(make, grids, spec, x, dy, in_split, out_split, what, train_passes=1)
         }
     serial, dist = results["serial"], results[spec]
     assert_close_all_ranks(dist["y"], serial["y"], 1e-10, f"{what} y")
-    if serial["dx"] is not None and dist["dx"] is not None:
+    assert_all_ranks((serial["dx"] is None) == (dist["dx"] is None),
+                     f"{what}: dx is {'missing' if dist['dx'] is None else 'computed'} on {spec} but "
+                     f"{'missing' if serial['dx'] is None else 'computed'} on one rank")
+    if serial["dx"] is not None:
         assert_close_all_ranks(dist["dx"], serial["dx"], 1e-10, f"{what} dx")
     assert serial["grads"].keys() == dist["grads"].keys()
     for name in serial["grads"]:

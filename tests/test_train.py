@@ -12,7 +12,7 @@ from cfp import backend
 from cfp.checkpoint import latest_checkpoint, load_checkpoint, resume_point
 from cfp.nn.module import assemble
 from cfp.train import TrainConfig, train
-from conftest import SIZE, WORLD, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -65,10 +65,18 @@ def test_training_matches_one_rank(spec, algorithm):
 
 
 def test_auto_plan_trains_like_one_rank():
-    """--algorithm auto mixes x, y and w per layer on one grid; the losses still equal one rank's."""
+    """--algorithm auto picks the algorithm per layer on one grid (with two or more channel
+    ranks the cpu-dev plan mixes them: y for the first convolution, x after it); the losses
+    still equal one rank's."""
     losses0, _ = serial_run("y")
     spec = grid_specs()[len(grid_specs()) // 2]
-    result = train(config(algorithm="auto", grid=spec))
+    result = train(config(algorithm="auto", grid=spec), keep_model=True)
+    chosen = {a for a, _ in result["model"].algorithms.values()}
+    grid = result["grid_object"]
+    mixed = len(chosen) > 1 or grid.axis_size("channel") == 1
+    channels = grid.axis_size("channel")
+    grid.free()
+    assert_all_ranks(mixed, f"{spec}: the plan uses {sorted(chosen)} only on {channels} channel ranks")
     assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), np.array(losses0), 1e-9,
                            f"{spec} auto losses")
 
