@@ -79,7 +79,7 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
         return {"forward": t1 - t0, "backward": t2 - t1}
 
     times = slowest_median(world, step, repeats, warmup)
-    kept = conv._saved[0].nbytes  # the input (local or gathered) kept for backward
+    kept = conv.kept_bytes
     sent = sum(r.bytes_sent for r in ledger.records)
     most = np.empty(3)
     world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept], dtype=np.float64), most, op=MPI.MAX)

@@ -108,6 +108,12 @@ class ConvAlgorithm:
         self._output_shape = conv2d_output_shape((n, 1, H, W), (filters, 1) + self.kernel_size,
                                                  **self.conv_args())
 
+    @property
+    def kept_bytes(self):
+        """Bytes forward keeps for backward: the input as the kernel used it (this rank's block,
+        or the channels gathered for it). 0 before the first forward."""
+        return 0 if self._saved is None else int(self._saved[0].nbytes)
+
     def saved_for(self, dy):
         """What forward kept for backward, after checking that dy is the gradient of the block
         forward returned (its shape and dtype)."""
