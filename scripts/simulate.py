@@ -16,7 +16,7 @@ cfp.models.wide_cnn. At each power of two P, two plans are compared:
 Data parallelism cannot give a rank less than one sample, so where P exceeds the batch it runs
 on `batch` ranks and the rest idle; the tables mark those rows.
 
-What the numbers are: predictions of the alpha-beta-gamma model (design.md section 4), not
+What the numbers are: predictions of the alpha-beta-gamma model (docs/design.md section 4), not
 measurements. Only convolutions (and the classifier as a 1x1 convolution) are modelled: batch
 norm, ReLU, pooling, the loss and the optimizer step cost nothing here, and the gradient
 allreduces are not overlapped with compute.
