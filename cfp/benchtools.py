@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from . import comm
 from .algorithms import make_conv
-from .tensor import DistTensor, Layout, check_blocks
+from .tensor import DistTensor, check_blocks
 
 
 def slowest_median(world, step, repeats, warmup):
@@ -61,12 +61,11 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     """
     conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
                      stride=stride, padding=padding, layer="conv")
-    layout = Layout(("sample", None if algorithm == "sample" else "channel", None, None))
-    x_local = DistTensor.from_global(x, layout, grid).local
-    dy_local = DistTensor.from_global(dy, layout, grid).local
+    x_local = DistTensor.from_global(x, conv.input_layout, grid).local
+    dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
     w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)
     ledger = comm.CommLedger()
-    check_blocks(x_local, layout, grid, "x")  # once; the timed calls then skip the check
+    check_blocks(x_local, conv.input_layout, grid, "x")  # once; the timed calls then skip the check
 
     def step():
         ledger.reset()

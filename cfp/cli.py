@@ -7,8 +7,8 @@ section 8):
 
 - all ranks arrive (the usual case: the checks fail alike everywhere, or all succeed): rank 0
   prints one line `script.py: error: <what>` (and, indented, what other ranks said that
-  differs), a barrier makes sure it is out, and every rank finalises MPI and exits with the same status. Nobody calls MPI_Abort, so
-  no rank can kill rank 0 before its message is written.
+  differs), a barrier makes sure it is out, and every rank finalises MPI and exits with the
+  same status. Nobody calls MPI_Abort, so no rank can kill rank 0 before its message is out.
 - a failing rank whose peers never arrive within `CFP_FAILURE_WAIT` seconds (default 10; they
   wait in a collective for it) prints its own message, naming its rank, and aborts the job.
 
@@ -105,11 +105,14 @@ def _wait(request, seconds):
 
 def _closing_lines(name, messages):
     """The lines rank 0 prints: the first failing rank's message, then, indented, what other
-    ranks said that differs from it (each distinct message once, with its ranks)."""
+    ranks said that differs from it (each distinct message once, with its ranks). None when no
+    rank has a message (a script that exited with a status of its own says nothing more)."""
     distinct = {}
     for rank, message in enumerate(messages):
         if message is not None:
             distinct.setdefault(message, []).append(rank)
+    if not distinct:
+        return []
     first, *others = distinct.items()
     lines = [f"{name}: {first[0]}"]
     for message, ranks in others:

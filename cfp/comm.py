@@ -194,14 +194,14 @@ def _agree(comm, x, collective, free_axis=None):
     if comm.Get_size() == 1 or not checking():
         return
     every = gather_shapes(comm, x)
+    compared = every.copy()
     if free_axis is not None:
-        every[:, 2 + free_axis] = 0
-    if (every == every[0]).all():
+        compared[:, 2 + free_axis] = 0
+    if (compared == compared[0]).all():
         return
-    shown = gather_shapes(comm, x) if free_axis is not None else every
     along = "" if free_axis is None else f" (except along axis {free_axis})"
     raise ValueError(f"{collective}: the ranks' arrays differ in dtype or shape{along}, so they cannot "
-                     f"be combined: {describe_shapes(shown)}")
+                     f"be combined: {describe_shapes(every)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -190,15 +190,15 @@ class DistTensor:
                 f"grid={self.grid.describe()}, local_shape={tuple(self.local.shape)})")
 
 
-def check_blocks(local, layout, grid, what, force=False):
+def check_blocks(local, layout, grid, what):
     """The global shape of the tensor whose blocks the ranks of `grid` hold as `local` under
     `layout`, after checking that they form one: the same dtype and number of dimensions
     everywhere, equal extents where a dimension is replicated, and along a split dimension
     the blocks of the balanced partition of one extent. Collective over grid.comm (one
     allgather of a few integers, outside the ledger); a ValueError naming `what`, the ranks
     and their shapes, alike on every rank. Skipped (returns None) inside
-    comm.inputs_checked(), unless `force`."""
-    if not collectives.checking(layer_trusted=False) and not force:
+    comm.inputs_checked()."""
+    if not collectives.checking(layer_trusted=False):
         return None
     if not isinstance(layout, Layout):
         layout = Layout(layout)

@@ -408,13 +408,10 @@ def _print_summary(summary, ledger):
 
 
 def _plot(path, history, epochs_log):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
-        return
+    """The loss and accuracy curves as a PNG (check_outputs made sure matplotlib is there)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [h["step"] for h in history]
     ax_loss.plot(steps, [h["loss"] for h in history])

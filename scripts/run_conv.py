@@ -25,7 +25,7 @@ from cfp.checks import alike_on_all_ranks  # noqa: E402
 from cfp.io import check_writable, load_array, save_npz  # noqa: E402
 from cfp.kernels import conv2d_output_shape  # noqa: E402
 from cfp.report import format_bytes, format_table  # noqa: E402
-from cfp.tensor import DistTensor, Layout  # noqa: E402
+from cfp.tensor import DistTensor  # noqa: E402
 
 
 def parse_args(argv):
@@ -107,9 +107,8 @@ def main(argv=None):
                      filter_groups=args.filter_groups, stride=args.stride, padding=args.padding,
                      bias=b is not None, layer="conv")
 
-    split = Layout(("sample", None if args.algorithm == "sample" else "channel", None, None))
-    x_local = DistTensor.from_global(x, split, grid).local
-    dy_local = DistTensor.from_global(dy, split, grid).local
+    x_local = DistTensor.from_global(x, conv.input_layout, grid).local
+    dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
     w_shard = conv.shard_weight(w)
     b_shard = conv.shard_bias(b) if b is not None else None
 
@@ -122,8 +121,8 @@ def main(argv=None):
         end = time.perf_counter()
 
     results = {
-        "y": DistTensor(y_local, dy.shape, split, grid).gather(root=0),
-        "dx": DistTensor(dx_local, x.shape, split, grid).gather(root=0),
+        "y": DistTensor(y_local, dy.shape, conv.output_layout, grid).gather(root=0),
+        "dx": DistTensor(dx_local, x.shape, conv.input_layout, grid).gather(root=0),
         "dw": conv.gather_weight(dw),
     }
     if b is not None:

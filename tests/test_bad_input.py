@@ -237,6 +237,12 @@ def test_python_api_bad_input(case, nprocs, message):
     fails_once(nprocs, API_CASE, [case], message)
 
 
+def test_a_status_of_the_scripts_own_comes_through_without_a_message():
+    proc, _ = run(2, ["own_status"], timeout=60, script=API_CASE)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and "error" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_the_message_is_never_lost(nprocs):
     """Every rank raises the same error at once, the race that lost rank 0's message when the

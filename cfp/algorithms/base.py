@@ -81,6 +81,11 @@ class ConvAlgorithm:
         """x's layout: split by sample, and by channel unless every rank holds all of C."""
         return Layout(("sample", None if self.input_replicated else "channel", None, None))
 
+    @property
+    def output_layout(self):
+        """y's (and dy's) layout: split by sample, and by filter unless w is whole everywhere."""
+        return Layout(("sample", None if self.weight_replicated else "channel", None, None))
+
     def check_input(self, x, w, b):
         """The checks of forward's inputs: dtypes (float32 or float64, one for all), this rank's
         shapes, then, collectively, that the ranks' x blocks form one tensor (tensor.check_blocks,
