@@ -3,14 +3,14 @@
 Layout of a checkpoint directory:
 
     DIR/step-00000040/meta.json        model, grid, step, global shapes, file checksums
-    DIR/step-00000040/rank-00003.npz   the shards held by rank 3 (ranks at sample coordinate 0)
+    DIR/step-00000040/rank-00003.npz   the shards rank 3 writes (one copy of each: Parameter.primary)
     DIR/latest.json                    {"checkpoint": "step-00000040"}, updated last
 
 Shard files are written first, then meta.json (with their SHA-256), then latest.json, each to
 a temporary name and renamed: a checkpoint interrupted half-way is never the one `latest.json`
 points to. Loading checks every checksum and shape, assembles each global tensor from the
 shards' index sets and takes this rank's shard under the new grid, so a run saved on 2 x 2 can
-resume on 1 x 2 or on one rank. The previous `keep - 1` checkpoints are kept.
+resume on 1 x 2, on one rank or under another per-layer plan. The previous `keep - 1` checkpoints are kept.
 
 What a killed or damaged run leaves behind is handled here:
 
@@ -116,7 +116,8 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
     the same ValueError; the previous checkpoint stays the one latest.json names."""
     name = f"step-{step:08d}"
     path = os.path.join(directory, name)
-    writes = grid.coord("sample") == 0  # the other sample ranks hold copies of the same shards
+    tensors = {key: p for key, p in _tensors(model).items() if p.primary}  # one copy of each shard
+    writes = bool(tensors)
     first = grid.rank == 0
 
     def make_directory():
@@ -127,7 +128,7 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
 
     def write_shards():
         arrays = {}
-        for key, p in _tensors(model).items():
+        for key, p in tensors.items():
             arrays[f"{key}/data"] = backend.to_host(p.data)
             for dim, ix in enumerate(p.index):
                 if ix is not None:
@@ -141,7 +142,7 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
         files = sorted(f for f in os.listdir(path) if f.startswith("rank-") and f.endswith(".npz"))
         shapes = {key: list(p.global_shape) for key, p in _tensors(model).items()}
         save_json(os.path.join(path, "meta.json"), {
-            "format": FORMAT, "step": step, "grid": grid.describe(), "shapes": shapes,
+            "format": FORMAT, "step": step, "grid": grids_of(model, grid), "shapes": shapes,
             "optimizer": {k: v for k, v in optim_state.items() if k != "state"},
             "files": {f: _sha256(os.path.join(path, f)) for f in files}, **meta,
         })
@@ -149,6 +150,15 @@ def save_checkpoint(directory, step, model, optimizer, grid, meta, keep=2):
         _tidy(directory, name, keep)
     _together(grid.comm, publish if first else None)
     return path
+
+
+def grids_of(model, grid):
+    """The grid, or the grids a per-layer plan uses, in order."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return grid.describe()
+    grids = list(dict.fromkeys(entry["grid"] for entry in layers.values()))
+    return grids[0] if len(grids) == 1 else " then ".join(grids)
 
 
 def _tidy(directory, current, keep):

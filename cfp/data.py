@@ -10,7 +10,7 @@ import numpy as np
 
 from .backend import get_array_module
 from .checks import int_at_least
-from .partition import block_range
+from .layout import Layout
 
 
 def load_digits(upsample=1, test_fraction=0.2, seed=0, dtype=np.float32):
@@ -65,16 +65,19 @@ def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32):
     return x.astype(dtype), y
 
 
+SAMPLES = Layout(("sample",))  # a batch's samples split over the sample axis
+
+
 class ShardedLoader:
     """Global mini-batches of (x, y), each rank taking its block of every batch.
 
     x: (n, ...) and y: (n,). Each epoch visits the samples in a permutation drawn from
     (seed, epoch) (or in order when shuffle=False) and cuts it into batches of batch_size (the
     last one smaller unless drop_last). Iterating yields, per batch, (x_local, y_local, n_global):
-    the rank's block of the batch over the grid's sample axis (partition.block_range of
-    n_global over P_n at the rank's sample coordinate), the same for all ranks with the same
-    sample coordinate (replicated over the channel axis). grid=None means one rank, whole
-    batches. `grid` needs only axis_size(axis) and coord(axis).
+    the rank's block of the batch under the layout SAMPLES (split over the grid's sample axis),
+    the same for all ranks with the same sample coordinate (replicated over the channel axis).
+    grid=None means one rank, whole batches. `grid` needs only `shape`, `coords` and
+    axis_size(axis).
 
     Each `for` loop over the loader is one epoch and advances `epoch` (the epoch the next loop
     will use); set_epoch(e) chooses it, e.g. when resuming.
@@ -90,8 +93,8 @@ class ShardedLoader:
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        self.grid = grid
         self.sample_parts = grid.axis_size("sample") if grid is not None else 1
-        self.sample_coord = grid.coord("sample") if grid is not None else 0
         # Checked identically on every rank, so all raise together rather than some ranks
         # waiting in a collective for one holding no sample.
         if batch_size < self.sample_parts:
@@ -127,10 +130,17 @@ class ShardedLoader:
         for b in range(len(self)):
             batch = order[b * self.batch_size:(b + 1) * self.batch_size]
             n_global = len(batch)
-            start, stop = block_range(n_global, self.sample_parts, self.sample_coord)
             # Only this rank's block is copied out, never the whole batch.
-            rows = batch[start:stop]
+            rows = batch[self.block(n_global)]
             yield _take_rows(self.x, rows), _take_rows(self.y, rows), n_global
+
+
+    def block(self, n_global):
+        """This rank's rows of a batch of n_global samples: the sample layout's block."""
+        if self.grid is None:
+            return slice(0, n_global)
+        (rows,) = SAMPLES.indices((n_global,), self.grid, self.grid.coords)
+        return slice(rows.start, rows.stop)
 
 
 def _take_rows(array, rows):

@@ -71,6 +71,15 @@ def _factorizations(size, naxes):
     return tuple(f for f in itertools.product(divisors, repeat=naxes) if math.prod(f) == size)
 
 
+def coords_of(rank, shape):
+    """{axis: coordinate} of `rank` on a grid of {axis: size} `shape` (row-major over AXES,
+    channel fastest): the arithmetic behind ProcessGrid.coords_of, usable without MPI."""
+    coords = {}
+    for axis in reversed(AXES):
+        rank, coords[axis] = divmod(rank, int(shape.get(axis, 1)))
+    return {axis: coords[axis] for axis in AXES}
+
+
 def factorizations(size, naxes=2):
     """Every ordered tuple of `naxes` positive integers whose product is `size`."""
     return list(_factorizations(size, naxes))
@@ -117,10 +126,7 @@ class ProcessGrid:
 
     def coords_of(self, rank):
         """{axis: coordinate} of `rank` (row-major over AXES, channel fastest)."""
-        coords = {}
-        for axis in reversed(AXES):
-            rank, coords[axis] = divmod(rank, self.shape[axis])
-        return {axis: coords[axis] for axis in AXES}
+        return coords_of(rank, self.shape)
 
     def rank_of(self, coords):
         """The rank at {axis: coordinate}; axes left out are at coordinate 0."""
@@ -179,3 +185,33 @@ class ProcessGrid:
         self._axis_comms.clear()
         self._complement_comms.clear()
         self.comm.Free()
+
+
+class Grids:
+    """The process grids of one model: one ProcessGrid per factorization of the same ranks,
+    made on the first request for it (collective: every rank asks in the same order, as it
+    builds the same layers) and freed together. `base`, a grid the caller made and frees, is
+    handed out for its own shape."""
+
+    def __init__(self, base):
+        self.base, self._made = base, {}
+
+    def get(self, spec):
+        sizes = parse_grid_spec(spec)
+        shape = {axis: sizes.get(axis, 1) for axis in AXES}
+        if shape == self.base.shape:
+            return self.base
+        key = tuple(shape.values())
+        if key not in self._made:
+            self._made[key] = ProcessGrid(sizes, comm=self.base.comm)
+        return self._made[key]
+
+    def __iter__(self):
+        yield self.base
+        yield from self._made.values()
+
+    def free(self):
+        """Release the grids made here (collective); `base` stays the caller's."""
+        for g in self._made.values():
+            g.free()
+        self._made.clear()

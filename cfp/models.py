@@ -1,56 +1,77 @@
 """Model definitions from cfp.nn: a small ResNet for 8x8 to 32x32 images with a width
 multiplier, and a wide plain CNN whose width shows channel/filter parallelism at work.
 
-Every convolution uses the same algorithm ('sample', 'x', 'y' or 'w' with p_f); the first takes
-the images whole on every channel rank, and the logits are made whole before the loss.
+Each convolution and the classifier run on a grid (a factorization of the ranks) with an
+algorithm ('sample', 'x', 'y' or 'w' with p_f): one for all layers, or per layer from a plan
+(a plan file, or the planner's choice). The first layer takes the images whole on every
+channel rank; Network.place inserts the redistributions between layers of different layouts
+and brings the logits to the loss, whole over the channel axis.
 """
 import numpy as np
 
 from .checks import positive_int
-from .nn import (BatchNorm2d, Conv2d, GatherChannels, GlobalAvgPool2d, Linear, MaxPool2d, Module,
-                 ReLU, Residual, Sequential)
-
+from .grid import Grids
+from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, Linear, MaxPool2d, Module, Network, ReLU,
+                 Residual, Sequential)
 from .perfmodel import LayerShape
-from .planner import CHANNEL_ALGORITHMS, plan
+from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 
 MODELS = ("resnet", "wide")
 
 
 class _Builder:
-    """Names layers, seeds their weights and gives every convolution its algorithm: the one
-    asked for, or with algorithm 'auto' the one `choices` ({layer name: (algorithm, p_f)},
-    the planner's) gives that layer."""
+    """Names layers, seeds their weights and puts every convolution (and the classifier) on its
+    grid with its algorithm: the layer's entry of `plan` ({layer name: {"grid", "algorithm",
+    "filter_groups"}}), or, for a layer the plan does not list, those of the layer before it
+    (the first layer: `grid`, `algorithm`, `filter_groups`). Batch norm follows the convolution
+    before it; ReLU and pooling take whatever comes."""
 
-    def __init__(self, grid, algorithm, filter_groups, seed, dtype, choices=None):
-        self.grid, self.algorithm, self.filter_groups = grid, algorithm, filter_groups
-        self.seed, self.dtype = seed, dtype
-        self.split = algorithm != "sample"
-        if algorithm == "auto" and choices is None:
-            raise ValueError("algorithm 'auto' is resolved by build_model (it needs the global batch "
-                             "size and a machine profile)")
-        self.choices = choices
-        self.chosen = {}  # layer name -> (algorithm, p_f) as built
+    def __init__(self, grids, grid, algorithm, filter_groups, seed, dtype, plan=None):
+        self.grids, self.seed, self.dtype = grids, seed, dtype
+        self.plan = dict(plan or {})
+        self.current = {"grid": grid.describe(), "algorithm": algorithm, "filter_groups": filter_groups}
+        self.chosen = {}  # layer name -> {"grid", "algorithm", "filter_groups"} as built
+        self.last = None  # the last convolution built
 
     def choose(self, name):
-        if self.algorithm != "auto":
-            return self.algorithm, self.filter_groups
-        return self.choices[name]
+        entry = self.plan.pop(name, None)
+        if entry is not None:
+            keeps_p_f = entry.get("grid", self.current["grid"]) == self.current["grid"] and \
+                entry.get("algorithm", self.current["algorithm"]) == self.current["algorithm"]
+            self.current = {"grid": entry.get("grid", self.current["grid"]),
+                            "algorithm": entry.get("algorithm", self.current["algorithm"]),
+                            "filter_groups": entry.get("filter_groups",
+                                                       self.current["filter_groups"] if keeps_p_f else None)}
+        spec = dict(self.current)
+        try:
+            grid = self.grids.get(spec["grid"])
+        except ValueError as e:
+            raise ValueError(f"layer {name}: {e}") from None
+        return grid, spec
+
+    def _layer(self, cls, name, cin, cout, first=False, **kwargs):
+        grid, spec = self.choose(name)
+        P_c = grid.axis_size("channel")
+        if spec["algorithm"] != "sample" and cout < P_c:
+            raise ValueError(f"layer {name}: {cout} output channels over the {P_c} channel ranks of grid "
+                             f"{grid.describe()} leave a rank without any; use a smaller channel axis")
+        layer = cls(grid, cin, cout, algorithm=spec["algorithm"], filter_groups=spec["filter_groups"],
+                    input_whole=first, need_dx=not first, name=name, seed=self.seed, dtype=self.dtype, **kwargs)
+        self.chosen[name] = {"grid": grid.describe(), "algorithm": spec["algorithm"],
+                             "filter_groups": layer.filter_groups}
+        self.last = layer
+        return layer
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
-        algorithm, p_f = self.chosen[name] = self.choose(name)
-        return Conv2d(self.grid, cin, cout, kernel, stride=stride, padding=kernel // 2, bias=False,
-                      algorithm=algorithm, filter_groups=p_f, input_replicated=first,
-                      name=name, seed=self.seed, dtype=self.dtype)
+        return self._layer(Conv2d, name, cin, cout, first, kernel_size=kernel, stride=stride,
+                           padding=kernel // 2, bias=False)
 
     def bn(self, name, channels):
-        return BatchNorm2d(self.grid, channels, channels_split=self.split, name=name, dtype=self.dtype)
+        grid, layout = self.last.output_spec(None)
+        return BatchNorm2d(grid, channels, layout=layout, name=name, dtype=self.dtype)
 
     def head(self, channels, classes):
-        algorithm, p_f = self.chosen["fc"] = self.choose("fc")
-        return [GlobalAvgPool2d(),
-                Linear(self.grid, channels, classes, algorithm=algorithm,
-                       filter_groups=p_f, name="fc", seed=self.seed, dtype=self.dtype),
-                GatherChannels(self.grid, classes, channels_split=self.split, name="fc.gather")]
+        return [GlobalAvgPool2d(), self._layer(Linear, "fc", channels, classes)]
 
 
 def _check_width(value, what, narrowest, grid, algorithm):
@@ -63,29 +84,31 @@ def _check_width(value, what, narrowest, grid, algorithm):
 
 
 def small_resnet(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_groups=None, seed=0,
-                 dtype=np.float32, image=8, choices=None):
+                 dtype=np.float32, image=8, plan=None, grids=None):
     """A ResNet of three stages (16, 32, 64 channels times `width`), one basic block each,
     strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool."""
-    _check_width(width, "width", 16 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
-    b = _Builder(grid, algorithm, filter_groups, seed, dtype, choices)
+    if plan is None:
+        _check_width(width, "width", 16 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
+    b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan)
     return _finish(_resnet_layers(b, width, in_channels, classes, image), b)
 
 
 def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y", filter_groups=None,
-             seed=0, dtype=np.float32, image=8, choices=None):
+             seed=0, dtype=np.float32, image=8, plan=None, grids=None):
     """A plain CNN: a stem convolution to `width` channels, then `depth` 3x3 convolutions of
     width x width (each with batch norm and ReLU, a 2x2 max pool after the first half), then
     the classifier. Nearly all its weights are in the wide layers."""
-    _check_width(width, "width", width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
+    if plan is None:
+        _check_width(width, "width", width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
     positive_int(depth, "depth")
-    b = _Builder(grid, algorithm, filter_groups, seed, dtype, choices)
+    b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan)
     return _finish(_wide_layers(b, width, depth, in_channels, classes, image), b)
 
 
 def _finish(layers, builder):
-    model = Sequential(*layers)
-    model.algorithms = builder.chosen  # {layer name: (algorithm, p_f)} as built
-    return model
+    if builder.plan:
+        raise ValueError(f"the plan names layers this model does not have: {', '.join(sorted(builder.plan))}")
+    return Network(layers, grids=builder.grids, layers=builder.chosen)
 
 
 def _resnet_layers(b, width, in_channels, classes, image):
@@ -98,7 +121,7 @@ def _resnet_layers(b, width, in_channels, classes, image):
         shortcut = None
         if stride != 1 or cin != cout:
             shortcut = Sequential(b.conv(f"{name}.proj", cin, cout, 1, stride, size), b.bn(f"{name}.proj_bn", cout))
-        return Sequential(Residual(body, shortcut), ReLU())
+        return Sequential(Residual(body, shortcut, name=name), ReLU())
 
     half = _after(image, 3, 2)
     return [b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), ReLU(),
@@ -156,26 +179,82 @@ def _after(size, kernel, stride):
     return (size + 2 * (kernel // 2) - kernel) // stride + 1
 
 
-def build_model(name, grid, batch=None, profile=None, memory_limit=None, **config):
-    """The model `name` ('resnet' or 'wide') on `grid`; config as the builder functions take.
+PLAN_KEYS = ("grid", "algorithm", "filter_groups")
 
-    With algorithm='auto', the planner chooses each layer's algorithm and p_f on this grid for
+
+def read_plan(path):
+    """The "layers" of a plan file ({"layers": {layer name: {"grid", "algorithm",
+    "filter_groups"}}}, as scripts/plan.py --out writes), checked for its form."""
+    from .io import load_json
+    data = load_json(path, "plan file")
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), dict) or set(data) - {"layers", "about"}:
+        raise ValueError(f"plan file {path!r}: expected an object {{\"layers\": {{layer name: {{\"grid\": ..., "
+                         f"\"algorithm\": ..., \"filter_groups\": ...}}}}}}")
+    return data["layers"]
+
+
+def check_plan(plan, names, ranks):
+    """ValueError unless `plan` ({layer name: {"grid", "algorithm", "filter_groups"}}) names
+    only layers in `names` with grids of `ranks` ranks and known algorithms: the checks that
+    need no MPI, alike on every rank, before anything is built."""
+    from .algorithms import ALGORITHMS
+    from .grid import parse_grid_spec
+    if not isinstance(plan, dict):
+        raise ValueError(f"a plan maps layer names to entries, got {type(plan).__name__}")
+    unknown = [n for n in plan if n not in names]
+    if unknown:
+        raise ValueError(f"the plan names layer(s) {', '.join(map(repr, unknown))} that this model does not "
+                         f"have; its layers are {', '.join(names)}")
+    for name, entry in plan.items():
+        if not isinstance(entry, dict) or set(entry) - set(PLAN_KEYS):
+            extra = sorted(set(entry) - set(PLAN_KEYS)) if isinstance(entry, dict) else entry
+            raise ValueError(f"plan entry of layer {name}: expected an object with keys among "
+                             f"{', '.join(PLAN_KEYS)}, got {extra!r}")
+        if "algorithm" in entry and entry["algorithm"] not in ALGORITHMS:
+            raise ValueError(f"plan entry of layer {name}: unknown algorithm {entry['algorithm']!r}; expected "
+                             f"one of {', '.join(ALGORITHMS)}")
+        if "grid" in entry:
+            sizes = parse_grid_spec(entry["grid"])
+            needed = int(np.prod(list(sizes.values())))
+            if needed != ranks:
+                raise ValueError(f"plan entry of layer {name}: grid {entry['grid']!r} needs {needed} ranks, "
+                                 f"this run has {ranks}")
+        p_f = entry.get("filter_groups")
+        if p_f is not None:
+            positive_int(p_f, f"filter_groups of layer {name}")
+            if entry.get("algorithm", "w") != "w":
+                raise ValueError(f"plan entry of layer {name}: filter_groups applies to algorithm 'w' only, "
+                                 f"not {entry['algorithm']!r}")
+
+
+def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=None, choose_grids=False,
+                **config):
+    """The model `name` ('resnet' or 'wide'), a Network; config as the builder functions take.
+
+    `grid` is the grid of every layer that no plan entry places elsewhere. `plan`: {layer name:
+    {"grid", "algorithm", "filter_groups"}} (a plan file's "layers"). With algorithm='auto',
+    the planner chooses each layer's algorithm and p_f, and with choose_grids also its grid, for
     the global `batch` under `profile` (a perfmodel.MachineProfile) and `memory_limit` (bytes
-    per rank, or None); the plan is kept as model.plan.
+    per rank, or None); the planner's Plan is kept as model.plan.
     """
     builders = {"resnet": small_resnet, "wide": wide_cnn}
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
     the_plan = None
     if config.get("algorithm") == "auto":
+        if plan is not None:
+            raise ValueError("algorithm 'auto' makes its own plan; it takes no plan file")
         if batch is None or profile is None:
             raise ValueError("algorithm 'auto' needs the global batch size and a machine profile")
-        arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
-        shapes = layer_shapes(name, batch, **arch)
-        the_plan = plan(shapes, grid.size, profile, memory_limit=memory_limit, algorithms=CHANNEL_ALGORITHMS,
-                        grid=(grid.axis_size("sample"), grid.axis_size("channel")))
-        config["choices"] = {c.layer.name: (c.algorithm, c.p_f if c.algorithm == "w" else None)
-                             for c in the_plan.choices}
-    model = builders[name](grid, **config)
+        shapes = layer_shapes(name, batch or 1, **arch)
+        fixed = None if choose_grids else (grid.axis_size("sample"), grid.axis_size("channel"))
+        the_plan = _planner(shapes, grid.size, profile, memory_limit=memory_limit, grid=fixed,
+                            **({} if choose_grids else {"algorithms": CHANNEL_ALGORITHMS}))
+        plan = plan_entries(the_plan)
+        config["algorithm"] = the_plan.choices[0].algorithm
+    if plan is not None:
+        check_plan(plan, [s.name for s in layer_shapes(name, batch or 1, **arch)], grid.size)
+    model = builders[name](grid, plan=plan, **config)
     model.plan = the_plan
     return model

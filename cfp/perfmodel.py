@@ -10,15 +10,16 @@ import dataclasses
 import math
 import os
 
+from .algorithms import ALGORITHMS
+from .comm import PHASES as LEDGER_PHASES
 from .grid import parse_grid_spec
 from .io import load_json
 from .kernels import conv2d_output_shape
 from .partition import (block_size, block_sizes, filter_groups_of, gather_group, scatter_group,
                         union_of_blocks)
 
-PHASES = ("forward", "backward-filter", "backward-data", "gradient-sync")
+PHASES = tuple(p for p in LEDGER_PHASES if p != "other")  # the phases predictions cover
 PASSES = ("forward", "backward-data", "backward-filter")
-ALGORITHM_NAMES = ("sample", "x", "y", "w")
 
 
 def _allgather(sizes, me, unit):
@@ -39,7 +40,7 @@ def _allreduce(count, p, me, itemsize):
 
 
 def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0,
-                  filter_groups=None, bias=True, input_replicated=False, itemsize=8):
+                  filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8):
     """{phase: (bytes sent, bytes received)} of one forward and backward pass of a convolution.
 
     x_shape (N, C, H, W) and w_shape (F, C, Kh, Kw) are global; `grid` is a spec or dict of
@@ -48,9 +49,11 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     forward, allgather x within a row of p_f ranks and reduce-scatter y within a column of q;
     backward-filter, allgather dy within the column; backward-data, reduce-scatter dx within
     the row; gradient-sync, allreduce the dw and db shards over the P_n ranks sharing them.
+    input_whole: x holds all C channels (no gather); need_dx=False: no backward-data (both
+    so for the network's first layer).
     """
-    if algorithm not in ALGORITHM_NAMES:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHM_NAMES)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
     sizes = parse_grid_spec(grid)
     P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
     s, c = coords.get("sample", 0), coords.get("channel", 0)
@@ -70,15 +73,31 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
         row_sizes = [block_size(C, P_c, k) for k in row]
         column_sizes = [block_size(F, P_c, k) for k in column]
         me_in_row, me_in_column = row.index(c), column.index(c)
-        x_gather = (0, 0) if input_replicated else _allgather(row_sizes, me_in_row, x_unit)
+        x_gather = (0, 0) if input_whole else _allgather(row_sizes, me_in_row, x_unit)
         y_scatter = _reduce_scatter(column_sizes, me_in_column, y_unit)
         out["forward"] = (x_gather[0] + y_scatter[0], x_gather[1] + y_scatter[1])
         out["backward-filter"] = _allgather(column_sizes, me_in_column, y_unit)
-        out["backward-data"] = (0, 0) if input_replicated else _reduce_scatter(row_sizes, me_in_row, x_unit)
+        out["backward-data"] = _reduce_scatter(row_sizes, me_in_row, x_unit) if need_dx else (0, 0)
         w_count = (len(union_of_blocks(F, P_c, column)) * len(union_of_blocks(C, P_c, row)) * Kh * Kw
                    + (block_size(F, P_c, c) if bias else 0))
     out["gradient-sync"] = _allreduce(w_count, P_n, s, itemsize)
     return out
+
+
+def redistribute_bytes(global_shape, source, target, rank, itemsize=8):
+    """(bytes sent, bytes received) by `rank` in the exchange of a tensor of `global_shape`
+    from spec `source` to spec `target` ((grid, layout) pairs; a grid or its {axis: size}):
+    the pieces of layout.exchange_plan that leave or reach the rank, never its own."""
+    from .layout import exchange_plan, piece_size
+    (s_grid, s_layout), (t_grid, t_layout) = source, target
+    ranks = math.prod(getattr(s_grid, "shape", s_grid).values())
+    sent = received = 0
+    for s, d, piece in exchange_plan(global_shape, s_layout, s_grid, t_layout, t_grid, ranks):
+        if s != d and s == rank:
+            sent += piece_size(piece)
+        if s != d and d == rank:
+            received += piece_size(piece)
+    return sent * itemsize, received * itemsize
 
 
 def ledger_bytes(ledger, layer=None):
@@ -111,7 +130,7 @@ class LayerShape:
     K: int
     stride: int = 1
     padding: int = None  # default K // 2
-    first: bool = False  # input replicated over the channel axis: no gather, no dx
+    first: bool = False  # the network's first layer: its input whole over the channel axis, no dx
 
     @property
     def pad(self):

@@ -101,6 +101,10 @@ class Plan:
     choices: list
     ranks: int
 
+    def to_json(self):
+        """The plan file's content: {"layers": {layer name: {"grid", "algorithm", "filter_groups"}}}."""
+        return {"layers": plan_entries(self)}
+
     @property
     def time(self):
         return sum(c.cost["time"] + c.redistribution for c in self.choices)
@@ -122,6 +126,18 @@ class Plan:
                          f"{c.cost['bytes'] / mib:.2f}"))
         return (format_table(rows) + f"\npredicted iteration {self.time * 1e3:.2f} ms on {self.ranks} "
                 f"ranks, {self.memory / mib:.2f} MiB per rank")
+
+
+def plan_entries(the_plan):
+    """{layer name: {"grid", "algorithm", "filter_groups"}} of a Plan, as models.build_model and
+    plan files take them (filter_groups only for 'w')."""
+    out = {}
+    for c in the_plan.choices:
+        entry = {"grid": c.grid, "algorithm": c.algorithm}
+        if c.algorithm == "w":
+            entry["filter_groups"] = c.p_f
+        out[c.layer.name] = entry
+    return out
 
 
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,

@@ -17,15 +17,14 @@ from mpi4py import MPI
 from . import backend, comm
 from .algorithms import ALGORITHMS
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
-from .checkpoint import load_checkpoint, resume_point, save_checkpoint
+from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
 from .data import ShardedLoader, load_digits, synthetic
 from .grid import ProcessGrid
 from .io import check_writable, save_json
-from .models import MODELS, build_model
+from .models import MODELS, build_model, read_plan
 from .nn import SoftmaxCrossEntropy
 from .perfmodel import MachineProfile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
-from .partition import block_range
 from .tensor import Layout, check_blocks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -45,8 +44,9 @@ class TrainConfig:
     model: str = "resnet"
     width: int = 1
     depth: int = None  # wide CNN only (default WIDE_DEPTH)
-    grid: str = "sample=1"
-    algorithm: str = "y"  # or "auto": the planner's choice per layer on this grid
+    grid: str = None  # default: every rank on the sample axis (with algorithm auto: the planner's grids)
+    algorithm: str = "y"  # or "auto": the planner's choice per layer (on --grid when given)
+    plan: str = None  # a plan file: {"layers": {name: {"grid", "algorithm", "filter_groups"}}}
     filter_groups: int = None  # algorithm w only
     profile: str = None  # algorithm auto only: a JSON file or a built-in name (default DEFAULT_PROFILE)
     memory_limit: float = None  # MiB per rank the "auto" plan must fit
@@ -95,6 +95,9 @@ class TrainConfig:
             if getattr(self, field) is not None and getattr(self, needs) != value:
                 raise ValueError(f"{option(field)} applies to {option(needs)} {value} only; with "
                                  f"{option(needs)} {getattr(self, needs)} it would be ignored")
+        if self.plan is not None and self.algorithm == "auto":
+            raise ValueError("--plan and --algorithm auto both choose the layers' grids and algorithms; "
+                             "give one of them")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
 
@@ -108,6 +111,8 @@ class TrainConfig:
                 raise ValueError("--plot needs matplotlib (pip install matplotlib)")
         if self.checkpoint_dir:
             check_writable(self.checkpoint_dir, "--checkpoint-dir", directory=True)
+        if self.plan:
+            read_plan(self.plan)
 
     def model_description(self):
         """What a checkpoint must match to be loaded into this run's model."""
@@ -152,34 +157,38 @@ def _schedule(cfg, optimizer, total_steps):
 
 def check_batch(grid, x_local, y_local):
     """That the ranks' blocks of a batch form one global batch (split by sample, whole over
-    the other axes; tensor.check_blocks), before the layers trust it."""
-    check_blocks(x_local, Layout(("sample",) + (None,) * (x_local.ndim - 1)), grid, "the input batch")
+    the other axes; tensor.check_blocks), before the layers trust it. Returns the global
+    number of samples (collective)."""
+    shape = check_blocks(x_local, Layout(("sample",) + (None,) * (x_local.ndim - 1)), grid, "the input batch")
     check_blocks(y_local, Layout(("sample",)), grid, "the labels")
+    return shape[0]
 
 
 def train_step(model, loss_fn, optimizer, x_local, y_local):
     """One step on this rank's block of a global batch: forward, loss, backward (gradients
     synchronised inside the layers), update. Returns (loss, correct in the global batch).
     The batch is checked once (check_batch); the layers then run without checks of their own."""
-    check_batch(loss_fn.grid, x_local, y_local)
+    n = check_batch(model.grid, x_local, y_local)
     with comm.inputs_checked():
-        loss, correct = loss_fn.forward(model.forward(x_local), y_local)
+        loss, correct = loss_fn.forward(model.forward(x_local, n), y_local)
         model.backward(loss_fn.backward())
         optimizer.step()
     return loss, correct
 
 
-def evaluate(model, loss_fn, grid, x, y, batch_size=256):
-    """(mean loss, accuracy) over (x, y), in batches split over the sample axis like training."""
+def evaluate(model, loss_fn, x, y, batch_size=256):
+    """(mean loss, accuracy) over (x, y), in batches split over the sample axis of the model's
+    input like training."""
     model.eval()
     total_loss = correct = 0.0
+    grid, layout = model.input_spec
     for start in range(0, len(x), batch_size):
         n_global = min(batch_size, len(x) - start)
-        lo, hi = block_range(n_global, grid.axis_size("sample"), grid.coord("sample"))
-        x_local, y_local = x[start + lo:start + hi], y[start + lo:start + hi]
+        (rows, *_) = layout.indices((n_global, 1, 1, 1), grid, grid.coords)
+        x_local, y_local = x[start + rows.start:start + rows.stop], y[start + rows.start:start + rows.stop]
         check_batch(grid, x_local, y_local)
         with comm.inputs_checked():
-            loss, right = loss_fn.forward(model.forward(x_local), y_local)
+            loss, right = loss_fn.forward(model.forward(x_local, n_global), y_local)
         total_loss += loss * n_global
         correct += right
     model.train()
@@ -249,37 +258,53 @@ def _diverged(cfg, rank0, step, what, history, epochs_log):
     raise TrainingDiverged(message)
 
 
+def _build(cfg, grid, x_train, dtype):
+    """The model of `cfg`: on `grid`, from the plan file, or as the planner chooses."""
+    config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
+              "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
+              "image": x_train.shape[2]}
+    if cfg.model == "wide":
+        config["depth"] = cfg.depth or WIDE_DEPTH
+    profile = None
+    if cfg.algorithm == "auto":
+        profile = MachineProfile.load(cfg.profile or DEFAULT_PROFILE)
+        config.update(batch=cfg.batch_size, profile=profile, choose_grids=cfg.grid is None,
+                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
+    elif cfg.plan:
+        config.update(plan=read_plan(cfg.plan), batch=cfg.batch_size)
+    return build_model(cfg.model, grid, **config), None if profile is None else profile.name
+
+
 def train(cfg, world=None, keep_model=False):
     """Train as `cfg` says on the ranks of `world` (default COMM_WORLD); return the summary
     dict (also in the JSON log). Raises ValueError for bad options, alike on every rank.
 
-    keep_model: also return the trained model and its grid (summary["model"], ["grid_object"]),
-    whose communicators the caller then frees (grid.free(): the grid owns them all).
+    keep_model: also return the trained model (summary["model"]) and the grid its data enters
+    on (summary["grid_object"]); the caller then frees their communicators (model.free() and
+    summary["base_grid"].free()).
     """
     cfg.validate()
     world = MPI.COMM_WORLD if world is None else world
     alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
-    grid = ProcessGrid(cfg.grid, comm=world)
-    rank0 = grid.rank == 0
     dtype = np.dtype(cfg.dtype)
     x_train, y_train, x_test, y_test = _dataset(cfg, dtype)
+    base = ProcessGrid(cfg.grid or f"sample={world.Get_size()}", comm=world)
+    try:
+        model, profile_name = _build(cfg, base, x_train, dtype)
+    except BaseException:
+        base.free()
+        raise
+    grid = model.grid  # where the data enters and the loss is computed
+    rank0 = grid.rank == 0
     loader = ShardedLoader(x_train, y_train, cfg.batch_size, grid, shuffle=True, seed=cfg.seed, drop_last=True)
     if len(loader) == 0:
         raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
-    config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
-              "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
-              "image": x_train.shape[2]}
-    if cfg.algorithm == "auto":
-        config.update(batch=cfg.batch_size, profile=MachineProfile.load(cfg.profile or DEFAULT_PROFILE),
-                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
-    if cfg.model == "wide":
-        config["depth"] = cfg.depth or WIDE_DEPTH
-    model = build_model(cfg.model, grid, **config)
-    if cfg.algorithm == "auto" and rank0:
-        chosen = ", ".join(f"{name} {a}" + (f"(p_f={p})" if p else "") for name, (a, p) in model.algorithms.items())
-        print(f"algorithm auto ({config['profile'].name}): {chosen}; predicted "
-              f"{model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
+    if rank0 and (cfg.algorithm == "auto" or cfg.plan):
+        source = f"algorithm auto ({profile_name})" if cfg.algorithm == "auto" else f"plan {cfg.plan}"
+        print(f"{source}:\n{model.describe_plan()}", flush=True)
+        if model.plan is not None:
+            print(f"predicted {model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
     loss_fn = SoftmaxCrossEntropy(grid)
     optimizer = _optimizer(cfg, model.parameters())
     total_steps = cfg.epochs * len(loader)  # the schedule's length, also when stopped early
@@ -341,7 +366,7 @@ def train(cfg, world=None, keep_model=False):
                 finished = batch == len(loader)
                 if not _weights_finite(grid, model):  # the last update broke them: never save that
                     _diverged(cfg, rank0, step, "a weight is no longer finite", history, epochs_log)
-                test_loss, test_accuracy = evaluate(model, loss_fn, grid, x_test, y_test)
+                test_loss, test_accuracy = evaluate(model, loss_fn, x_test, y_test)
                 epochs_log.append({"epoch": epoch, "step": step, "test_loss": test_loss,
                                    "test_accuracy": test_accuracy})
                 if cfg.checkpoint_dir:
@@ -359,15 +384,16 @@ def train(cfg, world=None, keep_model=False):
     seconds = time.perf_counter() - start
 
     summary = {
-        "grid": grid.describe(), "ranks": grid.size, "algorithm": cfg.algorithm, "threads_per_rank": threads,
+        "grid": grids_of(model, grid), "ranks": grid.size, "algorithm": cfg.algorithm, "threads_per_rank": threads,
+        "layers": model.layers,
         "steps": step, "steps_this_session": step - first_step, "seconds": seconds,
         "images_per_second": images / seconds if seconds > 0 else 0.0,
         "final_loss": history[-1]["loss"] if history else None,
         "test_accuracy": epochs_log[-1]["test_accuracy"] if epochs_log else None,
         "parameter_bytes_per_rank": _max_over_ranks(grid, sum(p.data.nbytes for p in model.parameters())),
         "optimizer_bytes_per_rank": _max_over_ranks(grid, optimizer.state_bytes()),
-        "communication": [{"layer": k[0], "collective": k[1], **v}
-                          for k, v in ledger.totals(by=("layer", "collective")).items()],
+        "communication": [{"layer": k[0], "phase": k[1], "collective": k[2], **v}
+                          for k, v in ledger.totals(by=("layer", "phase", "collective")).items()],
     }
     if rank0:
         _print_summary(summary, ledger)
@@ -378,9 +404,10 @@ def train(cfg, world=None, keep_model=False):
             _plot(cfg.plot, history, epochs_log)
     summary["history"] = history
     if keep_model:
-        summary["model"], summary["grid_object"] = model, grid
+        summary["model"], summary["grid_object"], summary["base_grid"] = model, grid, base
     else:
-        grid.free()
+        model.free()
+        base.free()
     return summary
 
 
@@ -403,8 +430,8 @@ def _print_summary(summary, ledger):
           f"{summary['threads_per_rank']} BLAS thread(s) per rank")
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
           f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
-    print("communication of rank 0 by layer and collective:")
-    print(ledger.summary(by=("layer", "collective")))
+    print("communication of rank 0 by layer, phase and collective:")
+    print(ledger.summary(by=("layer", "phase", "collective")))
 
 
 def _plot(path, history, epochs_log):

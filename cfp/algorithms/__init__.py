@@ -16,7 +16,8 @@ def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_gr
 
     filter_groups (p_f) applies to 'w' only (default: the divisor of P_c nearest sqrt(P_c);
     p_f = 1 is stationary-x's partition, p_f = P_c stationary-y's).
-    Other keywords: stride, padding, bias, input_replicated, layer.
+    Other keywords: stride, padding, bias, input_whole (x holds all C: the first layer), need_dx,
+    layer.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")

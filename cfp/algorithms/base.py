@@ -2,17 +2,18 @@
 sets, the segmented gradient allreduce. Each algorithm module holds only its recipe.
 
 Shapes, with n the local sample count (N over P_n) and C_c, F_c this rank's block of C and F
-over P_c: x arrives as (n, C_c, H, W) (or (n, C, H, W) when the input is replicated over the
-channel axis), y leaves as (n, F_c, H', W'), and the weight shard is w[F_idx][:, C_idx] with
-the index sets below.
+over P_c: x arrives as (n, C_c, H, W) (or (n, C, H, W) when the input is whole over the
+channel axis), y leaves as (n, F_c, H', W'), and the weight shard is w[F_idx][:, C_idx]. All
+of these are layouts (cfp/layout.py): `input_layout`, `output_layout`, `weight_layout`,
+`bias_layout`, and every index set below is read from them.
 """
 import numpy as np
 
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
 from ..kernels import conv2d_output_shape
-from ..partition import (block_range, block_sizes, filter_groups_of, gather_group, scatter_group,
-                         union_of_blocks)
+from ..layout import Shard
+from ..partition import block_sizes, filter_groups_of
 from ..tensor import Layout, check_blocks
 
 
@@ -30,7 +31,7 @@ class ConvAlgorithm:
     weight_replicated = False  # True for sample parallelism: every rank holds all of w
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 bias=True, input_replicated=False, layer="conv", filter_groups=None):
+                 bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None):
         self.grid = grid
         self.C = positive_int(in_channels, "in_channels")
         self.F = positive_int(out_channels, "out_channels")
@@ -38,8 +39,16 @@ class ConvAlgorithm:
         self.stride = int_pair(stride, "stride", 1, "a positive integer")
         self.padding = int_pair(padding, "padding", 0, "a non-negative integer")
         self.bias = bool(bias)
-        self.input_replicated = bool(input_replicated) or self.weight_replicated
+        # Two separate facts: x holds all C channels on every channel rank (the images at the
+        # network's first layer; always so under sample parallelism), and whether backward
+        # computes dx at all (not for the first layer, whose input is data).
+        self.input_whole = bool(input_whole) or self.weight_replicated
+        self.need_dx = bool(need_dx)
         self.layer = layer
+        if self.input_whole and self.need_dx and not self.weight_replicated:
+            raise ValueError(f"{layer}: algorithm {self.name!r} with its input whole over the channel axis "
+                             f"computes no dx (the network's first layer); give it a channel-split input "
+                             f"(a Redistribute before it) or need_dx=False")
         for axis in ("height", "width"):
             if grid.axis_size(axis) > 1:  # until spatial parallelism exists, never a silent replica
                 raise ValueError(f"{layer}: grid {grid.describe()} splits the {axis} axis over "
@@ -51,19 +60,17 @@ class ConvAlgorithm:
         self.channel_comm = grid.axis_comm("channel")
         self.gradient_comm = grid.complement_comm("channel")  # ranks holding the same shard
         self.w_filters, self.w_channels, self.b_filters = self.shard_indices(c)
-        self.x_channels = (list(range(self.C)) if self.input_replicated
-                           else list(range(*block_range(self.C, self.P_c, c))))
+        self.x_channels = list(self.input_layout.indices((1, self.C, 1, 1), grid, grid.coords)[1])
         self._saved = None
         self._output_shape = None
 
     def shard_indices(self, c):
         """(filters, channels, bias filters): the global indices of the weight and bias shard
-        held at channel coordinate c."""
-        if self.weight_replicated:
-            return list(range(self.F)), list(range(self.C)), list(range(self.F))
-        return (union_of_blocks(self.F, self.P_c, scatter_group(c, self.P_c, self.p_f)),
-                union_of_blocks(self.C, self.P_c, gather_group(c, self.P_c, self.p_f)),
-                list(range(*block_range(self.F, self.P_c, c))))
+        held at channel coordinate c, read from weight_layout and bias_layout."""
+        coords = {**self.grid.coords, "channel": c}
+        filters, channels = self.weight_layout.indices((self.F, self.C, 1, 1), self.grid, coords)[:2]
+        (bias_filters,) = self.bias_layout.indices((self.F,), self.grid, coords)
+        return list(filters), list(channels), list(bias_filters)
 
     # -- shapes ------------------------------------------------------------------------------
 
@@ -79,12 +86,30 @@ class ConvAlgorithm:
     @property
     def input_layout(self):
         """x's layout: split by sample, and by channel unless every rank holds all of C."""
-        return Layout(("sample", None if self.input_replicated else "channel", None, None))
+        return Layout(("sample", None if self.input_whole else "channel", None, None))
 
     @property
     def output_layout(self):
         """y's (and dy's) layout: split by sample, and by filter unless w is whole everywhere."""
         return Layout(("sample", None if self.weight_replicated else "channel", None, None))
+
+    @property
+    def weight_layout(self):
+        """w (F, C, Kh, Kw) over the channel axis: whole under sample parallelism; by input
+        channel under stationary-x, by filter under stationary-y; under stationary-w the
+        filters of the column's blocks and the channels of the row's (partition.py)."""
+        if self.weight_replicated:
+            return Layout.replicated(4)
+        if self.name == "x":
+            return Layout((None, "channel", None, None))
+        if self.name == "y":
+            return Layout(("channel", None, None, None))
+        return Layout((Shard("channel", "column", self.p_f), Shard("channel", "row", self.p_f), None, None))
+
+    @property
+    def bias_layout(self):
+        """b (F,): added where y's filter block is, so it follows y's filter split."""
+        return Layout((None if self.weight_replicated else "channel",))
 
     def check_input(self, x, w, b):
         """The checks of forward's inputs: dtypes (float32 or float64, one for all), this rank's

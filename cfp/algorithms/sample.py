@@ -21,10 +21,10 @@ class SampleParallel(ConvAlgorithm):
         self._saved = (x, w)
         return y
 
-    def backward(self, dy, need_dx=True):
+    def backward(self, dy):
         x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         dw = conv2d_backward_filter(x, dy, w.shape, **self.conv_args())
-        dx = conv2d_backward_data(dy, w, x.shape, **self.conv_args()) if need_dx else None
+        dx = conv2d_backward_data(dy, w, x.shape, **self.conv_args()) if self.need_dx else None
         dw, db = self.sync_gradients(dw, db)
         return dx, dw, db

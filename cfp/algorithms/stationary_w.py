@@ -28,7 +28,7 @@ class StationaryW(ConvAlgorithm):
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)
         with comm.tag(layer=self.layer, phase="forward"):
-            if self.input_replicated:  # the first layer: take the row's channels, no message
+            if self.input_whole:  # the first layer: take the row's channels, no message
                 x_row = x[:, self.w_channels]
             else:
                 x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes)
@@ -39,14 +39,14 @@ class StationaryW(ConvAlgorithm):
         self._saved = (x_row, w)
         return y
 
-    def backward(self, dy, need_dx=True):
+    def backward(self, dy):
         x_row, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes)
             dw = conv2d_backward_filter(x_row, dy_column, w.shape, **self.conv_args())
         dx = None
-        if need_dx and not self.input_replicated:
+        if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
                 partial_dx = conv2d_backward_data(dy_column, w, x_row.shape, **self.conv_args())
                 dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes)

@@ -15,7 +15,7 @@ class StationaryX(ConvAlgorithm):
 
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)
-        if self.input_replicated:  # the first layer: take this rank's channels, no message
+        if self.input_whole:  # the first layer: take this rank's channels, no message
             x = x[:, self.w_channels]
         with comm.tag(layer=self.layer, phase="forward"):
             partial_y = conv2d_forward(x, w, **self.conv_args())
@@ -25,14 +25,14 @@ class StationaryX(ConvAlgorithm):
         self._saved = (x, w)
         return y
 
-    def backward(self, dy, need_dx=True):
+    def backward(self, dy):
         x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid))
             dw = conv2d_backward_filter(x, dy_all_filters, w.shape, **self.conv_args())
         dx = None
-        if need_dx and not self.input_replicated:
+        if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
                 dx = conv2d_backward_data(dy_all_filters, w, x.shape, **self.conv_args())
         dw, db = self.sync_gradients(dw, db)

@@ -16,7 +16,7 @@ class StationaryY(ConvAlgorithm):
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)
         with comm.tag(layer=self.layer, phase="forward"):
-            if self.input_replicated:  # the first layer: every rank already has all channels
+            if self.input_whole:  # the first layer: every rank already has all channels
                 x_all_channels = x
             else:
                 x_all_channels = comm.allgather(self.channel_comm, x, 1, channel_block_sizes(self.C, self.grid))
@@ -24,13 +24,13 @@ class StationaryY(ConvAlgorithm):
         self._saved = (x_all_channels, w)
         return y
 
-    def backward(self, dy, need_dx=True):
+    def backward(self, dy):
         x_all_channels, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dw = conv2d_backward_filter(x_all_channels, dy, w.shape, **self.conv_args())
         dx = None
-        if need_dx and not self.input_replicated:
+        if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
                 partial_dx = conv2d_backward_data(dy, w, x_all_channels.shape, **self.conv_args())
                 dx = comm.reduce_scatter(self.channel_comm, partial_dx, 1, channel_block_sizes(self.C, self.grid))

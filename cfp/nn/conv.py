@@ -1,15 +1,16 @@
 """Conv2d and Linear layers: parameters around one of the paper's distributed algorithms.
 
 Weights are initialised as one global tensor from a seed (the same on every rank and every
-grid) and each rank keeps its shard, so a model starts from the same numbers whatever the grid.
+grid) and each rank keeps its shard, so a model starts from the same numbers whatever the grid
+or plan. Which algorithm and grid a layer uses is decided by whoever builds the model
+(cfp.models.build_model, from a plan); the layer only runs it.
 """
 import math
 
 import numpy as np
 
 from ..algorithms import make_conv
-from ..perfmodel import LayerShape
-from ..planner import CHANNEL_ALGORITHMS, plan
+from ..kernels import conv2d_output_shape
 from .module import Module, Parameter
 
 
@@ -21,54 +22,46 @@ class Conv2d(Module):
     """x: (n, C_c, H, W) -> y: (n, F_c, H', W') under algorithm 'x', 'y' or 'w' (channels split
     over the grid's channel axis), or (n, C, H, W) -> (n, F, H', W') under 'sample'.
 
-    input_replicated: the input holds all C channels on every channel rank (the network's
-    first layer): no gather of x and no dx.
-    algorithm='auto': the planner's fastest channel/filter algorithm for this layer on `grid`,
-    which needs plan_for={'batch': global N, 'size': input H (= W), 'profile': MachineProfile}.
-    (A whole model is better planned at once: cfp.models.build_model(..., algorithm='auto').)
+    input_whole: the input holds all C channels on every channel rank (the network's first
+    layer, fed the images). need_dx: whether backward computes the input's gradient (not for
+    the first layer). input_spec and output_spec are the algorithm's layouts on `grid`.
     """
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
-                 algorithm="y", filter_groups=None, input_replicated=False, name="conv", seed=0,
-                 dtype=np.float32, plan_for=None):
-        self.name = name
-        if algorithm == "auto":
-            algorithm, filter_groups = self._planned(grid, in_channels, out_channels, kernel_size, stride,
-                                                     padding, input_replicated, plan_for)
+                 algorithm="y", filter_groups=None, input_whole=False, need_dx=True, name="conv", seed=0,
+                 dtype=np.float32):
+        self.name, self.grid = name, grid
         self.algorithm = algorithm
         self.conv = make_conv(algorithm, grid, in_channels, out_channels, kernel_size,
                               filter_groups=filter_groups, stride=stride, padding=padding, bias=bias,
-                              input_replicated=input_replicated, layer=name)
+                              input_whole=input_whole, need_dx=need_dx, layer=name)
         kh, kw = self.conv.kernel_size
         fan_in = in_channels * kh * kw
         rng = _init_rng(seed, name)
         # He (Kaiming) normal initialisation, for ReLU networks.
         w = rng.standard_normal((out_channels, in_channels, kh, kw)) * math.sqrt(2.0 / fan_in)
-        whole = self.conv.weight_replicated
         self.weight = Parameter(f"{name}.weight", self.conv.shard_weight(w.astype(dtype)), w.shape,
-                                index=None if whole else (self.conv.w_filters, self.conv.w_channels, None, None))
+                                self.conv.weight_layout, grid)
         self.bias = None
         if bias:
             b = np.zeros(out_channels, dtype=dtype)
-            self.bias = Parameter(f"{name}.bias", self.conv.shard_bias(b), b.shape,
-                                  index=None if whole else (self.conv.b_filters,))
-
-    def _planned(self, grid, in_channels, out_channels, kernel_size, stride, padding, first, plan_for):
-        if not plan_for or not {"batch", "size", "profile"} <= set(plan_for):
-            raise ValueError(f"{self.name}: algorithm 'auto' needs plan_for with the global batch, the "
-                             f"input size and a machine profile, got {plan_for!r}")
-        if not isinstance(kernel_size, int) or not isinstance(stride, int) or not isinstance(padding, int):
-            raise ValueError(f"{self.name}: algorithm 'auto' plans square kernels, strides and paddings")
-        layer = LayerShape(self.name, plan_for["batch"], in_channels, out_channels, plan_for["size"],
-                           plan_for["size"], kernel_size, stride, padding, first=first)
-        choice = plan([layer], grid.size, plan_for["profile"], algorithms=CHANNEL_ALGORITHMS,
-                      grid=(grid.axis_size("sample"), grid.axis_size("channel"))).choices[0]
-        return choice.algorithm, choice.p_f if choice.algorithm == "w" else None
+            self.bias = Parameter(f"{name}.bias", self.conv.shard_bias(b), b.shape, self.conv.bias_layout, grid)
 
     @property
-    def output_split(self):
-        """True when the output's filters are split over the channel axis."""
-        return not self.conv.weight_replicated
+    def filter_groups(self):
+        """p_f of a stationary-w layer, else None."""
+        return self.conv.p_f if self.algorithm == "w" else None
+
+    @property
+    def input_spec(self):
+        return self.grid, self.conv.input_layout
+
+    def output_spec(self, spec):
+        return self.grid, self.conv.output_layout
+
+    def output_shape(self, shape):
+        return conv2d_output_shape(tuple(shape), (self.conv.F, self.conv.C) + self.conv.kernel_size,
+                                   **self.conv.conv_args())
 
     def own_parameters(self):
         return [self.weight] + ([self.bias] if self.bias is not None else [])
@@ -88,10 +81,20 @@ class Linear(Conv2d):
     parallel under 'x', 'y', 'w' like Conv2d, or (n, C) -> (n, F) under 'sample'."""
 
     def __init__(self, grid, in_features, out_features, bias=True, algorithm="y", filter_groups=None,
-                 input_replicated=False, name="linear", seed=0, dtype=np.float32):
+                 input_whole=False, need_dx=True, name="linear", seed=0, dtype=np.float32):
         super().__init__(grid, in_features, out_features, 1, bias=bias, algorithm=algorithm,
-                         filter_groups=filter_groups, input_replicated=input_replicated, name=name,
+                         filter_groups=filter_groups, input_whole=input_whole, need_dx=need_dx, name=name,
                          seed=seed, dtype=dtype)
+
+    @property
+    def input_spec(self):
+        return self.grid, self.conv.input_layout.head(2)
+
+    def output_spec(self, spec):
+        return self.grid, self.conv.output_layout.head(2)
+
+    def output_shape(self, shape):
+        return (shape[0], self.conv.F)
 
     def forward(self, x):
         if x.ndim != 2:

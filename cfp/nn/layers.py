@@ -5,8 +5,26 @@ import numpy as np
 
 from .. import backend, comm
 from ..kernels.pool import avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward
-from ..partition import block_range
+from ..tensor import Layout
 from .module import Module, Parameter
+
+
+def _spatial_whole(module, spec, first=2):
+    """ValueError unless the dimensions from `first` on (H and W) are whole: the pooling
+    layers and flatten work within each rank's block of full images."""
+    grid, layout = spec
+    split = [d for d in layout.on(grid).dims[first:] if d is not None]
+    if split:
+        raise ValueError(f"{module.describe()}: input layout {layout} on grid {grid.describe()} splits "
+                         f"the image over {split[0].axis}; this layer needs whole images")
+    return spec
+
+
+class _PerPosition(Module):
+    """Pooling works within each channel of each sample: the layout stays, H and W must be whole."""
+
+    def output_spec(self, spec):
+        return _spatial_whole(self, spec)
 
 
 class ReLU(Module):
@@ -18,9 +36,17 @@ class ReLU(Module):
         return dy * self._mask
 
 
-class MaxPool2d(Module):
+def _pooled(shape, kernel, stride, padding):
+    n, c, h, w = shape
+    return (n, c, (h + 2 * padding - kernel) // stride + 1, (w + 2 * padding - kernel) // stride + 1)
+
+
+class MaxPool2d(_PerPosition):
     def __init__(self, kernel_size, stride=None, padding=0):
         self.kernel, self.stride, self.padding = kernel_size, stride or kernel_size, padding
+
+    def output_shape(self, shape):
+        return _pooled(shape, self.kernel, self.stride, self.padding)
 
     def forward(self, x):
         self._x_shape = x.shape
@@ -31,9 +57,12 @@ class MaxPool2d(Module):
         return max_pool2d_backward(dy, self._argmax, self._x_shape, self.kernel, self.stride, self.padding)
 
 
-class AvgPool2d(Module):
+class AvgPool2d(_PerPosition):
     def __init__(self, kernel_size, stride=None, padding=0):
         self.kernel, self.stride, self.padding = kernel_size, stride or kernel_size, padding
+
+    def output_shape(self, shape):
+        return _pooled(shape, self.kernel, self.stride, self.padding)
 
     def forward(self, x):
         self._x_shape = x.shape
@@ -46,6 +75,13 @@ class AvgPool2d(Module):
 class GlobalAvgPool2d(Module):
     """(n, C, H, W) -> (n, C): the mean over all positions of each channel."""
 
+    def output_spec(self, spec):
+        grid, layout = _spatial_whole(self, spec)
+        return grid, layout.head(2)
+
+    def output_shape(self, shape):
+        return tuple(shape[:2])
+
     def forward(self, x):
         self._x_shape = x.shape
         return x.mean(axis=(2, 3))
@@ -57,7 +93,15 @@ class GlobalAvgPool2d(Module):
 
 
 class Flatten(Module):
-    """(n, C, H, W) -> (n, C*H*W)."""
+    """(n, C, H, W) -> (n, C*H*W), for inputs whose channels and images are whole."""
+
+    def output_spec(self, spec):
+        grid, layout = _spatial_whole(self, spec, first=1)
+        return grid, layout.head(2)
+
+    def output_shape(self, shape):
+        n, *rest = shape
+        return (n, int(np.prod(rest)))
 
     def forward(self, x):
         self._x_shape = x.shape
@@ -71,26 +115,33 @@ class BatchNorm2d(Module):
     """Batch normalisation of (n, C_c, H, W) blocks over the global batch.
 
     Statistics are per channel, so they are summed only over the ranks holding the same
-    channels (the sample axis), never over the channel axis. channels_split: whether the
-    channels are split over the channel axis (after a 'x', 'y' or 'w' layer) or whole.
+    channels (the sample axis), never over the channel axis. layout: the activation's layout
+    on `grid` (default split by sample and channel, as after a 'x', 'y' or 'w' layer); the
+    parameters take its channel dimension's layout, so this rank's channels come from it.
     Training uses the batch's biased variance; the running variance is the unbiased one
     (PyTorch's convention).
     """
 
-    def __init__(self, grid, num_features, channels_split=True, eps=1e-5, momentum=0.1, name="bn",
+    def __init__(self, grid, num_features, layout=None, eps=1e-5, momentum=0.1, name="bn",
                  dtype=np.float32):
         self.name, self.eps, self.momentum = name, eps, momentum
+        self.grid = grid
+        self.layout = Layout(("sample", "channel", None, None)) if layout is None else layout
+        if self.layout.ndim != 4 or self.layout.dims[0] is None or self.layout.dims[0].axis != "sample" \
+                or any(self.layout.on(grid).dims[2:]) or self.layout.partial:
+            raise ValueError(f"{name}: batch norm takes NCHW activations split by sample (and perhaps "
+                             f"channel), whole images; got layout {self.layout}")
         self.stats_comm = grid.complement_comm("channel")
-        if channels_split:
-            channels = list(range(*block_range(num_features, grid.axis_size("channel"), grid.coord("channel"))))
-            index = (channels,)
-        else:
-            channels, index = list(range(num_features)), None
-        n = len(channels)
-        self.weight = Parameter(f"{name}.weight", np.ones(n, dtype), (num_features,), index)
-        self.bias = Parameter(f"{name}.bias", np.zeros(n, dtype), (num_features,), index)
-        self.running_mean = Parameter(f"{name}.running_mean", np.zeros(n, dtype), (num_features,), index)
-        self.running_var = Parameter(f"{name}.running_var", np.ones(n, dtype), (num_features,), index)
+        channel_layout = Layout(self.layout.dims[1:2])
+        n = len(channel_layout.indices((num_features,), grid, grid.coords)[0])
+        self.weight, self.bias, self.running_mean, self.running_var = (
+            Parameter(f"{name}.{what}", init(n, dtype), (num_features,), channel_layout, grid)
+            for what, init in (("weight", np.ones), ("bias", np.zeros), ("running_mean", np.zeros),
+                               ("running_var", np.ones)))
+
+    @property
+    def input_spec(self):
+        return self.grid, self.layout
 
     def own_parameters(self):
         return [self.weight, self.bias]

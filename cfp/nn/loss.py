@@ -1,36 +1,8 @@
-"""The end of a network: make the logits whole over the channel axis, then the softmax
-cross-entropy averaged over the global batch."""
+"""The end of a network: the softmax cross-entropy averaged over the global batch, of logits
+split by sample and whole over the channel axis (Network's last Redistribute puts them so)."""
 import numpy as np
 
 from .. import backend, comm
-from ..partition import block_range, block_sizes
-from .module import Module
-
-
-class GatherChannels(Module):
-    """(n, K_c) logits split over the channel axis -> (n, K) on every channel rank.
-
-    Backward keeps this rank's block of the gradient. It is not the allgather's adjoint
-    (a reduce-scatter) because every channel rank then computes the same loss from the same
-    whole logits: the replicas are one computation, not P_c summands.
-    """
-
-    def __init__(self, grid, num_features, channels_split=True, name="gather"):
-        self.grid, self.K, self.split, self.name = grid, num_features, channels_split, name
-        self.sizes = block_sizes(num_features, grid.axis_size("channel"))
-        self.mine = block_range(num_features, grid.axis_size("channel"), grid.coord("channel"))
-
-    def forward(self, x):
-        if not self.split:
-            return x
-        with comm.tag(layer=self.name, phase="forward"):
-            return comm.allgather(self.grid.axis_comm("channel"), x, 1, self.sizes)
-
-    def backward(self, dy):
-        if not self.split:
-            return dy
-        start, stop = self.mine
-        return dy[:, start:stop].copy()
 
 
 class SoftmaxCrossEntropy:

@@ -1,0 +1,302 @@
+"""Layout: how a global tensor is laid out over the axes of a process grid, and the exchange
+that moves it from one layout (and grid) to another over the same ranks.
+
+A layout says, for each tensor dimension, whether it is whole or split over a grid axis, and
+which of the axis' blocks a coordinate holds (`Shard`); a grid axis that splits no dimension
+holds replicas, unless the layout names it `partial`, in which case the ranks along it hold
+summands of the tensor (a pending sum). The blocks are partition.py's balanced blocks, so this
+module and partition.py are the one place where cfp computes index sets: an activation's block,
+a weight shard (also stationary-w's strided ones), a batch-norm channel range, the logits'
+slice and the loader's sample block all come from `Layout.indices`.
+
+Nothing here communicates: `exchange_plan` lists the pieces an exchange moves, which
+`tensor.DistTensor.redistribute` sends and `perfmodel.redistribute_bytes` counts, so the
+prediction and the run cannot disagree (docs/design.md, section 3).
+"""
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from .grid import AXES, coords_of
+from .partition import check_filter_groups, gather_group, scatter_group, union_of_blocks
+
+PARTS = ("block", "row", "column")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A tensor dimension cut into the balanced blocks of one grid axis of size P.
+
+    part 'block': coordinate c holds block c. With `groups` = p_f (stationary-w's P = q x p_f
+    arrangement, coordinate c at (row, column) = divmod(c, p_f)), part 'row' holds the p_f
+    blocks of c's row and part 'column' the q blocks of c's column: a union of blocks, strided
+    for a column (partition.gather_group, scatter_group).
+    """
+    axis: str
+    part: str = "block"
+    groups: int = 1
+
+    def __post_init__(self):
+        if self.axis not in AXES:
+            raise ValueError(f"unknown grid axis {self.axis!r}; expected one of {', '.join(AXES)}")
+        if self.part not in PARTS:
+            raise ValueError(f"unknown shard part {self.part!r}; expected one of {', '.join(PARTS)}")
+        if self.part == "block" and self.groups != 1:
+            raise ValueError("a 'block' shard has no filter groups")
+
+    def blocks(self, parts, coord):
+        """The block numbers (of `parts` blocks) coordinate `coord` holds, in increasing order."""
+        if self.part == "block":
+            return [coord]
+        check_filter_groups(parts, self.groups)
+        group = gather_group if self.part == "row" else scatter_group
+        return group(coord, parts, self.groups)
+
+    def holders(self, parts):
+        """Coordinates whose blocks are disjoint and cover the dimension (one per shard)."""
+        if self.part == "block":
+            return range(parts)
+        if self.part == "row":
+            return range(0, parts, self.groups)
+        return range(self.groups)
+
+    def __str__(self):
+        return self.axis if self.part == "block" else f"{self.axis}/{self.part}(p_f={self.groups})"
+
+
+def _as_dim(d):
+    if d is None or d == "-":
+        return None
+    if isinstance(d, Shard):
+        return d
+    return Shard(d)
+
+
+class Layout:
+    """Per tensor dimension a Shard or None (whole); `partial`: the grid axes along which the
+    ranks hold summands. `Layout(("sample", "channel", None, None))` is an NCHW activation split
+    by sample and channel; grid axes no dimension uses hold replicas."""
+
+    def __init__(self, dims, partial=()):
+        self.dims = tuple(_as_dim(d) for d in dims)
+        self.partial = tuple(sorted(set(partial), key=AXES.index))
+        for a in self.partial:
+            if a not in AXES:
+                raise ValueError(f"unknown grid axis {a!r} in partial; expected one of {', '.join(AXES)}")
+        by_axis = {}
+        for d in self.dims:
+            if d is not None:
+                by_axis.setdefault(d.axis, []).append(d)
+        for axis, shards in by_axis.items():
+            pair = sorted(s.part for s in shards) == ["column", "row"] and len({s.groups for s in shards}) == 1
+            if len(shards) > 1 and not pair:
+                raise ValueError(f"layout {self._text()} splits {len(shards)} dimensions over grid axis "
+                                 f"{axis!r}; only a row and a column of one p_f may share an axis")
+            if axis in self.partial:
+                raise ValueError(f"layout {self._text()} both splits and sums over grid axis {axis!r}")
+
+    @classmethod
+    def replicated(cls, ndim):
+        return cls((None,) * ndim)
+
+    @property
+    def ndim(self):
+        return len(self.dims)
+
+    @property
+    def axes(self):
+        """The grid axis of each dimension (None where whole)."""
+        return tuple(None if d is None else d.axis for d in self.dims)
+
+    def used_axes(self):
+        return {d.axis for d in self.dims if d is not None}
+
+    def replica_axes(self, grid):
+        """Grid axes of size > 1 along which ranks hold equal copies."""
+        shape = _shape(grid)
+        return [a for a in AXES if shape[a] > 1 and a not in self.used_axes() and a not in self.partial]
+
+    def without_partial(self):
+        return Layout(self.dims)
+
+    def with_partial(self, axes):
+        return Layout(self.dims, tuple(self.partial) + tuple(axes))
+
+    def on(self, grid):
+        """This layout with what axes of size 1 do dropped: a shard over one rank is whole, a
+        sum over one rank is no sum. Two layouts equal after `on(grid)` place every element
+        alike on that grid."""
+        shape = _shape(grid)
+        return Layout([d if d is not None and shape[d.axis] > 1 else None for d in self.dims],
+                      [a for a in self.partial if shape[a] > 1])
+
+    def head(self, ndim):
+        """The layout of the first `ndim` dimensions (GlobalAvgPool2d's (n, C) from NCHW)."""
+        return Layout(self.dims[:ndim], self.partial)
+
+    def indices(self, global_shape, grid, coords):
+        """Per dimension, the global indices held at grid coordinates `coords` (a dict), sorted:
+        a `range` where they are contiguous, else a tuple."""
+        return _indices(self, tuple(int(n) for n in global_shape), _shape_key(grid), _coords_key(coords))
+
+    def local_shape(self, global_shape, grid, coords):
+        return tuple(len(ix) for ix in self.indices(global_shape, grid, coords))
+
+    def check_fits(self, global_shape, grid, what="tensor"):
+        """ValueError unless this layout can lay out a tensor of `global_shape` on `grid`."""
+        if len(global_shape) != self.ndim:
+            raise ValueError(f"{what}: layout {self} has {self.ndim} dimensions, the tensor has shape "
+                             f"{tuple(global_shape)}")
+        shape = _shape(grid)
+        for d in self.dims:
+            if d is not None and d.part != "block":
+                check_filter_groups(shape[d.axis], d.groups)
+
+    def is_primary(self, grid, coords):
+        """True for one rank of every set of replicas (coordinate 0 along the replica axes):
+        the copy a checkpoint writes."""
+        return all(coords[a] == 0 for a in self.replica_axes(grid))
+
+    def _text(self):
+        text = ", ".join("-" if d is None else str(d) for d in self.dims)
+        return text + (f"; partial over {', '.join(self.partial)}" if self.partial else "")
+
+    def __eq__(self, other):
+        return isinstance(other, Layout) and (self.dims, self.partial) == (other.dims, other.partial)
+
+    def __hash__(self):
+        return hash((self.dims, self.partial))
+
+    def __repr__(self):
+        return f"Layout({self._text()})"
+
+
+def _shape(grid):
+    """{axis: size} of a ProcessGrid, a dict of sizes or a sorted tuple key."""
+    shape = getattr(grid, "shape", grid)
+    if isinstance(shape, tuple):
+        shape = dict(shape)
+    return {a: int(shape.get(a, 1)) for a in AXES}
+
+
+def _shape_key(grid):
+    return tuple(_shape(grid).items())
+
+
+def _coords_key(coords):
+    return tuple((a, int(coords.get(a, 0))) for a in AXES)
+
+
+@functools.lru_cache(maxsize=4096)
+def _indices(layout, global_shape, shape_key, coords_key):
+    shape, coords = dict(shape_key), dict(coords_key)
+    if len(global_shape) != layout.ndim:
+        raise ValueError(f"layout {layout} has {layout.ndim} dimensions, the tensor has shape {global_shape}")
+    out = []
+    for extent, d in zip(global_shape, layout.dims):
+        if d is None:
+            out.append(range(extent))
+            continue
+        parts = shape[d.axis]
+        ix = union_of_blocks(extent, parts, d.blocks(parts, coords[d.axis]))
+        contiguous = not ix or ix[-1] - ix[0] + 1 == len(ix)
+        out.append(range(ix[0], ix[-1] + 1) if contiguous and ix else range(0) if not ix else tuple(ix))
+    return tuple(out)
+
+
+def global_extent(layout, dim, grid, local_extent_at):
+    """The extent of dimension `dim` from the local extents `local_extent_at(coords)` of the
+    ranks: the sum over a set of coordinates whose blocks are disjoint and cover it."""
+    d = layout.dims[dim]
+    if d is None:
+        return local_extent_at({})
+    shape = _shape(grid)
+    return sum(local_extent_at({d.axis: c}) for c in d.holders(shape[d.axis]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange between two layouts over the same ranks.
+
+def _intersect(a, b):
+    """The sorted indices in both a and b (each a range or a sorted tuple), or None if empty."""
+    if isinstance(a, range) and isinstance(b, range):
+        r = range(max(a.start, b.start), min(a.stop, b.stop))
+        return r if len(r) else None
+    common = np.intersect1d(np.asarray(a), np.asarray(b), assume_unique=True)
+    if not common.size:
+        return None
+    if common[-1] - common[0] + 1 == common.size:
+        return range(int(common[0]), int(common[-1]) + 1)
+    return tuple(int(i) for i in common)
+
+
+def exchange_plan(global_shape, source, source_grid, target, target_grid, ranks):
+    """The pieces an exchange from `source` on `source_grid` to `target` on `target_grid`
+    moves: [(s, d, index sets)], rank s sending the part of the tensor at those global indices
+    to rank d. Each destination takes each piece from one set of holders: itself when it holds
+    one, otherwise the copy at `d` modulo the number of copies (spreading the load); from a
+    partial source it takes the piece from every summand of that copy and adds them. A target
+    that is itself partial gets the tensor on its coordinate 0 along those axes and zeros on
+    the others. Pure arithmetic: DistTensor.redistribute runs it, perfmodel counts it."""
+    global_shape = tuple(int(n) for n in global_shape)
+    source.check_fits(global_shape, source_grid, "redistribute source")
+    target.check_fits(global_shape, target_grid, "redistribute target")
+    s_shape, t_shape = _shape(source_grid), _shape(target_grid)
+    for what, shape in (("source", s_shape), ("target", t_shape)):
+        if math.prod(shape.values()) != ranks:
+            raise ValueError(f"redistribute: the {what} grid has {math.prod(shape.values())} ranks, "
+                             f"the exchange {ranks}")
+    return _plan(global_shape, source, _shape_key(s_shape), target, _shape_key(t_shape), ranks)
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(global_shape, source, s_key, target, t_key, ranks):
+    s_shape, t_shape = dict(s_key), dict(t_key)
+    replica_axes = source.replica_axes(s_shape)
+    copies = {}  # held index sets -> {coordinates along the replica axes: [the summands' ranks]}
+    for r in range(ranks):
+        c = coords_of(r, s_shape)
+        held = source.indices(global_shape, s_shape, c)
+        copies.setdefault(held, {}).setdefault(tuple(c[a] for a in replica_axes), []).append(r)
+    pieces = []
+    for d in range(ranks):
+        tc = coords_of(d, t_shape)
+        if any(tc[a] != 0 for a in target.partial):
+            continue  # the other summands of a partial target are zeros
+        wanted = target.indices(global_shape, t_shape, tc)
+        for held, by_copy in copies.items():
+            piece = tuple(_intersect(h, w) for h, w in zip(held, wanted))
+            if any(p is None for p in piece):
+                continue
+            keys = list(by_copy)
+            senders = next((by_copy[k] for k in keys if d in by_copy[k]), None)
+            if senders is None:
+                senders = by_copy[keys[d % len(keys)]]
+            pieces.extend((s, d, piece) for s in senders)
+    return tuple(pieces)
+
+
+def positions(indices, within):
+    """Where the global `indices` sit inside a block holding `within` (both sorted): a slice
+    when they are contiguous there, else an index array."""
+    if isinstance(within, range) and isinstance(indices, range):
+        start = indices.start - within.start
+        return slice(start, start + len(indices))
+    at = np.searchsorted(np.asarray(within), np.asarray(indices))
+    if at.size and at[-1] - at[0] + 1 == at.size:
+        return slice(int(at[0]), int(at[-1]) + 1)
+    return at
+
+
+def selector(pos):
+    """An indexing tuple from per-dimension slices or index arrays (np.ix_ where needed)."""
+    if sum(not isinstance(p, slice) for p in pos) <= 1:
+        return tuple(pos)
+    arrays = [np.arange(p.start, p.stop) if isinstance(p, slice) else p for p in pos]
+    return np.ix_(*arrays)
+
+
+def piece_size(piece):
+    return math.prod(len(ix) for ix in piece)
