@@ -94,8 +94,9 @@ class Layout:
             if len(shards) > 1 and not pair:
                 raise ValueError(f"layout {self._text()} splits {len(shards)} dimensions over grid axis "
                                  f"{axis!r}; only a row and a column of one p_f may share an axis")
-            if axis in self.partial:
-                raise ValueError(f"layout {self._text()} both splits and sums over grid axis {axis!r}")
+            if axis in self.partial and (len(shards) > 1 or shards[0].part == "block"):
+                raise ValueError(f"layout {self._text()} both splits and sums over grid axis {axis!r} "
+                                 f"(only the copies of a row or a column shard can be summands)")
 
     @classmethod
     def replicated(cls, ndim):
@@ -113,10 +114,30 @@ class Layout:
     def used_axes(self):
         return {d.axis for d in self.dims if d is not None}
 
+    def copy_axes(self, grid):
+        """Grid axes along which some ranks hold the same indices: the replica axes, and an axis
+        that only a row or only a column shard uses (the ranks of a column hold one set)."""
+        normal = self.on(grid)
+        alone = [d.axis for d in normal.dims if d is not None and d.part != "block"
+                 and sum(e is not None and e.axis == d.axis for e in normal.dims) == 1]
+        return [a for a in AXES if a in alone or a in self.replica_axes(grid)]
+
+    def first_summand(self, grid, coords):
+        """Whether the rank at `coords` holds the first summand of its copy (along a partial
+        axis: coordinate 0, or, in a column shard's axis, row 0, in a row shard's, column 0):
+        where a tensor put into a partial layout lands, the other summands being zeros."""
+        for a in self.partial:
+            d = next((d for d in self.dims if d is not None and d.axis == a), None)
+            c = coords.get(a, 0)
+            position = c if d is None else c // d.groups if d.part == "column" else c % d.groups
+            if position:
+                return False
+        return True
+
     def replica_axes(self, grid):
         """Grid axes of size > 1 along which ranks hold equal copies."""
-        shape = _shape(grid)
-        return [a for a in AXES if shape[a] > 1 and a not in self.used_axes() and a not in self.partial]
+        shape, used = _shape(grid), self.on(grid).used_axes()
+        return [a for a in AXES if shape[a] > 1 and a not in used and a not in self.partial]
 
     def without_partial(self):
         return Layout(self.dims)
@@ -129,8 +150,11 @@ class Layout:
         sum over one rank is no sum. Two layouts equal after `on(grid)` place every element
         alike on that grid."""
         shape = _shape(grid)
-        return Layout([d if d is not None and shape[d.axis] > 1 else None for d in self.dims],
-                      [a for a in self.partial if shape[a] > 1])
+
+        def kept(d):  # a column of p_f = 1 and a row of p_f = P hold every block: whole
+            return d is not None and shape[d.axis] > 1 and not (
+                d.part == "column" and d.groups == 1 or d.part == "row" and d.groups == shape[d.axis])
+        return Layout([d if kept(d) else None for d in self.dims], [a for a in self.partial if shape[a] > 1])
 
     def head(self, ndim):
         """The layout of the first `ndim` dimensions (GlobalAvgPool2d's (n, C) from NCHW)."""
@@ -254,16 +278,18 @@ def exchange_plan(global_shape, source, source_grid, target, target_grid, ranks)
 @functools.lru_cache(maxsize=512)
 def _plan(global_shape, source, s_key, target, t_key, ranks):
     s_shape, t_shape = dict(s_key), dict(t_key)
-    replica_axes = source.replica_axes(s_shape)
-    copies = {}  # held index sets -> {coordinates along the replica axes: [the summands' ranks]}
+    # Ranks holding the same indices hold copies, unless they differ only along the partial
+    # axes: then they hold summands of one copy.
+    copies = {}  # held index sets -> {coordinates off the partial axes: [the summands' ranks]}
     for r in range(ranks):
         c = coords_of(r, s_shape)
         held = source.indices(global_shape, s_shape, c)
-        copies.setdefault(held, {}).setdefault(tuple(c[a] for a in replica_axes), []).append(r)
+        copy = tuple(c[a] for a in AXES if a not in source.partial)
+        copies.setdefault(held, {}).setdefault(copy, []).append(r)
     pieces = []
     for d in range(ranks):
         tc = coords_of(d, t_shape)
-        if any(tc[a] != 0 for a in target.partial):
+        if not target.first_summand(t_shape, tc):
             continue  # the other summands of a partial target are zeros
         wanted = target.indices(global_shape, t_shape, tc)
         for held, by_copy in copies.items():

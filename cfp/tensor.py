@@ -47,7 +47,7 @@ class DistTensor:
         xp = backend.get_array_module(array)
         held = layout.indices(array.shape, grid, grid.coords)
         local = xp.ascontiguousarray(array[selector([positions(ix, range(n)) for ix, n in zip(held, array.shape)])])
-        if any(grid.coords[a] for a in layout.partial):
+        if not layout.first_summand(grid, grid.coords):
             local = xp.zeros_like(local)
         return cls(local, array.shape, layout, grid)
 

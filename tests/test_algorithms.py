@@ -63,13 +63,13 @@ def serial(x, w, b, dy, stride, pad):
             conv2d_backward_filter(x, dy, w.shape, stride, pad), conv2d_backward_bias(dy))
 
 
-def run_distributed(grid, algorithm, p_f, shape, bias=True, input_replicated=False, dtype=np.float64):
+def run_distributed(grid, algorithm, p_f, shape, bias=True, first=False, dtype=np.float64):
     """Distribute the global problem, run forward and backward, and gather the results."""
     N, Cin, F, H, W, K, stride, pad = shape
     x, w, b, dy = random_problem(shape, dtype)
     conv = make_conv(algorithm, grid, Cin, F, K, filter_groups=p_f, stride=stride, padding=pad,
-                     bias=bias, input_replicated=input_replicated, layer="conv")
-    in_layout = WHOLE if conv.input_replicated else SPLIT
+                     bias=bias, input_whole=first, need_dx=not first, layer="conv")
+    in_layout = WHOLE if conv.input_whole else SPLIT
     out_layout = WHOLE if algorithm == "sample" else SPLIT
     ledger = C.CommLedger()
     x_local = DistTensor.from_global(x, in_layout, grid).local
@@ -114,20 +114,19 @@ def test_matches_serial_and_predicted_bytes(grids, config, shape):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)
-def test_first_layer_with_replicated_input_and_no_bias(grids, config):
+def test_first_layer_with_whole_input_and_no_bias(grids, config):
     spec, algorithm, p_f = config
     grid = grids[spec]
     shape = (3, 3, 6, 5, 5, 3, 1, 1)
     conv, ledger, got, (x, w, b, dy) = run_distributed(grid, algorithm, p_f, shape, bias=False,
-                                                       input_replicated=True)
+                                                       first=True)
     y, dx, dw, _ = serial(x, w, None, dy, 1, 1)
     assert_close_all_ranks(got["y"], y, 1e-10, "y")
     assert_close_all_ranks(got["dw"], dw, 1e-10, "dw")
-    if algorithm != "sample":
-        assert got["dx"] is None  # a replicated input computes no dx
+    assert got["dx"] is None  # the first layer computes no dx
     predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, 1, 1, filter_groups=p_f,
-                              bias=False, input_replicated=True)
-    assert_all_ranks(ledger_bytes(ledger, "conv") == predicted, "bytes with a replicated input")
+                              bias=False, input_whole=True, need_dx=False)
+    assert_all_ranks(ledger_bytes(ledger, "conv") == predicted, "bytes of a first layer")
     assert ledger_bytes(ledger, "conv")["forward"][1] == 0 or algorithm in ("x", "w")
 
 

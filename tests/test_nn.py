@@ -6,8 +6,8 @@ from mpi4py import MPI
 
 from cfp import backend
 from cfp.grid import ProcessGrid
-from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GatherChannels, GlobalAvgPool2d, Linear,
-                    MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy)
+from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Linear, MaxPool2d, ReLU,
+                    Redistribute, Residual, Sequential, SoftmaxCrossEntropy)
 from cfp.nn.module import assemble
 from cfp.tensor import DistTensor, Layout
 from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs
@@ -94,13 +94,13 @@ def data(shape, seed):
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_conv_block_with_pooling(grids, case):
-    """Conv (first layer, replicated input) -> ReLU -> MaxPool -> Conv -> AvgPool, end to end."""
+    """Conv (first layer: input whole, no dx) -> ReLU -> MaxPool -> Conv -> AvgPool, end to end."""
     spec, alg, p_f = case
     split = alg != "sample"
 
     def make(grid):
         kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64)
-        return Sequential(Conv2d(grid, 3, 6, 3, padding=1, input_replicated=True, name="c1", **kw), ReLU(),
+        return Sequential(Conv2d(grid, 3, 6, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw), ReLU(),
                           MaxPool2d(2), Conv2d(grid, 6, 5, 3, padding=1, name="c2", **kw), AvgPool2d(2, 1))
     x, dy = data((3, 3, 8, 7), 1), data((3, 5, 3, 2), 2)
     compare(make, grids, spec, x, dy, in_split=False, out_split=split, what=case_id(case))
@@ -113,7 +113,7 @@ def test_batchnorm(grids, case, mode):
     split = alg != "sample"
 
     def make(grid):
-        bn = BatchNorm2d(grid, 5, channels_split=split, dtype=np.float64)
+        bn = BatchNorm2d(grid, 5, layout=layout(4, split), dtype=np.float64)
         bn.weight.data = bn.weight.take(1.0 + data(5, 3))  # non-trivial gamma and beta
         bn.bias.data = bn.bias.take(data(5, 4))
         return bn if mode == "train" else _EvalAfterTraining(bn)
@@ -145,10 +145,10 @@ def test_residual_with_projection(grids, case):
     def make(grid):
         kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64, bias=False)
         body = Sequential(Conv2d(grid, 4, 6, 3, stride=2, padding=1, name="b1", **kw),
-                          BatchNorm2d(grid, 6, split, name="bn1", dtype=np.float64), ReLU(),
+                          BatchNorm2d(grid, 6, layout(4, split), name="bn1", dtype=np.float64), ReLU(),
                           Conv2d(grid, 6, 6, 3, padding=1, name="b2", **kw))
         shortcut = Sequential(Conv2d(grid, 4, 6, 1, stride=2, name="proj", **kw),
-                              BatchNorm2d(grid, 6, split, name="proj_bn", dtype=np.float64))
+                              BatchNorm2d(grid, 6, layout(4, split), name="proj_bn", dtype=np.float64))
         return Sequential(Residual(body, shortcut), ReLU(), Residual(Sequential(ReLU())))
     x, dy = data((4, 4, 6, 6), 7), data((4, 6, 3, 3), 8)
     compare(make, grids, spec, x, dy, in_split=split, out_split=split, what=f"residual {case_id(case)}")
@@ -156,8 +156,8 @@ def test_residual_with_projection(grids, case):
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_head_linear_gather_and_loss(grids, case):
-    """GlobalAvgPool -> Linear -> GatherChannels -> SoftmaxCrossEntropy: loss, accuracy and
-    the gradient that flows back into the network."""
+    """GlobalAvgPool -> Linear -> Redistribute (logits whole over the channel axis) ->
+    SoftmaxCrossEntropy: loss, accuracy and the gradient that flows back into the network."""
     spec, alg, p_f = case
     split = alg != "sample"
     x = data((5, 6, 3, 3), 9)
@@ -167,15 +167,18 @@ def test_head_linear_gather_and_loss(grids, case):
         grid = grids[which]
         s = split and which != "serial"
         head = Sequential(GlobalAvgPool2d(), Linear(grid, 6, 7, algorithm=alg, filter_groups=fit(p_f, grid),
-                                                    dtype=np.float64, name="fc"),
-                          GatherChannels(grid, 7, channels_split=s))
+                                                    dtype=np.float64, name="fc"))
+        logits_spec = (grid, Layout(("sample", None)))
+        end = head.place((grid, layout(4, s)))
+        assert (end[1].on(grid) == logits_spec[1].on(grid)) == (not s)
+        head.modules.append(Redistribute(end, logits_spec, name="loss"))
         loss_fn = SoftmaxCrossEntropy(grid)
-        x_local = DistTensor.from_global(x, layout(4, s), grid).local
+        x_dist = DistTensor.from_global(x, layout(4, s), grid)
         sample_box = DistTensor.from_global(labels[:, None], Layout(("sample", None)), grid).local[:, 0]
-        loss, correct = loss_fn.forward(head.forward(x_local), sample_box)
-        dx = head.backward(loss_fn.backward())
-        out[which] = (loss, correct, DistTensor(dx, x.shape, layout(4, s), grid).gather(),
-                      gather_parameter(head.modules[1].weight, grid))
+        logits = head.forward(x_dist)
+        loss, correct = loss_fn.forward(logits.local, sample_box)
+        dx = head.backward(DistTensor(loss_fn.backward(), logits.global_shape, logits.layout, grid))
+        out[which] = (loss, correct, dx.gather(), gather_parameter(head.modules[1].weight, grid))
     (l0, c0, dx0, dw0), (l1, c1, dx1, dw1) = out["serial"], out[spec]
     assert_close_all_ranks(np.array([l1]), np.array([l0]), 1e-12, "loss")
     assert c0 == c1

@@ -104,20 +104,17 @@ def test_auto_model_builds_with_the_planners_choices():
     model = build_model("resnet", grid, width=1, algorithm="auto", batch=64, image=8,
                         profile=MachineProfile.load("cpu-dev"))
     shapes = layer_shapes("resnet", 64, 1)
-    assert [s.name for s in shapes] == [c.layer.name for c in model.plan.choices] == list(model.algorithms)
-    assert all(a in ("x", "y", "w") for a, _ in model.algorithms.values())
+    assert [s.name for s in shapes] == [c.layer.name for c in model.plan.choices] == list(model.layers)
+    assert all(e["algorithm"] in ("x", "y", "w") for e in model.layers.values())
     with pytest.raises(ValueError, match="algorithm 'auto' needs the global batch size and a machine profile"):
         build_model("resnet", grid, algorithm="auto")
     grid.free()
 
 
-def test_conv2d_auto_plans_its_own_layer():
+def test_a_layer_alone_does_not_plan():
+    """Planning is build_model's (a whole model at once); a Conv2d takes a named algorithm."""
     from cfp.nn import Conv2d
     grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
-    profile = MachineProfile.load("cpu-dev")
-    conv = Conv2d(grid, 64, 64, 3, padding=1, algorithm="auto", name="c",
-                  plan_for={"batch": 8, "size": 16, "profile": profile})
-    assert conv.algorithm in ("x", "y", "w")
-    with pytest.raises(ValueError, match="algorithm 'auto' needs plan_for"):
+    with pytest.raises(ValueError, match="unknown algorithm 'auto'"):
         Conv2d(grid, 64, 64, 3, algorithm="auto", name="c")
     grid.free()

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from cfp import comm as C
 from cfp.grid import ProcessGrid
-from cfp.tensor import DistTensor, Layout
+from cfp.tensor import DistTensor, Layout, Shard
 from conftest import SIZE, WORLD, assert_all_ranks, grid_specs, raises_on_all_ranks
 
 SHAPE = (5, 7, 3, 2)  # N, C, H, W: uneven over 2, 3 and 4 ranks, empty blocks at 4
@@ -43,8 +43,17 @@ def test_layout_basics():
     assert Layout.replicated(2) == Layout((None, None))
     with pytest.raises(ValueError, match="unknown grid axis 'filter'"):
         Layout(("filter", None))
-    with pytest.raises(ValueError, match="splits two dimensions over the same grid axis"):
+    with pytest.raises(ValueError, match="splits 2 dimensions over grid axis 'channel'"):
         Layout(("channel", "channel"))
+    w = Layout((Shard("channel", "column", 2), Shard("channel", "row", 2)))
+    assert repr(w) == "Layout(channel/column(p_f=2), channel/row(p_f=2))"
+    with pytest.raises(ValueError, match="both splits and sums over grid axis 'sample'"):
+        Layout(("sample", None), partial=("sample",))
+    # Index sets: 7 over 4 blocks is 2, 2, 2, 1; p_f = 2 puts coordinate 1 at (row 0, column 1).
+    grid = {"channel": 4}
+    assert w.indices((7, 7), grid, {"channel": 1}) == ((2, 3, 6), range(0, 4))
+    assert Layout(("channel",)).indices((7,), grid, {"channel": 3}) == (range(6, 7),)
+    assert Layout(("sample", None)).on({"sample": 1}) == Layout.replicated(2)
 
 
 @pytest.mark.mpi
@@ -54,11 +63,11 @@ def test_from_global_and_gather(grids, spec, layout):
     grid = grids[spec]
     g = global_tensor()
     t = DistTensor.from_global(g, layout, grid)
-    box = t.box()
-    assert_all_ranks(np.array_equal(t.local, g[tuple(slice(a, b) for a, b in box)]), "block content")
+    held = t.indices()
+    assert_all_ranks(np.array_equal(t.local, g[np.ix_(*[list(ix) for ix in held])]), "block content")
     # The blocks of the distinct owners tile the global tensor exactly once.
-    boxes = set(WORLD.allgather(box))
-    assert sum(int(np.prod([b - a for a, b in bx])) for bx in boxes) == g.size
+    boxes = set(WORLD.allgather(tuple(tuple(ix) for ix in held)))
+    assert sum(int(np.prod([len(ix) for ix in bx])) for bx in boxes) == g.size
     assert_all_ranks(np.array_equal(t.gather(), g), "gather to all")
     for root in {0, SIZE - 1}:
         got = t.gather(root=root)
@@ -128,3 +137,84 @@ def test_bad_input(grids):
         raises_on_all_ranks(ValueError, lambda: t.redistribute(lay, other),
                             match="is not over the same ranks")
         other.free()
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _specs_with_layouts(grids):
+    """(grid, layout) pairs of the issue's layout kinds on every grid of the world: split by
+    sample, split by sample and channel, the channel dimension in stationary-w's strided
+    column blocks and a weight's (column, row) blocks for every p_f, and replicated."""
+    out = []
+    for spec in SPECS:
+        grid = grids[spec]
+        kinds = [Layout(("sample", None, None, None)), Layout(("sample", "channel", None, None)),
+                 Layout.replicated(4)]
+        for p_f in _divisors(grid.axis_size("channel")):
+            kinds.append(Layout(("sample", Shard("channel", "column", p_f), None, None)))
+            kinds.append(Layout((Shard("channel", "column", p_f), Shard("channel", "row", p_f), None, None)))
+        out.extend((spec, k) for k in kinds)
+    return out
+
+
+def _with_replicas_summed(layout, grid):
+    """The layout whose copies are summands: every local array is a valid block."""
+    return layout.on(grid).with_partial(layout.copy_axes(grid))
+
+
+def _dot(a, b):
+    """The sum over ranks of the local inner products."""
+    return WORLD.allreduce(float(np.vdot(a, b)))
+
+
+@pytest.mark.mpi
+def test_redistribute_is_exact_for_strided_and_weight_layouts(grids):
+    """Every (grid, layout) to every other gives the blocks of the same global tensor."""
+    g = global_tensor()
+    pairs = _specs_with_layouts(grids)
+    for (a_spec, a), (b_spec, b) in itertools.product(pairs, pairs):
+        t = DistTensor.from_global(g, a, grids[a_spec]).redistribute(b, grids[b_spec])
+        expected = DistTensor.from_global(g, b, grids[b_spec]).local
+        assert_all_ranks(np.array_equal(t.local, expected), f"{a_spec} {a} -> {b_spec} {b}")
+
+
+@pytest.mark.mpi
+def test_redistribute_passes_the_adjoint_test(grids):
+    """<R x, y> = <x, R* y> summed over ranks, for R the exchange from (grid A, layout A) to
+    (grid B, layout B) of a tensor whose copies along A's replica axes are summands, and R*
+    the exchange back with B's copies as summands: a replicated target's adjoint adds the
+    copies, a partial source's adjoint copies. Random, non-matching local blocks (so a wrong
+    choice of copy or a lost summand shows), uneven blocks (5 x 7 over 2, 3, 4)."""
+    pairs = _specs_with_layouts(grids)
+    rng = np.random.default_rng(1000 + WORLD.Get_rank())
+    worst = 0.0
+    for (a_spec, a), (b_spec, b) in itertools.product(pairs, pairs):
+        ga, gb = grids[a_spec], grids[b_spec]
+        a_sum, b_sum = _with_replicas_summed(a, ga), _with_replicas_summed(b, gb)
+        x = DistTensor(rng.standard_normal(a.local_shape(SHAPE, ga, ga.coords)), SHAPE, a_sum, ga)
+        y = DistTensor(rng.standard_normal(b.local_shape(SHAPE, gb, gb.coords)), SHAPE, b_sum, gb)
+        forward = x.redistribute(b, gb)
+        adjoint = y.redistribute(a, ga)
+        lhs, rhs = _dot(forward.local, y.local), _dot(x.local, adjoint.local)
+        worst = max(worst, abs(lhs - rhs) / max(abs(lhs), 1e-300))
+        assert_all_ranks(abs(lhs - rhs) <= 1e-12 * max(abs(lhs), 1.0),
+                         f"{a_spec} {a} -> {b_spec} {b}: <Rx, y> = {lhs!r}, <x, R*y> = {rhs!r}")
+    assert worst < 1e-12
+
+
+@pytest.mark.mpi
+def test_partial_sums_and_partial_targets(grids):
+    """A partial tensor's summands add up; a partial target puts the tensor on coordinate 0
+    of its partial axes and zeros elsewhere, so its sum is the tensor again."""
+    g = global_tensor()
+    for spec in SPECS:
+        grid = grids[spec]
+        summed = Layout(("sample", None, None, None), partial=("channel",)) if grid.axis_size("channel") > 1 \
+            else Layout(("sample", None, None, None))
+        t = DistTensor.from_global(g, summed, grid)
+        assert_all_ranks(np.array_equal(t.gather(), g), f"{spec}: partial from_global sums to the tensor")
+        # Each summand equal to the tensor's block: the sum is P_c times it.
+        same = DistTensor(DistTensor.from_global(g, summed.without_partial(), grid).local, SHAPE, summed, grid)
+        assert_all_ranks(np.allclose(same.gather(), g * grid.axis_size("channel")), f"{spec}: P_c summands")
