@@ -118,6 +118,12 @@ class ProcessGrid:
             self._complement_comms[axis] = self.comm.Split(self.coords[axis], self.rank)
 
     @staticmethod
+    def shape_of(spec):
+        """{axis: size} for all of AXES from a spec: 'channel=2' and 'sample=1,channel=2' alike."""
+        sizes = parse_grid_spec(spec)
+        return {axis: sizes.get(axis, 1) for axis in AXES}
+
+    @staticmethod
     def _index(coords, shape):
         index = 0
         for c, n in zip(coords, shape):
@@ -197,13 +203,12 @@ class Grids:
         self.base, self._made = base, {}
 
     def get(self, spec):
-        sizes = parse_grid_spec(spec)
-        shape = {axis: sizes.get(axis, 1) for axis in AXES}
+        shape = ProcessGrid.shape_of(spec)
         if shape == self.base.shape:
             return self.base
         key = tuple(shape.values())
         if key not in self._made:
-            self._made[key] = ProcessGrid(sizes, comm=self.base.comm)
+            self._made[key] = ProcessGrid(shape, comm=self.base.comm)
         return self._made[key]
 
     def __iter__(self):

@@ -170,8 +170,8 @@ def test_head_linear_gather_and_loss(grids, case):
                                                     dtype=np.float64, name="fc"))
         logits_spec = (grid, Layout(("sample", None)))
         end = head.place((grid, layout(4, s)))
-        assert (end[1].on(grid) == logits_spec[1].on(grid)) == (not s)
-        head.modules.append(Redistribute(end, logits_spec, name="loss"))
+        if end[1].on(grid) != logits_spec[1].on(grid):
+            head.modules.append(Redistribute(end, logits_spec, name="loss"))
         loss_fn = SoftmaxCrossEntropy(grid)
         x_dist = DistTensor.from_global(x, layout(4, s), grid)
         sample_box = DistTensor.from_global(labels[:, None], Layout(("sample", None)), grid).local[:, 0]

@@ -27,6 +27,7 @@ def _forward(module, x, inputs):
                          f"{x.layout}, expected grid {module.input_spec[0].describe()} with layout "
                          f"{module.input_spec[1]} (call place() on the model to insert the Redistribute)")
     inputs.append((x.global_shape, x.layout, x.grid))
+    module.input_shape = x.global_shape
     grid, layout = module.output_spec(spec)
     return DistTensor(module.forward(x.local), module.output_shape(x.global_shape), layout, grid)
 
@@ -216,6 +217,20 @@ class Network(Sequential):
     def redistributions(self):
         """The Redistribute steps, in order."""
         return [m for m in walk(self) if isinstance(m, Redistribute)]
+
+    def predicted_bytes(self, itemsize):
+        """{(layer, phase): (bytes sent, bytes received)} this rank's ledger must show for the
+        last training step: each convolution's phases (perfmodel.predict_bytes) and each
+        redistribution (phase 'redistribute', perfmodel.redistribute_bytes)."""
+        out = {}
+        for m in walk(self):
+            if isinstance(m, Redistribute) and m.last_shape is not None:
+                out[(m.name, "redistribute")] = m.predicted_bytes(self.grid.rank, itemsize)
+            elif hasattr(m, "predicted_bytes") and getattr(m, "input_shape", None) is not None \
+                    and not isinstance(m, Redistribute):
+                for phase, moved in m.predicted_bytes(itemsize).items():
+                    out[(m.name, phase)] = moved
+        return out
 
     def describe_plan(self):
         """One line per layer and per redistribution: what runs where."""

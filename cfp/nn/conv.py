@@ -11,6 +11,7 @@ import numpy as np
 
 from ..algorithms import make_conv
 from ..kernels import conv2d_output_shape
+from ..perfmodel import predict_bytes
 from .module import Module, Parameter
 
 
@@ -65,6 +66,16 @@ class Conv2d(Module):
 
     def own_parameters(self):
         return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def predicted_bytes(self, itemsize):
+        """{phase: (sent, received)} of this rank in one forward and backward pass of the last
+        input's global shape (set by the container): perfmodel.predict_bytes."""
+        c = self.conv
+        x_shape = tuple(self.input_shape) + (1, 1) * (len(self.input_shape) == 2)
+        moved = predict_bytes(self.algorithm, x_shape, (c.F, c.C) + c.kernel_size, self.grid.shape,
+                              self.grid.coords, c.stride, c.padding, filter_groups=self.filter_groups,
+                              bias=c.bias, input_whole=c.input_whole, need_dx=c.need_dx, itemsize=itemsize)
+        return {phase: v for phase, v in moved.items() if phase != "redistribute"}
 
     def forward(self, x):
         return self.conv.forward(x, self.weight.data, None if self.bias is None else self.bias.data)

@@ -83,6 +83,7 @@ class Module:
 
     training = True
     input_spec = None
+    input_shape = None  # the global shape of the last input (set by the container that runs it)
 
     def output_spec(self, spec):
         """(grid, layout) of the output for an input at `spec`."""
