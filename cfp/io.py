@@ -70,10 +70,11 @@ def save_npz(path, **arrays):
     _atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
-def save_json(path, obj):
+def save_json(path, obj, sort_keys=True):
     """Write `obj` as JSON to `path` atomically. NaN and infinity are refused (ValueError):
-    they are not JSON, and a number cfp writes is a result, never a placeholder."""
-    text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    they are not JSON, and a number cfp writes is a result, never a placeholder. sort_keys=False
+    keeps the objects' order (a plan's layers in model order)."""
+    text = json.dumps(obj, indent=2, sort_keys=sort_keys, allow_nan=False) + "\n"
     _atomic_write(path, lambda f: f.write(text.encode()))
 
 

@@ -384,7 +384,8 @@ def train(cfg, world=None, keep_model=False):
     seconds = time.perf_counter() - start
 
     summary = {
-        "grid": grids_of(model, grid), "ranks": grid.size, "algorithm": cfg.algorithm, "threads_per_rank": threads,
+        "grid": grids_of(model, grid), "ranks": grid.size,
+        "algorithm": f"per layer from {cfg.plan}" if cfg.plan else cfg.algorithm, "threads_per_rank": threads,
         "layers": model.layers,
         "steps": step, "steps_this_session": step - first_step, "seconds": seconds,
         "images_per_second": images / seconds if seconds > 0 else 0.0,

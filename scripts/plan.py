@@ -3,11 +3,12 @@ communication and memory per rank.
 
     python scripts/plan.py --model wide --width 1024 --depth 4 --image 16 --batch 32 --ranks 16 \\
         [--profile cpu-dev|reference-v100|profile.json] [--memory-limit MiB] [--grid sample=4,channel=4]
-        [--data-parallel]
+        [--data-parallel] [--out plan.json]
 
 No MPI run is needed: the plan is a prediction from the machine profile (see scripts/calibrate.py).
 Layers are planned as a chain in model order (a residual block's projection counts as the layer
-after the block's convolutions).
+after the block's convolutions). --out writes the plan as a plan file that
+`scripts/train.py --plan` runs: {"layers": {layer name: {"grid", "algorithm", "filter_groups"}}}.
 """
 import os
 import sys
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cfp import cli  # noqa: E402
 from cfp.checks import finite_number, int_options  # noqa: E402
 from cfp.grid import parse_grid_spec  # noqa: E402
+from cfp.io import check_writable, save_json  # noqa: E402
 from cfp.models import layer_shapes  # noqa: E402
 from cfp.perfmodel import MachineProfile  # noqa: E402
 from cfp.planner import plan  # noqa: E402
@@ -37,6 +39,7 @@ def parse_args(argv):
     p.add_argument("--memory-limit", type=float, help="MiB per rank the plan must fit")
     p.add_argument("--grid", help="plan on this grid only (as a model built on one grid runs)")
     p.add_argument("--data-parallel", action="store_true", help="data parallelism only, for comparison")
+    p.add_argument("--out", help="write the plan here as a plan file for scripts/train.py --plan")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "in_channels", "batch", "ranks"))
     if args.memory_limit is not None:
@@ -46,6 +49,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.out:
+        check_writable(args.out, "--out")
     profile = MachineProfile.load(args.profile)
     layers = layer_shapes(args.model, args.batch, args.width, args.depth, args.in_channels, image=args.image)
     grid = None
@@ -62,6 +67,11 @@ def main(argv=None):
     print(f"# {args.model} width {args.width}, {args.image}x{args.image} images, global batch {args.batch}, "
           f"{args.ranks} ranks, profile {profile.name}")
     print(result.table())
+    if args.out:
+        save_json(args.out, {"about": f"scripts/plan.py: {args.model} width {args.width}, batch {args.batch}, "
+                                      f"{args.ranks} ranks, profile {profile.name}", **result.to_json()},
+                  sort_keys=False)
+        print(f"plan written to {args.out}")
     return 0
 
 

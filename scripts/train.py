@@ -4,6 +4,8 @@
         --grid sample=2,channel=2 --algorithm y --epochs 10 --batch-size 64 --lr 0.1 \\
         --optimizer sgd --dtype float32 --seed 0 --log run.json \\
         [--checkpoint-dir DIR] [--resume] [--plot curves.png]
+    mpiexec -n 2 python -m mpi4py scripts/train.py --plan plan.json ...   # a grid per layer
+    mpiexec -n 2 python -m mpi4py scripts/train.py --algorithm auto ...   # the planner's plan
 
 Rank 0 shows a progress bar and ends with a summary (test accuracy, time, images/s,
 communication by layer and collective, memory per rank); --log keeps the per-step losses.
@@ -27,9 +29,14 @@ def parse_args(argv):
                    help="resnet: width multiplier (16, 32, 64 channels times W); wide: channels per layer")
     p.add_argument("--depth", type=int, default=defaults.depth,
                    help=f"--model wide only: number of wide layers (default: {WIDE_DEPTH})")
-    p.add_argument("--grid", default=defaults.grid, help="process grid, e.g. sample=2,channel=2")
+    p.add_argument("--grid", default=defaults.grid,
+                   help="process grid, e.g. sample=2,channel=2 (default: sample=<ranks>; with --algorithm "
+                        "auto and no --grid the planner chooses a grid per layer)")
     p.add_argument("--algorithm", default=defaults.algorithm,
-                   help="sample, x, y, w, or auto (the planner's choice per layer on this grid)")
+                   help="sample, x, y, w, or auto (the planner's choice per layer: on --grid when given)")
+    p.add_argument("--plan", default=None,
+                   help="plan file (JSON, as scripts/plan.py --out writes): a grid and algorithm per layer; "
+                        "layers it does not list keep those of the layer before")
     p.add_argument("--profile", default=defaults.profile,
                    help="--algorithm auto only: machine profile, a JSON file from scripts/calibrate.py "
                         f"or a built-in name (default: {DEFAULT_PROFILE})")

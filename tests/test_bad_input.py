@@ -91,6 +91,24 @@ def test_train_bad_path_fails_before_the_work(files, option, key, message):
     assert "test accuracy" not in proc.stdout  # nothing was trained
 
 
+def test_train_bad_plan_file(tmp_path):
+    """A plan file that is missing, not JSON, not a plan, or that no run of this model on these
+    ranks can follow: one line, before any training."""
+    train = os.path.join(SCRIPTS, "train.py")
+    garbled, wrong_form, too_big = tmp_path / "garbled.json", tmp_path / "form.json", tmp_path / "big.json"
+    garbled.write_text("{not json")
+    wrong_form.write_text('{"stem.conv": {"grid": "sample=2"}}')
+    too_big.write_text('{"layers": {"layer2.conv1": {"grid": "sample=3", "algorithm": "y"}}}')
+    for path, message in ((tmp_path / "missing.json", "plan file '.*missing.json' does not exist"),
+                          (garbled, "plan file '.*garbled.json' is not valid JSON"),
+                          (wrong_form, "plan file '.*form.json': expected an object"),
+                          (too_big, "plan entry of layer layer2.conv1: grid 'sample=3' needs 3 ranks, this run has 2")):
+        proc = fails_once(2, train, QUICK + ["--plan", str(path)], message)
+        assert "test accuracy" not in proc.stdout
+    fails_once(2, train, QUICK + ["--plan", str(too_big), "--algorithm", "auto"],
+               "--plan and --algorithm auto both choose")
+
+
 def test_train_profile_without_links_is_refused(tmp_path):
     bad = tmp_path / "profile.json"
     bad.write_text('{"name": "half a profile", "ranks_per_node": 2}')

@@ -129,6 +129,31 @@ def test_train_script_end_to_end(tmp_path):
     assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_script_writes_a_plan_that_train_runs(tmp_path):
+    """scripts/plan.py --out, then scripts/train.py --plan on the same model and ranks: the
+    run follows the plan layer by layer and shows its redistributions."""
+    plan_file, log = tmp_path / "plan.json", tmp_path / "run.json"
+    model = ["--model", "resnet", "--width", "4"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *model, "--batch", "64",
+                           "--ranks", "2", "--out", str(plan_file)], env=single_thread_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    with open(plan_file) as f:
+        written = json.load(f)["layers"]
+    proc, _ = run(2, [*model, "--plan", str(plan_file), "--epochs", "1", "--train-samples", "128",
+                      "--batch-size", "64", "--log", str(log), "--no-progress"], script=TRAIN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(log) as f:
+        built = json.load(f)["summary"]["layers"]
+    assert list(written)[0] == "stem.conv" and list(written)[-1] == "fc"  # model order
+    assert set(built) == set(written)
+    for name, entry in written.items():
+        assert built[name]["algorithm"] == entry["algorithm"]
+        assert built[name].get("filter_groups") == entry.get("filter_groups")
+    grids = {e["grid"] for e in written.values()}
+    assert ("redistribute for" in proc.stdout) == (len(grids) > 1), proc.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "vgg"], "unknown model 'vgg'"),
     (["--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),

@@ -238,7 +238,7 @@ class Network(Sequential):
         for m in walk(self):
             if isinstance(m, Redistribute):
                 (g0, l0), (g1, l1) = m.source, m.target
-                lines.append(f"  redistribute before {m.name}: {g0.describe()} {l0} -> {g1.describe()} {l1}")
+                lines.append(f"  redistribute for {m.name}: {g0.describe()} {l0} -> {g1.describe()} {l1}")
             elif getattr(m, "name", None) in self.layers:
                 e = self.layers[m.name]
                 p_f = f" p_f={e['filter_groups']}" if e["filter_groups"] else ""
