@@ -61,27 +61,36 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     F, _, Kh, Kw = w_shape
     _, _, Ho, Wo = conv2d_output_shape(x_shape, w_shape, stride, padding)
     n = block_size(N, P_n, s)
-    x_unit = n * H * W * itemsize  # bytes of one input channel of the local samples
-    y_unit = n * Ho * Wo * itemsize
-    out = {phase: (0, 0) for phase in PHASES}
-
-    if algorithm == "sample":
+    cls = ALGORITHMS[algorithm]
+    p_f = filter_groups_of(algorithm, P_c, filter_groups)
+    row, column = gather_group(c, P_c, p_f), scatter_group(c, P_c, p_f)
+    blocks = {  # per group: (the members' block sizes, this rank's place, bytes per unit)
+        "row": ([block_size(C, P_c, k) for k in row], row.index(c), n * H * W * itemsize),
+        "column": ([block_size(F, P_c, k) for k in column], column.index(c), n * Ho * Wo * itemsize),
+    }
+    if cls.weight_replicated:
         w_count = F * C * Kh * Kw + (F if bias else 0)
     else:
-        p_f = filter_groups_of(algorithm, P_c, filter_groups)
-        row, column = gather_group(c, P_c, p_f), scatter_group(c, P_c, p_f)
-        row_sizes = [block_size(C, P_c, k) for k in row]
-        column_sizes = [block_size(F, P_c, k) for k in column]
-        me_in_row, me_in_column = row.index(c), column.index(c)
-        x_gather = (0, 0) if input_whole else _allgather(row_sizes, me_in_row, x_unit)
-        y_scatter = _reduce_scatter(column_sizes, me_in_column, y_unit)
-        out["forward"] = (x_gather[0] + y_scatter[0], x_gather[1] + y_scatter[1])
-        out["backward-filter"] = _allgather(column_sizes, me_in_column, y_unit)
-        out["backward-data"] = _reduce_scatter(row_sizes, me_in_row, x_unit) if need_dx else (0, 0)
         w_count = (len(union_of_blocks(F, P_c, column)) * len(union_of_blocks(C, P_c, row)) * Kh * Kw
                    + (block_size(F, P_c, c) if bias else 0))
-    out["gradient-sync"] = _allreduce(w_count, P_n, s, itemsize)
+    out = {phase: (0, 0) for phase in PHASES}
+    for m in cls.messages:
+        if not _sent(m, input_whole, need_dx):
+            continue
+        if m.collective == "allreduce":
+            moved = _allreduce(w_count, P_n, s, itemsize)
+        else:
+            collective = _allgather if m.collective == "allgather" else _reduce_scatter
+            moved = collective(*blocks[m.group])
+        out[m.phase] = tuple(a + b for a, b in zip(out[m.phase], moved))
     return out
+
+
+def _sent(message, input_whole, need_dx):
+    """ConvAlgorithm.sends for a layer described by its flags."""
+    if message.phase == "backward-data":
+        return need_dx
+    return not (message.phase == "forward" and message.tensor == "x" and input_whole)
 
 
 def redistribute_bytes(global_shape, source, target, rank, itemsize=8):
@@ -275,13 +284,12 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
                "backward-data": 0.0 if layer.first else
                profile.kernel_time("backward-data", layer.K, flops, pixels)}
     comm = {phase: 0.0 for phase in PHASES}
-    if algorithm != "sample":
-        gather_x = 0.0 if layer.first else profile.collective_time("allgather", p_f, x_bytes, row_intra)
-        comm["forward"] = gather_x + profile.collective_time("reduce_scatter", q, y_bytes, column_intra)
-        comm["backward-filter"] = profile.collective_time("allgather", q, y_bytes, column_intra)
-        comm["backward-data"] = 0.0 if layer.first else \
-            profile.collective_time("reduce_scatter", p_f, x_bytes, row_intra)
-    comm["gradient-sync"] = profile.collective_time("allreduce", P_n, w_count * item, grad_intra)
+    groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n, grad_intra)}
+    result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
+    for m in ALGORITHMS[algorithm].messages:
+        if _sent(m, layer.first, not layer.first):
+            ranks, intra = groups[m.group]
+            comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
     weights = w_count * item
     memory = {
         "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,

@@ -7,6 +7,8 @@ channel axis), y leaves as (n, F_c, H', W'), and the weight shard is w[F_idx][:,
 of these are layouts (cfp/layout.py): `input_layout`, `output_layout`, `weight_layout`,
 `bias_layout`, and every index set below is read from them.
 """
+import collections
+
 import numpy as np
 
 from .. import backend, comm
@@ -15,6 +17,26 @@ from ..kernels import conv2d_output_shape
 from ..layout import Shard
 from ..partition import block_sizes, filter_groups_of
 from ..tensor import Layout, check_blocks
+
+
+Message = collections.namedtuple("Message", "phase collective group tensor")
+Message.__doc__ = """One collective of an algorithm's forward and backward pass, in the stationary-w view
+of the channel group (channel rank c at (row, column) = divmod(c, p_f)):
+
+phase:      the ledger phase ('forward', 'backward-filter', 'backward-data', 'gradient-sync')
+collective: 'allgather', 'reduce_scatter' or 'allreduce'
+group:      'row' (the p_f ranks whose x blocks c gathers), 'column' (the q = P_c / p_f ranks it
+            reduce-scatters y with) or 'gradient' (the ranks holding the same shard)
+tensor:     'x' (x or dx: the row's channel blocks), 'y' (y or dy: the column's filter blocks)
+            or 'w' (the weight and bias shards)
+
+Each algorithm's `messages` is the one description of its communication: its forward and
+backward run exactly these collectives (the ledger test checks it), and perfmodel's
+predict_bytes and layer_cost price them, so a new algorithm is written once. A forward gather
+of x is not sent when the input is whole (the first layer), nor is anything of backward-data
+when no dx is wanted."""
+
+GRADIENT_SYNC = Message("gradient-sync", "allreduce", "gradient", "w")
 
 
 class ConvAlgorithm:
@@ -29,6 +51,7 @@ class ConvAlgorithm:
 
     name = "?"
     weight_replicated = False  # True for sample parallelism: every rank holds all of w
+    messages = ()  # the collectives of one forward and backward pass (Message)
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None):
@@ -154,6 +177,12 @@ class ConvAlgorithm:
             raise ValueError(f"{self.layer}: dy block has shape {tuple(dy.shape)} and dtype {dy.dtype}; "
                              f"expected {tuple(self._output_shape)} {x.dtype}, the output block of forward")
         return x, w
+
+    def sends(self, message):
+        """Whether `message` (one of self.messages) is sent by this layer."""
+        if message.phase == "backward-data":
+            return self.need_dx
+        return not (message.phase == "forward" and message.tensor == "x" and self.input_whole)
 
     def conv_args(self):
         return {"stride": self.stride, "padding": self.padding}

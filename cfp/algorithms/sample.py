@@ -7,12 +7,13 @@ x: (n, C, H, W) -> y: (n, F, H', W'), w: (F, C, Kh, Kw) on every rank.
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-from .base import ConvAlgorithm
+from .base import GRADIENT_SYNC, ConvAlgorithm
 
 
 class SampleParallel(ConvAlgorithm):
     name = "sample"
     weight_replicated = True
+    messages = (GRADIENT_SYNC,)
 
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)

@@ -11,11 +11,14 @@ column's F blocks and the channels of the row's C blocks (partition.union_of_blo
 from .. import comm
 from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
 from ..partition import block_size, gather_group, scatter_group
-from .base import ConvAlgorithm
+from .base import GRADIENT_SYNC, ConvAlgorithm, Message
 
 
 class StationaryW(ConvAlgorithm):
     name = "w"
+    messages = (Message("forward", "allgather", "row", "x"), Message("forward", "reduce_scatter", "column", "y"),
+                Message("backward-filter", "allgather", "column", "y"),
+                Message("backward-data", "reduce_scatter", "row", "x"), GRADIENT_SYNC)
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, **kwargs):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)

@@ -7,11 +7,13 @@ x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-from .base import ConvAlgorithm, channel_block_sizes
+from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
 
 class StationaryX(ConvAlgorithm):
     name = "x"
+    messages = (Message("forward", "reduce_scatter", "column", "y"),
+                Message("backward-filter", "allgather", "column", "y"), GRADIENT_SYNC)
 
     def forward(self, x, w, b=None):
         self.check_input(x, w, b)
