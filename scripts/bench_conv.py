@@ -9,22 +9,19 @@ speedup over one rank (the serial kernels timed on rank 0 in the same run, while
 ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
 the weight and activation memory per rank. A table on stdout; --json keeps the rows.
 """
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from cfp import backend, cli  # noqa: E402
-from cfp.algorithms import ALGORITHMS  # noqa: E402
-from cfp.benchtools import measure_conv, on_rank0, slowest_median  # noqa: E402
-from cfp.checks import alike_on_all_ranks, int_options, positive_int  # noqa: E402
-from cfp.grid import ProcessGrid, factorizations  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,  # noqa: E402
+from cfp import backend, cli
+from cfp.algorithms import ALGORITHMS
+from cfp.benchtools import measure_conv, on_rank0, slowest_median
+from cfp.checks import alike_on_all_ranks, int_options, positive_int
+from cfp.grid import ProcessGrid, factorizations
+from cfp.io import check_writable, save_json
+from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,
                          conv2d_flops, conv2d_forward, conv2d_output_shape)
 
 MiB = 1024.0 ** 2

@@ -7,17 +7,14 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from cfp import cli  # noqa: E402
-from cfp.backend import blas_info, set_blas_threads  # noqa: E402
-from cfp.checks import int_options  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.kernels import (  # noqa: E402
+from cfp import cli
+from cfp.backend import blas_info, set_blas_threads
+from cfp.checks import int_options
+from cfp.io import check_writable, save_json
+from cfp.kernels import (
     conv2d_backward_data,
     conv2d_backward_filter,
     conv2d_flops,

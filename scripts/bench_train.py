@@ -9,26 +9,23 @@ non-blocking barrier, so they have the cores to themselves. The P-rank rows run 
 factorization with every algorithm; a step is timed on the slowest rank. float32, SGD with
 momentum, synthetic 10-class data; BLAS threads 1 per rank.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from cfp import backend, cli  # noqa: E402
-from cfp.algorithms import ALGORITHMS  # noqa: E402
-from cfp.benchtools import quiet_barrier, slowest_median, timed  # noqa: E402
-from cfp.checks import alike_on_all_ranks, int_options  # noqa: E402
-from cfp.data import synthetic  # noqa: E402
-from cfp.grid import ProcessGrid, factorizations  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.models import build_model  # noqa: E402
-from cfp.nn import SoftmaxCrossEntropy  # noqa: E402
-from cfp.optim import SGD  # noqa: E402
-from cfp.partition import block_range  # noqa: E402
-from cfp.train import train_step  # noqa: E402
+from cfp import backend, cli
+from cfp.algorithms import ALGORITHMS
+from cfp.benchtools import quiet_barrier, slowest_median, timed
+from cfp.checks import alike_on_all_ranks, int_options
+from cfp.data import synthetic
+from cfp.grid import ProcessGrid, factorizations
+from cfp.io import check_writable, save_json
+from cfp.models import build_model
+from cfp.nn import SoftmaxCrossEntropy
+from cfp.optim import SGD
+from cfp.partition import block_range
+from cfp.train import train_step
 
 try:
     import torch

@@ -11,24 +11,21 @@ sizes at 1 BLAS thread, on rank 0 alone (the others sleep). All ranks are taken 
 node (ranks_per_node = P).
 """
 import datetime
-import os
 import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import scipy.optimize
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-import scipy.optimize  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from cfp import backend, cli, comm  # noqa: E402
-from cfp.benchtools import on_rank0, quiet_barrier, slowest_median, timed  # noqa: E402
-from cfp.checks import alike_on_all_ranks, positive_int  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_flops,  # noqa: E402
+from cfp import backend, cli, comm
+from cfp.benchtools import on_rank0, quiet_barrier, slowest_median, timed
+from cfp.checks import alike_on_all_ranks, positive_int
+from cfp.io import check_writable, save_json
+from cfp.kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_flops,
                          conv2d_forward)
-from cfp.partition import block_sizes  # noqa: E402
+from cfp.partition import block_sizes
 
 # The shapes measured per kernel size: output pixels (n H' W', the GEMM rows) times channels
 # (C = F), the grid of shape classes the model interpolates in; the largest are left out.

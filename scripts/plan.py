@@ -10,18 +10,15 @@ Layers are planned as a chain in model order (a residual block's projection coun
 after the block's convolutions). --out writes the plan as a plan file that
 `scripts/train.py --plan` runs: {"layers": {layer name: {"grid", "algorithm", "filter_groups"}}}.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cfp import cli  # noqa: E402
-from cfp.checks import finite_number, int_options  # noqa: E402
-from cfp.grid import parse_grid_spec  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.models import layer_shapes  # noqa: E402
-from cfp.perfmodel import MachineProfile  # noqa: E402
-from cfp.planner import plan  # noqa: E402
+from cfp import cli
+from cfp.checks import finite_number, int_options
+from cfp.grid import parse_grid_spec
+from cfp.io import check_writable, save_json
+from cfp.models import layer_shapes
+from cfp.perfmodel import MachineProfile
+from cfp.planner import plan
 
 
 def parse_args(argv):

@@ -9,23 +9,20 @@ Every rank reads the global tensors and takes its block; the results y, dx, dw (
 gathered and written by rank 0 to the .npz file, and the communication ledger is printed. Use
 it to check another implementation against cfp, or to watch an algorithm's traffic.
 """
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from cfp import backend, cli, comm  # noqa: E402
-from cfp.algorithms import ALGORITHMS, make_conv  # noqa: E402
-from cfp.grid import ProcessGrid  # noqa: E402
-from cfp.checks import alike_on_all_ranks  # noqa: E402
-from cfp.io import check_writable, load_array, save_npz  # noqa: E402
-from cfp.kernels import conv2d_output_shape  # noqa: E402
-from cfp.report import format_bytes, format_table  # noqa: E402
-from cfp.tensor import DistTensor  # noqa: E402
+from cfp import backend, cli, comm
+from cfp.algorithms import ALGORITHMS, make_conv
+from cfp.grid import ProcessGrid
+from cfp.checks import alike_on_all_ranks
+from cfp.io import check_writable, load_array, save_npz
+from cfp.kernels import conv2d_output_shape
+from cfp.report import format_bytes, format_table
+from cfp.tensor import DistTensor
 
 
 def parse_args(argv):

@@ -23,17 +23,14 @@ allreduces are not overlapped with compute.
 """
 import collections
 import importlib.util
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cfp import cli, planner  # noqa: E402
-from cfp.checks import int_options  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.models import layer_shapes  # noqa: E402
-from cfp.perfmodel import LayerShape, MachineProfile  # noqa: E402
+from cfp import cli, planner
+from cfp.checks import int_options
+from cfp.io import check_writable, save_json
+from cfp.models import layer_shapes
+from cfp.perfmodel import LayerShape, MachineProfile
 
 GB = 1e9
 RESNET50_STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))  # (base width, bottleneck blocks)

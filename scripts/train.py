@@ -11,13 +11,10 @@ Rank 0 shows a progress bar and ends with a summary (test accuracy, time, images
 communication by layer and collective, memory per rank); --log keeps the per-step losses.
 """
 import dataclasses
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cfp import cli  # noqa: E402
-from cfp.train import (DATASETS, DEFAULT_PROFILE, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,  # noqa: E402
+from cfp import cli
+from cfp.train import (DATASETS, DEFAULT_PROFILE, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
                        TrainConfig, train)
 
 

@@ -9,27 +9,24 @@ median of the slowest rank, 1 BLAS thread per rank, float32). Predicted: cfp.per
 layer_cost with the machine profile (scripts/calibrate.py measures one). At 2 or more ranks it
 ends with a memory check: a model too large for a limit on one rank, planned under the limit.
 """
-import os
 import sys
 import tracemalloc
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from cfp import backend, cli  # noqa: E402
-from cfp.checks import alike_on_all_ranks, finite_number, int_options  # noqa: E402
-from cfp.benchtools import measure_conv  # noqa: E402
-from cfp.grid import ProcessGrid  # noqa: E402
-from cfp.io import check_writable, save_json  # noqa: E402
-from cfp.perfmodel import LayerShape, MachineProfile, layer_cost  # noqa: E402
-from cfp.data import synthetic  # noqa: E402
-from cfp.models import build_model, layer_shapes  # noqa: E402
-from cfp.nn import SoftmaxCrossEntropy  # noqa: E402
-from cfp.optim import SGD  # noqa: E402
-from cfp.planner import layer_options, plan  # noqa: E402
-from cfp.train import train_step  # noqa: E402
+from cfp import backend, cli
+from cfp.checks import alike_on_all_ranks, finite_number, int_options
+from cfp.benchtools import measure_conv
+from cfp.grid import ProcessGrid
+from cfp.io import check_writable, save_json
+from cfp.perfmodel import LayerShape, MachineProfile, layer_cost
+from cfp.data import synthetic
+from cfp.models import build_model, layer_shapes
+from cfp.nn import SoftmaxCrossEntropy
+from cfp.optim import SGD
+from cfp.planner import layer_options, plan
+from cfp.train import train_step
 
 LAYERS = [
     LayerShape("wide 3x3", 8, 512, 512, 16, 16, 3),
