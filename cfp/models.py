@@ -258,3 +258,53 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
     model = builders[name](grid, plan=plan, **config)
     model.plan = the_plan
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer shapes of models at the scale of the paper (ImageNet, 1000 classes), for the cost model
+# and the planner alone (scripts/simulate.py): ResNet-50 is not a model cfp builds, so it is
+# described as LayerShapes directly; the wide CNN's come from layer_shapes.
+
+RESNET50_STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))  # (base width, bottleneck blocks)
+RESNET50_EXPANSION = 4  # a bottleneck's output has 4x its base width
+IMAGENET_CLASSES = 1000
+
+
+def wide_resnet50_layers(width, batch, image=224):
+    """The 53 convolutions and the classifier of ResNet-50 with every channel count times
+    `width`, as LayerShapes in the order the planner chains them (padding K // 2 throughout).
+
+    The planner sees a chain of layers: the projection shortcut of a stage's first block comes
+    after that block's conv3, so that a change of grid between the two is charged for moving
+    the tensor they add together. Pooling is not a layer here; it only changes the spatial size.
+    """
+    layers = [LayerShape("conv1", batch, 3, 64 * width, image, image, 7, stride=2, first=True)]
+    size = (layers[0].out_hw[0] + 1) // 2  # the 3x3/2 max pool with padding 1: 112 -> 56
+    channels = 64 * width
+    for stage, (base, blocks) in enumerate(RESNET50_STAGES, start=1):
+        mid, out = base * width, base * width * RESNET50_EXPANSION
+        for block in range(blocks):
+            name = f"layer{stage}.{block}"
+            stride = 2 if stage > 1 and block == 0 else 1
+            reduce_ = LayerShape(f"{name}.conv1", batch, channels, mid, size, size, 1)
+            spatial = LayerShape(f"{name}.conv2", batch, mid, mid, size, size, 3, stride=stride)
+            after = spatial.out_hw[0]
+            expand = LayerShape(f"{name}.conv3", batch, mid, out, after, after, 1)
+            layers += [reduce_, spatial, expand]
+            if block == 0:
+                layers.append(LayerShape(f"{name}.downsample", batch, channels, out, size, size, 1,
+                                         stride=stride))
+            channels, size = out, after
+    # Global average pooling leaves 1x1: the classifier is a 1x1 convolution on it.
+    layers.append(LayerShape("fc", batch, channels, IMAGENET_CLASSES, 1, 1, 1))
+    return layers
+
+
+def wide_cnn_layers(width, depth, batch, image, in_channels=3):
+    """The convolutions of wide_cnn with a 1000-class classifier: a 3x3 stem to `width`
+    channels, `depth` 3x3 width x width convolutions with a 2x2 max pool after the first half,
+    and the classifier as a 1x1 convolution after global average pooling. Taken from the
+    model's own description (layer_shapes), so that the simulation cannot drift from the model
+    cfp trains."""
+    return layer_shapes("wide", batch, width, depth, in_channels=in_channels, classes=IMAGENET_CLASSES,
+                        image=image)

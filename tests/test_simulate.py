@@ -1,5 +1,5 @@
-"""scripts/simulate.py on small configurations: the ResNet-50 and wide-CNN layer lists, the hybrid
-plan against data parallelism, and the files main writes (serial, no MPI)."""
+"""scripts/simulate.py on small configurations: the ResNet-50 and wide-CNN layer lists it plans
+(cfp.models), the hybrid plan against data parallelism, and the files main writes (serial, no MPI)."""
 import importlib.util
 import json
 import os
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from cfp import cli
+from cfp.models import wide_cnn_layers, wide_resnet50_layers
 from cfp.perfmodel import MachineProfile
 from conftest import load_script
 
@@ -23,8 +24,8 @@ def profile():
     return MachineProfile.load("reference-v100")
 
 
-def test_resnet50_layers_match_resnet50(simulate):
-    layers = simulate.wide_resnet50_layers(1, batch=8)
+def test_resnet50_layers_match_resnet50():
+    layers = wide_resnet50_layers(1, batch=8)
     assert len(layers) == 54 and layers[-1].name == "fc"
     convs = {L.name: L for L in layers[:-1]}
     assert len(convs) == 53
@@ -41,13 +42,13 @@ def test_resnet50_layers_match_resnet50(simulate):
     # torchvision's ResNet-50 has 25,557,032 parameters: these weights plus 53,120 of batch
     # norm and the classifier's 1,000 biases.
     assert sum(L.C * L.F * L.K ** 2 for L in layers) == 25_557_032 - 53_120 - 1_000
-    wide = simulate.wide_resnet50_layers(4, batch=8)
+    wide = wide_resnet50_layers(4, batch=8)
     assert [(L.C, L.F) for L in wide[1:-1]] == [(4 * L.C, 4 * L.F) for L in layers[1:-1]]
     assert (wide[0].C, wide[0].F, wide[-1].C, wide[-1].F) == (3, 256, 8192, 1000)
 
 
-def test_wide_cnn_layers(simulate):
-    layers = simulate.wide_cnn_layers(64, 4, batch=8, image=32)
+def test_wide_cnn_layers():
+    layers = wide_cnn_layers(64, 4, batch=8, image=32)
     assert [L.name for L in layers] == ["stem.conv", "wide0.conv", "wide1.conv", "wide2.conv", "wide3.conv", "fc"]
     assert layers[0].first and (layers[0].C, layers[0].F) == (3, 64)
     assert [L.H for L in layers] == [32, 32, 32, 16, 16, 1]  # the pool after the first half
@@ -58,7 +59,7 @@ def test_wide_cnn_layers(simulate):
 def test_hybrid_is_never_slower_than_data_parallel(simulate, profile, gpus):
     """The planner may always choose data parallelism, so without a memory limit (or where data
     parallelism fits it) its plan is predicted at least as fast."""
-    for layers in (simulate.wide_resnet50_layers(1, batch=32), simulate.wide_cnn_layers(512, 4, 32, 16)):
+    for layers in (wide_resnet50_layers(1, batch=32), wide_cnn_layers(512, 4, 32, 16)):
         for limit in (None, profile.data["memory_per_rank"]):
             row = simulate.simulate_scale(layers, gpus, profile, limit)
             dp, hybrid = row["data_parallel"], row["hybrid"]
@@ -68,14 +69,14 @@ def test_hybrid_is_never_slower_than_data_parallel(simulate, profile, gpus):
 
 
 def test_allreduce_volume_is_the_ring_formula(simulate, profile):
-    layers = simulate.wide_cnn_layers(64, 2, batch=16, image=8)
+    layers = wide_cnn_layers(64, 2, batch=16, image=8)
     row = simulate.simulate_scale(layers, 8, profile, None)
     weights = sum(L.C * L.F * L.K ** 2 for L in layers) * profile.itemsize
     assert row["data_parallel"]["allreduce_bytes_per_rank"] == pytest.approx(2 * 7 / 8 * weights)
 
 
 def test_data_parallel_above_the_batch_runs_on_batch_ranks(simulate, profile):
-    row = simulate.simulate_scale(simulate.wide_cnn_layers(64, 2, batch=8, image=8), 16, profile, None)
+    row = simulate.simulate_scale(wide_cnn_layers(64, 2, batch=8, image=8), 16, profile, None)
     assert row["data_parallel"]["ranks_used"] == 8
     assert row["hybrid"]["ranks_used"] == 16
     assert "(DP on 8)" in simulate.markdown_table([row])
