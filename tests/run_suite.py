@@ -54,13 +54,18 @@ def junit_counts(path):
 
 class _QuietMPIInformation:
     """pytest-mpi closes every rank's report with 20 lines of MPI build information; the suite
-    prints the MPI library once instead (this turns the block off just before it is written)."""
+    prints the MPI library once instead. Its MPIPlugin writes the block in pytest_terminal_summary,
+    which pytest calls after every pytest_sessionfinish implementation has run, and has no hook
+    after that one: so it is unregistered at the end of the session (through the plugin manager,
+    as it is registered under no name that `-p no:` could block)."""
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_terminal_summary(self, config):
-        for plugin in config.pluginmanager.get_plugins():
-            if type(plugin).__name__ == "MPIPlugin":
-                plugin._is_testing_mpi = False
+    def pytest_sessionfinish(self, session):
+        from pytest_mpi import MPIPlugin
+
+        manager = session.config.pluginmanager
+        for plugin in manager.get_plugins():
+            if isinstance(plugin, MPIPlugin):
+                manager.unregister(plugin)
 
 
 def worker(logdir, pytest_args):
