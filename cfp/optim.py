@@ -18,7 +18,7 @@ A parameter with no buffers (not yet updated, or SGD without momentum) may be le
 import math
 
 from .backend import get_array_module
-from .checks import at_least, int_at_least
+from .checks import at_least, finite_number, int_at_least
 
 
 class Optimizer:
@@ -272,10 +272,8 @@ class StepLR(LRSchedule):
 
     def __init__(self, optimizer, step_size, gamma=0.1):
         int_at_least(step_size, "StepLR step_size", 1)
-        if not gamma > 0:
-            raise ValueError(f"StepLR gamma must be > 0, got {gamma!r}")
         self.step_size = step_size
-        self.gamma = float(gamma)
+        self.gamma = finite_number(gamma, "StepLR gamma", above=0)
         super().__init__(optimizer)
 
     def lr_at(self, t):
