@@ -118,6 +118,12 @@ class ProcessGrid:
             self._complement_comms[axis] = self.comm.Split(self.coords[axis], self.rank)
 
     @staticmethod
+    def describe_shape(shape):
+        """'sample=2,channel=2' for {axis: size}: the axes of size > 1 (or 'sample=1')."""
+        named = [f"{a}={shape.get(a, 1)}" for a in AXES if shape.get(a, 1) > 1]
+        return ",".join(named) if named else "sample=1"
+
+    @staticmethod
     def shape_of(spec):
         """{axis: size} for all of AXES from a spec: 'channel=2' and 'sample=1,channel=2' alike."""
         sizes = parse_grid_spec(spec)
@@ -174,8 +180,7 @@ class ProcessGrid:
 
     def describe(self):
         """'sample=2,channel=2': the axes of size > 1 (or 'sample=1' for one rank)."""
-        named = [f"{a}={n}" for a, n in self.shape.items() if n > 1]
-        return ",".join(named) if named else "sample=1"
+        return ProcessGrid.describe_shape(self.shape)
 
     def __repr__(self):
         coords = ", ".join(f"{a}={self.coords[a]}" for a in AXES if self.shape[a] > 1)

@@ -140,6 +140,28 @@ def plan_entries(the_plan):
     return out
 
 
+def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
+    """The Plan (predicted times and memory) of running `layers` as `entries` says: {layer
+    name: {"grid", "algorithm", "filter_groups"}}, every layer listed (a plan file as plan.py
+    writes it, or a single-grid plan), priced as the planner prices its own."""
+    from .grid import parse_grid_spec
+    choices = []
+    for L in layers:
+        if L.name not in entries:
+            raise ValueError(f"price_plan: layer {L.name} is not in the plan")
+        entry = entries[L.name]
+        sizes = parse_grid_spec(entry["grid"])
+        P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
+        if P_n * P_c != ranks or set(sizes) - {"sample", "channel"}:
+            raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a sample x channel "
+                             f"grid of {ranks} ranks")
+        cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers)
+        choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost))
+    for previous, choice in zip(choices, choices[1:]):
+        choice.redistribution = redistribution_time(previous, choice, profile)
+    return Plan(choices, ranks)
+
+
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,
          grid=None, optimizer_buffers=1):
     """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose

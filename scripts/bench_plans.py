@@ -1,0 +1,128 @@
+"""Step time of the planner's per-layer plan against every single-grid plan, measured and
+predicted side by side in one run.
+
+    mpiexec -n 2 python -m mpi4py scripts/bench_plans.py --model resnet --width 4 --batch 64 \\
+        [--image 8] [--steps 10] [--warmup 3] [--profile cpu-dev] [--json out.json]
+
+Plans: every grid factorization of the ranks with every algorithm (with P_c > 1: x, y and w for
+each p_f; with P_c = 1: sample), all layers alike, and the planner's own plan (each layer's
+grid and algorithm chosen freely, redistributions between them). Measured: one training step
+(forward, loss, backward, SGD update) of float32 synthetic data, the slowest rank's time,
+median of --steps after --warmup, 1 BLAS thread per rank. Predicted: the planner's price of
+the same plan (planner.price_plan: perfmodel.layer_cost of every convolution plus the
+redistributions) from the machine profile.
+"""
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from cfp import backend, cli
+from cfp.benchtools import slowest_median, timed
+from cfp.checks import alike_on_all_ranks, int_options
+from cfp.data import synthetic
+from cfp.grid import ProcessGrid, factorizations
+from cfp.io import check_writable, save_json
+from cfp.models import build_model, layer_shapes
+from cfp.nn import SoftmaxCrossEntropy
+from cfp.optim import SGD
+from cfp.perfmodel import MachineProfile
+from cfp.planner import plan, plan_entries, price_plan
+from cfp.train import train_step
+
+
+def parse_args(argv):
+    p = cli.ArgumentParser(description=cli.script_description(__doc__))
+    p.add_argument("--model", default="resnet", choices=["resnet", "wide"], help="the model to train")
+    p.add_argument("--width", type=int, default=4, help="resnet: width multiplier; wide: channels per layer")
+    p.add_argument("--depth", type=int, default=4, help="wide: number of wide layers")
+    p.add_argument("--image", type=int, default=8, help="side of the square input images")
+    p.add_argument("--batch", type=int, default=64, help="global mini-batch")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per plan, of which the median is reported")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per plan before them")
+    p.add_argument("--profile", default="cpu-dev",
+                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name")
+    p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    args = p.parse_args(argv)
+    int_options(args, positive=("width", "depth", "image", "batch", "steps"), nonnegative=("warmup",))
+    return args
+
+
+def single_grid_plans(names, ranks):
+    """{label: entries} of every grid with every algorithm, all layers alike."""
+    out = {}
+    for P_n, P_c in factorizations(ranks):
+        grid = ProcessGrid.describe_shape({"sample": P_n, "channel": P_c})
+        if P_c == 1:
+            options = [("sample", None)]
+        else:
+            options = [("x", None), ("y", None)] + [("w", d) for d in range(1, P_c + 1) if P_c % d == 0]
+        for algorithm, p_f in options:
+            entry = {"grid": grid, "algorithm": algorithm, **({"filter_groups": p_f} if p_f else {})}
+            label = f"{grid} {algorithm}" + (f" p_f={p_f}" if p_f else "")
+            out[label] = {name: dict(entry) for name in names}
+    return out
+
+
+def step_time(args, world, entries, arch, x, y):
+    """The slowest rank's median seconds of one training step of the model under `entries`."""
+    base = ProcessGrid(f"sample={world.Get_size()}", comm=world)
+    model = build_model(args.model, base, plan=entries, batch=args.batch, dtype=np.float32, **arch)
+    loss_fn = SoftmaxCrossEntropy(model.grid)
+    optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
+    (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
+    xs, ys = x[rows.start:rows.stop], y[rows.start:rows.stop]
+    seconds = slowest_median(world, lambda: timed(lambda: train_step(model, loss_fn, optimizer, xs, ys)),
+                             args.steps, args.warmup)["total"]
+    model.free()
+    base.free()
+    return seconds
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    P = world.Get_size()
+    if args.json:
+        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
+    backend.set_blas_threads(1)
+    profile = MachineProfile.load(args.profile)
+    arch = {"width": args.width, "in_channels": 1, "classes": 10, "image": args.image}
+    if args.model == "wide":
+        arch["depth"] = args.depth
+    shapes = layer_shapes(args.model, args.batch, **arch)
+    names = [s.name for s in shapes]
+    plans = single_grid_plans(names, P)
+    planned = plan(shapes, P, profile)
+    plans["planner"] = plan_entries(planned)
+    x, y = synthetic(args.batch, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
+    rows = []
+    for label, entries in plans.items():
+        predicted = price_plan(shapes, P, profile, entries).time
+        measured = step_time(args, world, entries, arch, x, y)
+        grids = list(dict.fromkeys(e["grid"] for e in entries.values()))
+        rows.append({"plan": label, "grids": grids, "predicted_s": predicted, "measured_s": measured})
+    fastest = min(r["measured_s"] for r in rows)
+    predicted_best = min(rows, key=lambda r: r["predicted_s"])
+    if world.Get_rank() == 0:
+        print(f"# {args.model} width {args.width}, {args.image}x{args.image}, batch {args.batch}, {P} ranks, "
+              f"float32, 1 BLAS thread per rank, median of {args.steps} steps; predicted by {profile.name}")
+        print("| plan | grids | predicted ms | measured ms | vs measured fastest |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['plan']} | {' then '.join(r['grids'])} | {r['predicted_s'] * 1e3:.1f} | "
+                  f"{r['measured_s'] * 1e3:.1f} | {(r['measured_s'] / fastest - 1) * 100:+.0f}% |")
+        mine = rows[-1]
+        print(f"\nthe planner's plan measures {mine['measured_s'] * 1e3:.1f} ms, "
+              f"{(mine['measured_s'] / fastest - 1) * 100:+.1f}% against the measured fastest "
+              f"({min(rows, key=lambda r: r['measured_s'])['plan']}); predicted fastest: {predicted_best['plan']}")
+        print("the planner's plan, layer by layer:")
+        print(planned.table())
+        if args.json:
+            save_json(args.json, {"ranks": P, "profile": profile.name, "model": vars(args), "rows": rows,
+                                  "planner": plans["planner"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
