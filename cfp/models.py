@@ -7,6 +7,8 @@ algorithm ('sample', 'x', 'y' or 'w' with p_f): one for all layers, or per layer
 channel rank; Network.place inserts the redistributions between layers of different layouts
 and brings the logits to the loss, whole over the channel axis.
 """
+import dataclasses
+
 import numpy as np
 
 from .checks import positive_int
@@ -153,6 +155,7 @@ class _ShapeRecorder:
         return Module()
 
     def bn(self, name, channels):
+        self.shapes[-1] = dataclasses.replace(self.shapes[-1], normed=True)
         return Module()
 
     def head(self, channels, classes):

@@ -140,6 +140,7 @@ class LayerShape:
     stride: int = 1
     padding: int = None  # default K // 2
     first: bool = False  # the network's first layer: its input whole over the channel axis, no dx
+    normed: bool = False  # followed by batch norm and ReLU, which keep x-hat and a mask of its output
 
     @property
     def pad(self):
@@ -294,7 +295,9 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     memory = {
         "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,
         "activations": (n * (rows if algorithm in ("y", "w") else x_channels) * layer.H * layer.W
-                        + n * y_filters * Ho * Wo) * item,
+                        + n * y_filters * Ho * Wo) * item
+        # batch norm's normalised output (item bytes) and ReLU's mask (one byte) per element of y
+        + (n * y_filters * Ho * Wo * (item + 1) if layer.normed else 0),
         # Alive only inside the layer: the partial y and dx before their reduce-scatters, and
         # the kernels' workspaces: weight-sized buffers (three for cfp's NumPy kernels:
         # backward-filter's accumulator and its transpose, backward-data's flipped filters)

@@ -38,22 +38,27 @@ LAYERS = [
 
 
 def memory_check(world, profile, args):
-    """A wide CNN whose predicted memory on one rank exceeds a limit, planned under that limit
-    on this many ranks, then built and trained for two steps: the measured peak per rank (all
-    NumPy allocations alive during the steps, by tracemalloc: the model's shards, gradients,
-    optimizer state, activations and temporaries, and the batch)."""
+    """A model whose predicted memory on one rank exceeds a limit, planned under that limit on
+    this many ranks with a grid chosen per layer (so the plan may change grids between
+    layers), then built and trained for two steps: the measured peak per rank (all NumPy
+    allocations alive during the steps, by tracemalloc: the model's shards, gradients,
+    optimizer state, activations, redistributions and temporaries, and the batch)."""
     P = world.Get_size()
-    arch = dict(width=args.memory_width, depth=2, in_channels=1, classes=10, image=8)
-    shapes = layer_shapes("wide", args.memory_batch, **arch)
+    arch = dict(width=args.memory_width, in_channels=1, classes=10, image=8)
+    if args.memory_model == "wide":
+        arch["depth"] = 2
+    shapes = layer_shapes(args.memory_model, args.memory_batch, **arch)
     one_rank = plan(shapes, 1, profile).memory
     limit = one_rank * args.memory_fraction
-    grid = ProcessGrid(f"channel={P}")
+    base = ProcessGrid(f"sample={P}")
     tracemalloc.start()
-    model = build_model("wide", grid, batch=args.memory_batch, profile=profile, memory_limit=limit,
-                        algorithm="auto", dtype=np.float32, **arch)
+    model = build_model(args.memory_model, base, batch=args.memory_batch, profile=profile, memory_limit=limit,
+                        algorithm="auto", choose_grids=True, dtype=np.float32, **arch)
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
-    loss_fn = SoftmaxCrossEntropy(grid)
+    loss_fn = SoftmaxCrossEntropy(model.grid)
     x, y = synthetic(args.memory_batch, 1, 8, 8, 10, dtype=np.float32)
+    (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
+    x, y = x[rows.start:rows.stop], y[rows.start:rows.stop]
     tracemalloc.reset_peak()  # what building left (the shards) stays counted; its transients do not
     for _ in range(2):
         train_step(model, loss_fn, optimizer, x, y)
@@ -62,9 +67,11 @@ def memory_check(world, profile, args):
     peaks = np.empty(world.Get_size(), dtype=np.int64)
     world.Allgather(np.array([peak], dtype=np.int64), peaks)
     peaks = [int(p) for p in peaks]
-    grid.free()
-    return {"model": f"wide CNN width {args.memory_width}, depth 2, 8x8, batch {args.memory_batch}",
-            "one_rank_predicted": one_rank, "limit": limit, "planned": model.plan.memory,
+    grids = list(dict.fromkeys(e["grid"] for e in model.layers.values()))
+    model.free()
+    base.free()
+    return {"model": f"{args.memory_model} width {args.memory_width}, 8x8, batch {args.memory_batch}",
+            "one_rank_predicted": one_rank, "limit": limit, "planned": model.plan.memory, "grids": grids,
             "measured_peaks": peaks, "plan": model.plan.table()}
 
 
@@ -75,9 +82,12 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each layer")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
     p.add_argument("--json", help="write every measured and predicted number to this JSON file")
-    p.add_argument("--memory-width", type=int, default=512, help="width of the memory check's model")
-    p.add_argument("--memory-batch", type=int, default=16, help="global batch of the memory check's model")
-    p.add_argument("--memory-fraction", type=float, default=0.75,
+    p.add_argument("--memory-only", action="store_true", help="run only the memory check")
+    p.add_argument("--memory-model", default="resnet", choices=["resnet", "wide"],
+                   help="the memory check's model")
+    p.add_argument("--memory-width", type=int, default=8, help="width of the memory check's model")
+    p.add_argument("--memory-batch", type=int, default=32, help="global batch of the memory check's model")
+    p.add_argument("--memory-fraction", type=float, default=0.55,
                    help="the memory check's limit, as a fraction of the one-rank prediction")
     args = p.parse_args(argv)
     int_options(args, positive=("repeats", "memory_width", "memory_batch"), nonnegative=("warmup",))
@@ -95,7 +105,7 @@ def main(argv=None):
     profile = MachineProfile.load(args.profile)
     rng = np.random.default_rng(0)
     rows = []
-    for layer in LAYERS:
+    for layer in [] if args.memory_only else LAYERS:
         x = rng.standard_normal((layer.N, layer.C, layer.H, layer.W)).astype(np.float32)
         w = rng.standard_normal((layer.F, layer.C, layer.K, layer.K)).astype(np.float32)
         b = np.zeros(layer.F, dtype=np.float32)
@@ -122,7 +132,7 @@ def main(argv=None):
             r["planner_vs_fastest"] = r["measured_s"] / fastest - 1 if r["planner_choice"] else None
         rows += measured_rows
 
-    if world.Get_rank() == 0:
+    if world.Get_rank() == 0 and rows:
         print(f"# predicted ({profile.name}) against measured forward+backward, {P} rank(s), 1 BLAS thread "
               f"per rank, float32, median of {args.repeats}; P = planner's choice, F = measured fastest")
         print("| layer (N,C,F,HxW,K) | grid | algorithm | measured ms | predicted ms | error | |")
@@ -141,7 +151,8 @@ def main(argv=None):
             mib = 2.0 ** 20
             print(f"\nmemory check: {memory['model']}: predicted {memory['one_rank_predicted'] / mib:.2f} MiB on one "
                   f"rank; limit {memory['limit'] / mib:.2f} MiB; plan on {P} ranks predicts "
-                  f"{memory['planned'] / mib:.2f} MiB per rank; measured peak per rank (tracemalloc, whole model "
+                  f"{memory['planned'] / mib:.2f} MiB per rank on grids {' then '.join(memory['grids'])}; "
+                  f"measured peak per rank (tracemalloc, whole model "
                   f"and training step): {', '.join(f'{p / mib:.2f}' for p in memory['measured_peaks'])} MiB")
             print(memory["plan"])
         if args.json:
