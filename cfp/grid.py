@@ -201,11 +201,11 @@ class ProcessGrid:
 class Grids:
     """The process grids of one model: one ProcessGrid per factorization of the same ranks,
     made on the first request for it (collective: every rank asks in the same order, as it
-    builds the same layers) and freed together. `base`, a grid the caller made and frees, is
-    handed out for its own shape."""
+    builds the same layers) and freed together. `base`, a grid the caller made, is handed out
+    for its own shape, and freed with the others when owns_base."""
 
-    def __init__(self, base):
-        self.base, self._made = base, {}
+    def __init__(self, base, owns_base=False):
+        self.base, self.owns_base, self._made = base, owns_base, {}
 
     def get(self, spec):
         shape = ProcessGrid.shape_of(spec)
@@ -221,7 +221,10 @@ class Grids:
         yield from self._made.values()
 
     def free(self):
-        """Release the grids made here (collective); `base` stays the caller's."""
+        """Release the grids made here, and `base` when owned (collective)."""
         for g in self._made.values():
             g.free()
         self._made.clear()
+        if self.owns_base:
+            self.base.free()
+            self.owns_base = False

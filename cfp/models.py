@@ -86,17 +86,17 @@ def _check_width(value, what, narrowest, grid, algorithm):
 
 
 def small_resnet(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_groups=None, seed=0,
-                 dtype=np.float32, image=8, plan=None, grids=None):
+                 dtype=np.float32, image=8, plan=None, grids=None, planned=None):
     """A ResNet of three stages (16, 32, 64 channels times `width`), one basic block each,
     strides 1, 2, 2: 8x8 digits end at 2x2 before the global average pool."""
     if plan is None:
         _check_width(width, "width", 16 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
     b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan)
-    return _finish(_resnet_layers(b, width, in_channels, classes, image), b)
+    return _finish(_resnet_layers(b, width, in_channels, classes, image), b, planned)
 
 
 def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y", filter_groups=None,
-             seed=0, dtype=np.float32, image=8, plan=None, grids=None):
+             seed=0, dtype=np.float32, image=8, plan=None, grids=None, planned=None):
     """A plain CNN: a stem convolution to `width` channels, then `depth` 3x3 convolutions of
     width x width (each with batch norm and ReLU, a 2x2 max pool after the first half), then
     the classifier. Nearly all its weights are in the wide layers."""
@@ -104,13 +104,13 @@ def wide_cnn(grid, width=256, depth=4, in_channels=1, classes=10, algorithm="y",
         _check_width(width, "width", width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
     positive_int(depth, "depth")
     b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan)
-    return _finish(_wide_layers(b, width, depth, in_channels, classes, image), b)
+    return _finish(_wide_layers(b, width, depth, in_channels, classes, image), b, planned)
 
 
-def _finish(layers, builder):
+def _finish(layers, builder, planned):
     if builder.plan:
         raise ValueError(f"the plan names layers this model does not have: {', '.join(sorted(builder.plan))}")
-    return Network(layers, grids=builder.grids, layers=builder.chosen)
+    return Network(layers, grids=builder.grids, layers=builder.chosen, plan=planned)
 
 
 def _resnet_layers(b, width, in_channels, classes, image):
@@ -258,9 +258,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
         config["algorithm"] = the_plan.choices[0].algorithm
     if plan is not None:
         check_plan(plan, [s.name for s in layer_shapes(name, batch or 1, **arch)], grid.size)
-    model = builders[name](grid, plan=plan, **config)
-    model.plan = the_plan
-    return model
+    return builders[name](grid, plan=plan, planned=the_plan, **config)
 
 
 # ---------------------------------------------------------------------------------------------

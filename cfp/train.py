@@ -19,7 +19,7 @@ from .algorithms import ALGORITHMS
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
 from .data import ShardedLoader, load_digits, synthetic
-from .grid import ProcessGrid
+from .grid import Grids, ProcessGrid
 from .io import check_writable, save_json
 from .models import MODELS, build_model, read_plan
 from .nn import SoftmaxCrossEntropy
@@ -258,8 +258,9 @@ def _diverged(cfg, rank0, step, what, history, epochs_log):
     raise TrainingDiverged(message)
 
 
-def _build(cfg, grid, x_train, dtype):
-    """The model of `cfg`: on `grid`, from the plan file, or as the planner chooses."""
+def _build(cfg, world, x_train, dtype):
+    """The model of `cfg` on the ranks of `world`: on --grid, from the plan file, or as the
+    planner chooses; the model owns its grids. Also the name of the profile the planner used."""
     config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
               "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
               "image": x_train.shape[2]}
@@ -272,144 +273,181 @@ def _build(cfg, grid, x_train, dtype):
                       memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
     elif cfg.plan:
         config.update(plan=read_plan(cfg.plan), batch=cfg.batch_size)
-    return build_model(cfg.model, grid, **config), None if profile is None else profile.name
+    base = ProcessGrid(cfg.grid or f"sample={world.Get_size()}", comm=world)
+    try:
+        model = build_model(cfg.model, base, grids=Grids(base, owns_base=True), **config)
+    except BaseException:
+        base.free()
+        raise
+    return model, None if profile is None else profile.name
 
 
-def train(cfg, world=None, keep_model=False):
+def train(cfg, world=None):
     """Train as `cfg` says on the ranks of `world` (default COMM_WORLD); return the summary
-    dict (also in the JSON log). Raises ValueError for bad options, alike on every rank.
+    dict (also in the JSON log), whose "history" holds every step. Raises ValueError for bad
+    options, alike on every rank."""
+    summary, model = train_model(cfg, world)
+    model.free()
+    return summary
 
-    keep_model: also return the trained model (summary["model"]) and the grid its data enters
-    on (summary["grid_object"]); the caller then frees their communicators (model.free() and
-    summary["base_grid"].free()).
-    """
+
+def train_model(cfg, world=None):
+    """train(), returning (summary, the trained model); the caller frees the model's
+    communicators with model.free() (collective)."""
     cfg.validate()
     world = MPI.COMM_WORLD if world is None else world
     alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
     dtype = np.dtype(cfg.dtype)
-    x_train, y_train, x_test, y_test = _dataset(cfg, dtype)
-    base = ProcessGrid(cfg.grid or f"sample={world.Get_size()}", comm=world)
+    data = _dataset(cfg, dtype)
+    model, profile_name = _build(cfg, world, data[0], dtype)
     try:
-        model, profile_name = _build(cfg, base, x_train, dtype)
+        session = _Session(cfg, model, data)
+        if session.rank0 and (cfg.algorithm == "auto" or cfg.plan):
+            source = f"algorithm auto ({profile_name})" if cfg.algorithm == "auto" else f"plan {cfg.plan}"
+            print(f"{source}:\n{model.describe_plan()}", flush=True)
+            if model.plan is not None:
+                print(f"predicted {model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
+        if cfg.resume:
+            session.resume()
+        seconds = session.run()
+        summary = session.summary(seconds, threads)
     except BaseException:
-        base.free()
+        model.free()
         raise
-    grid = model.grid  # where the data enters and the loss is computed
-    rank0 = grid.rank == 0
-    loader = ShardedLoader(x_train, y_train, cfg.batch_size, grid, shuffle=True, seed=cfg.seed, drop_last=True)
-    if len(loader) == 0:
-        raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
-    if rank0 and (cfg.algorithm == "auto" or cfg.plan):
-        source = f"algorithm auto ({profile_name})" if cfg.algorithm == "auto" else f"plan {cfg.plan}"
-        print(f"{source}:\n{model.describe_plan()}", flush=True)
-        if model.plan is not None:
-            print(f"predicted {model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
-    loss_fn = SoftmaxCrossEntropy(grid)
-    optimizer = _optimizer(cfg, model.parameters())
-    total_steps = cfg.epochs * len(loader)  # the schedule's length, also when stopped early
-    stop_at = total_steps if cfg.max_steps is None else min(total_steps, cfg.max_steps)
-    schedule = _schedule(cfg, optimizer, total_steps)
+    return summary, model
 
-    # Where training stands: `step` updates done, the next batch is `skip` of epoch `first_epoch`.
-    history, epochs_log, step, first_epoch, skip = [], [], 0, 0, 0
-    if cfg.resume:
+
+class _Session:
+    """One training run's state: the loader, loss, optimizer and schedule of a model, and where
+    training stands (`step` updates done; the next batch is `skip` of epoch `first_epoch`)."""
+
+    def __init__(self, cfg, model, data):
+        self.cfg, self.model = cfg, model
+        x_train, y_train, self.x_test, self.y_test = data
+        self.grid = model.grid  # where the data enters and the loss is computed
+        self.rank0 = self.grid.rank == 0
+        self.loader = ShardedLoader(x_train, y_train, cfg.batch_size, self.grid, shuffle=True, seed=cfg.seed,
+                                    drop_last=True)
+        if len(self.loader) == 0:
+            raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
+        self.loss_fn = SoftmaxCrossEntropy(self.grid)
+        self.optimizer = _optimizer(cfg, model.parameters())
+        total_steps = cfg.epochs * len(self.loader)  # the schedule's length, also when stopped early
+        self.stop_at = total_steps if cfg.max_steps is None else min(total_steps, cfg.max_steps)
+        self.schedule = _schedule(cfg, self.optimizer, total_steps)
+        self.history, self.epochs_log, self.step, self.first_epoch, self.skip = [], [], 0, 0, 0
+        self.first_step, self.images, self.last_checkpoint = 0, 0, None
+        self.ledger = comm.CommLedger()
+
+    def resume(self):
+        """Continue from the checkpoint resume_point picks (under any grid or plan)."""
+        cfg = self.cfg
         path, skipped = resume_point(cfg.checkpoint_dir)
-        if rank0:
+        if self.rank0:
             for bad, reason in skipped:
                 print(f"checkpoint {bad} is corrupt ({reason}); resuming from {path} instead", flush=True)
-        meta = load_checkpoint(path, model, optimizer, expect={"model": cfg.model_description()})
+        meta = load_checkpoint(path, self.model, self.optimizer, expect={"model": cfg.model_description()})
         missing = [k for k in ("schedule", "history", "epochs", "step", "epoch", "batch") if k not in meta]
         if missing:
             raise ValueError(f"checkpoint {path!r} was not written by cfp's training loop: its meta.json "
                              f"lacks {', '.join(missing)}")
-        schedule.load_state_dict(meta["schedule"])
-        history, epochs_log = meta["history"], meta["epochs"]
-        step, first_epoch, skip = meta["step"], meta["epoch"], meta["batch"]
-        if rank0:
-            print(f"resumed from {path} (saved on grid {meta['grid']}, step {step})", flush=True)
+        self.schedule.load_state_dict(meta["schedule"])
+        self.history, self.epochs_log = meta["history"], meta["epochs"]
+        self.step, self.first_epoch, self.skip = meta["step"], meta["epoch"], meta["batch"]
+        self.first_step, self.last_checkpoint = self.step, path
+        if self.rank0:
+            print(f"resumed from {path} (saved on grid {meta['grid']}, step {self.step})", flush=True)
 
-    ledger = comm.CommLedger()
-    progress = _progress_bar(rank0 and cfg.progress, stop_at, step)
-    start = time.perf_counter()
-    images, first_step = 0, step
-    last_checkpoint = path if cfg.resume else None
-    try:
-        # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
-        with comm.use_ledger(ledger), np.errstate(over="ignore", invalid="ignore"), _CtrlC() as ctrl_c:
-            for epoch in range(first_epoch, cfg.epochs):
-                if step >= stop_at:
-                    break
-                loader.set_epoch(epoch)
-                batch = 0
-                for batch, (x_local, y_local, n_global) in enumerate(loader, start=1):
-                    if batch <= skip:  # resuming inside this epoch: these batches were done
-                        continue
-                    ctrl_c.check(grid)
-                    lr = optimizer.lr
-                    loss, correct = train_step(model, loss_fn, optimizer, x_local, y_local)
-                    if not math.isfinite(loss):  # the same value on every rank: all stop here
-                        _diverged(cfg, rank0, step + 1, f"the loss is {loss}", history, epochs_log)
-                    schedule.step()
-                    step += 1
-                    images += n_global
-                    history.append({"step": step, "epoch": epoch, "loss": float(loss),
-                                    "accuracy": correct / n_global, "lr": lr})
-                    if progress is not None:
-                        elapsed = time.perf_counter() - start
-                        progress.set_postfix(loss=f"{loss:.4f}", acc=f"{correct / n_global:.3f}",
-                                             img_s=f"{images / elapsed:.0f}", refresh=False)
-                        progress.update(1)
-                    if step >= stop_at:
+    def run(self):
+        """The epochs, each ending with evaluation and a checkpoint; the seconds they took."""
+        progress = _progress_bar(self.rank0 and self.cfg.progress, self.stop_at, self.step)
+        start = time.perf_counter()
+        try:
+            # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
+            with comm.use_ledger(self.ledger), np.errstate(over="ignore", invalid="ignore"), _CtrlC() as ctrl_c:
+                for epoch in range(self.first_epoch, self.cfg.epochs):
+                    if self.step >= self.stop_at:
                         break
-                skip = 0
-                finished = batch == len(loader)
-                if not _weights_finite(grid, model):  # the last update broke them: never save that
-                    _diverged(cfg, rank0, step, "a weight is no longer finite", history, epochs_log)
-                test_loss, test_accuracy = evaluate(model, loss_fn, x_test, y_test)
-                epochs_log.append({"epoch": epoch, "step": step, "test_loss": test_loss,
-                                   "test_accuracy": test_accuracy})
-                if cfg.checkpoint_dir:
-                    last_checkpoint = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, grid, {
-                        "model": cfg.model_description(), "epoch": epoch + 1 if finished else epoch,
-                        "batch": 0 if finished else batch, "schedule": schedule.state_dict(),
-                        "history": history, "epochs": epochs_log})
-    except KeyboardInterrupt:
-        where = (f"the last checkpoint is {last_checkpoint} (continue with --resume)" if last_checkpoint
-                 else "no checkpoint was saved")
-        raise KeyboardInterrupt(f"at step {step}; {where}") from None
-    finally:
-        if progress is not None:
-            progress.close()
-    seconds = time.perf_counter() - start
+                    batch = self._epoch(epoch, ctrl_c, progress, start)
+                    self._end_of_epoch(epoch, finished=batch == len(self.loader), batch=batch)
+        except KeyboardInterrupt:
+            where = (f"the last checkpoint is {self.last_checkpoint} (continue with --resume)"
+                     if self.last_checkpoint else "no checkpoint was saved")
+            raise KeyboardInterrupt(f"at step {self.step}; {where}") from None
+        finally:
+            if progress is not None:
+                progress.close()
+        return time.perf_counter() - start
 
-    summary = {
-        "grid": grids_of(model, grid), "ranks": grid.size,
-        "algorithm": f"per layer from {cfg.plan}" if cfg.plan else cfg.algorithm, "threads_per_rank": threads,
-        "layers": model.layers,
-        "steps": step, "steps_this_session": step - first_step, "seconds": seconds,
-        "images_per_second": images / seconds if seconds > 0 else 0.0,
-        "final_loss": history[-1]["loss"] if history else None,
-        "test_accuracy": epochs_log[-1]["test_accuracy"] if epochs_log else None,
-        "parameter_bytes_per_rank": _max_over_ranks(grid, sum(p.data.nbytes for p in model.parameters())),
-        "optimizer_bytes_per_rank": _max_over_ranks(grid, optimizer.state_bytes()),
-        "communication": [{"layer": k[0], "phase": k[1], "collective": k[2], **v}
-                          for k, v in ledger.totals(by=("layer", "phase", "collective")).items()],
-    }
-    if rank0:
-        _print_summary(summary, ledger)
-        if cfg.log:
-            save_json(cfg.log, {"config": dataclasses.asdict(cfg), "steps": history, "epochs": epochs_log,
-                                "summary": summary})
-        if cfg.plot:
-            _plot(cfg.plot, history, epochs_log)
-    summary["history"] = history
-    if keep_model:
-        summary["model"], summary["grid_object"], summary["base_grid"] = model, grid, base
-    else:
-        model.free()
-        base.free()
-    return summary
+    def _epoch(self, epoch, ctrl_c, progress, start):
+        """The steps of one epoch (from batch `skip` on); the number of its last batch."""
+        self.loader.set_epoch(epoch)
+        batch = 0
+        for batch, (x_local, y_local, n_global) in enumerate(self.loader, start=1):
+            if batch <= self.skip:  # resuming inside this epoch: these batches were done
+                continue
+            ctrl_c.check(self.grid)
+            lr = self.optimizer.lr
+            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local)
+            if not math.isfinite(loss):  # the same value on every rank: all stop here
+                self._diverged(self.step + 1, f"the loss is {loss}")
+            self.schedule.step()
+            self.step += 1
+            self.images += n_global
+            self.history.append({"step": self.step, "epoch": epoch, "loss": float(loss),
+                                 "accuracy": correct / n_global, "lr": lr})
+            if progress is not None:
+                elapsed = time.perf_counter() - start
+                progress.set_postfix(loss=f"{loss:.4f}", acc=f"{correct / n_global:.3f}",
+                                     img_s=f"{self.images / elapsed:.0f}", refresh=False)
+                progress.update(1)
+            if self.step >= self.stop_at:
+                break
+        self.skip = 0
+        return batch
+
+    def _end_of_epoch(self, epoch, finished, batch):
+        if not _weights_finite(self.grid, self.model):  # the last update broke them: never save that
+            self._diverged(self.step, "a weight is no longer finite")
+        test_loss, test_accuracy = evaluate(self.model, self.loss_fn, self.x_test, self.y_test)
+        self.epochs_log.append({"epoch": epoch, "step": self.step, "test_loss": test_loss,
+                                "test_accuracy": test_accuracy})
+        if self.cfg.checkpoint_dir:
+            self.last_checkpoint = save_checkpoint(
+                self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.grid, {
+                    "model": self.cfg.model_description(), "epoch": epoch + 1 if finished else epoch,
+                    "batch": 0 if finished else batch, "schedule": self.schedule.state_dict(),
+                    "history": self.history, "epochs": self.epochs_log})
+
+    def _diverged(self, step, what):
+        _diverged(self.cfg, self.rank0, step, what, self.history, self.epochs_log)
+
+    def summary(self, seconds, threads):
+        """The closing summary (JSON-able), printed and logged by rank 0, with the history."""
+        cfg, model, grid = self.cfg, self.model, self.grid
+        summary = {
+            "grid": grids_of(model, grid), "ranks": grid.size,
+            "algorithm": f"per layer from {cfg.plan}" if cfg.plan else cfg.algorithm, "threads_per_rank": threads,
+            "layers": model.layers,
+            "steps": self.step, "steps_this_session": self.step - self.first_step, "seconds": seconds,
+            "images_per_second": self.images / seconds if seconds > 0 else 0.0,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "test_accuracy": self.epochs_log[-1]["test_accuracy"] if self.epochs_log else None,
+            "parameter_bytes_per_rank": _max_over_ranks(grid, sum(p.data.nbytes for p in model.parameters())),
+            "optimizer_bytes_per_rank": _max_over_ranks(grid, self.optimizer.state_bytes()),
+            "communication": [{"layer": k[0], "phase": k[1], "collective": k[2], **v}
+                              for k, v in self.ledger.totals(by=("layer", "phase", "collective")).items()],
+        }
+        if self.rank0:
+            _print_summary(summary, self.ledger)
+            if cfg.log:
+                save_json(cfg.log, {"config": dataclasses.asdict(cfg), "steps": self.history,
+                                    "epochs": self.epochs_log, "summary": summary})
+            if cfg.plot:
+                _plot(cfg.plot, self.history, self.epochs_log)
+        summary["history"] = self.history
+        return summary
 
 
 def _progress_bar(enabled, total, done):

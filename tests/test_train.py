@@ -11,7 +11,7 @@ from mpi4py import MPI
 from cfp import backend
 from cfp.checkpoint import latest_checkpoint, load_checkpoint, resume_point
 from cfp.nn.module import assemble
-from cfp.train import TrainConfig, train
+from cfp.train import TrainConfig, train, train_model
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 
 pytestmark = pytest.mark.mpi
@@ -26,15 +26,14 @@ def config(**overrides):
     return TrainConfig(**base)
 
 
-def weights(result):
-    """{parameter name: global array} of a trained model (kept by train(keep_model=True))."""
-    model, grid = result["model"], result["grid_object"]
+def weights(model):
+    """{parameter name: global array} of a trained model (from train_model), whose
+    communicators it then frees."""
     out = {}
     for p in model.parameters():
-        pieces = grid.comm.allgather((p.index, backend.to_host(p.data)))
+        pieces = model.grid.comm.allgather((p.index, backend.to_host(p.data)))
         out[p.name] = assemble(p.global_shape, pieces, p.data.dtype)
     model.free()
-    result["base_grid"].free()
     return out
 
 
@@ -44,8 +43,8 @@ _serial = {}
 def serial_run(algorithm):
     """The same training on one rank (every rank runs it alone on COMM_SELF), cached."""
     if algorithm not in _serial:
-        result = train(config(algorithm=algorithm, grid="sample=1"), world=MPI.COMM_SELF, keep_model=True)
-        _serial[algorithm] = ([h["loss"] for h in result["history"]], weights(result))
+        result, model = train_model(config(algorithm=algorithm, grid="sample=1"), world=MPI.COMM_SELF)
+        _serial[algorithm] = ([h["loss"] for h in result["history"]], weights(model))
     return _serial[algorithm]
 
 
@@ -55,11 +54,11 @@ CASES = [(spec, alg) for spec in grid_specs() for alg in ("sample", "x", "y", "w
 @pytest.mark.parametrize("spec,algorithm", CASES)
 def test_training_matches_one_rank(spec, algorithm):
     losses0, weights0 = serial_run(algorithm)
-    result = train(config(algorithm=algorithm, grid=spec), keep_model=True)
+    result, model = train_model(config(algorithm=algorithm, grid=spec))
     losses = [h["loss"] for h in result["history"]]
     assert len(losses) == STEPS
     assert_close_all_ranks(np.array(losses), np.array(losses0), 1e-9, f"{spec} {algorithm} losses")
-    final = weights(result)
+    final = weights(model)
     assert final.keys() == weights0.keys()
     for name in final:
         assert_close_all_ranks(final[name], weights0[name], 1e-9, f"{spec} {algorithm} {name}")
@@ -71,22 +70,20 @@ def test_auto_plan_trains_like_one_rank():
     still equal one rank's."""
     losses0, _ = serial_run("y")
     spec = grid_specs()[len(grid_specs()) // 2]
-    result = train(config(algorithm="auto", grid=spec), keep_model=True)
-    chosen = {e["algorithm"] for e in result["model"].layers.values()}
-    grid = result["grid_object"]
-    mixed = len(chosen) > 1 or grid.axis_size("channel") == 1
-    channels = grid.axis_size("channel")
-    weights(result)
+    result, model = train_model(config(algorithm="auto", grid=spec))
+    chosen = {e["algorithm"] for e in model.layers.values()}
+    mixed = len(chosen) > 1 or model.grid.axis_size("channel") == 1
+    channels = model.grid.axis_size("channel")
+    weights(model)
     assert_all_ranks(mixed, f"{spec}: the plan uses {sorted(chosen)} only on {channels} channel ranks")
     assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), np.array(losses0), 1e-9,
                            f"{spec} auto losses")
 
 
 def test_float32_training_stays_float32():
-    result = train(config(dtype="float32", grid=grid_specs()[-1], max_steps=2), keep_model=True)
-    model = result["model"]
+    _, model = train_model(config(dtype="float32", grid=grid_specs()[-1], max_steps=2))
     assert all(p.data.dtype == np.float32 and p.grad.dtype == np.float32 for p in model.parameters())
-    weights(result)
+    weights(model)
 
 
 def test_checkpoint_resumes_on_other_grids(mpi_tmp_path):
@@ -144,12 +141,11 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(mpi_tmp_
     assert path == steps[0] and [bad for bad, _ in skipped] == [latest], (path, skipped)
     assert "is corrupt: its SHA-256 does not match" in skipped[0][1]
     # The previous checkpoint is intact and loads into the same model.
-    result = train(config(epochs=1, grid=spec, train_samples=4 * BATCH, max_steps=1), keep_model=True)
+    _, model = train_model(config(epochs=1, grid=spec, train_samples=4 * BATCH, max_steps=1))
     from cfp.optim import SGD
-    model = result["model"]
     meta = load_checkpoint(steps[0], model, SGD(model.parameters(), 0.1, momentum=0.9))
     assert meta["step"] == 4
-    weights(result)
+    weights(model)
 
 
 def test_checkpoint_of_another_model_is_refused(mpi_tmp_path):

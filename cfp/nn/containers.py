@@ -186,9 +186,9 @@ class Network(Sequential):
     planner's Plan when it chose them, else None).
     """
 
-    def __init__(self, modules, grids, layers):
+    def __init__(self, modules, grids, layers, plan=None):
         super().__init__(*modules)
-        self.grids, self.layers, self.plan = grids, dict(layers), None
+        self.grids, self.layers, self.plan = grids, dict(layers), plan
         first = next(m for m in walk(self) if m is not self and getattr(m, "input_spec", None) is not None)
         self.grid = first.input_spec[0]
         self.input_spec = (self.grid, Layout(("sample", None, None, None)))
