@@ -24,7 +24,6 @@ from cfp.io import check_writable, save_json
 from cfp.models import build_model
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
-from cfp.partition import block_range
 from cfp.train import train_step
 
 try:
@@ -78,7 +77,8 @@ def cfp_step_time(args, comm, spec, algorithm, x, y):
     model = build_model(args.model, grid, **config)
     loss_fn = SoftmaxCrossEntropy(grid)
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
-    lo, hi = block_range(len(x), grid.axis_size("sample"), grid.coord("sample"))
+    (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
+    lo, hi = rows.start, rows.stop
     seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x[lo:hi], y[lo:hi])),
                              args.steps, args.warmup)["total"]
     grid.free()
