@@ -5,9 +5,19 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import comm
+from . import backend, comm
 from .algorithms import make_conv
 from .tensor import DistTensor, check_blocks
+
+
+def prepare(world, json_path):
+    """What every benchmark does before its work: refuse a --json path that cannot be written
+    (on every rank alike, so nothing is measured in vain) and run one BLAS thread per rank."""
+    from .checks import alike_on_all_ranks
+    from .io import check_writable
+    if json_path:
+        alike_on_all_ranks(world, lambda: check_writable(json_path, "--json"))
+    backend.set_blas_threads(1)
 
 
 def slowest_median(world, step, repeats, warmup):

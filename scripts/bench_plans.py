@@ -17,12 +17,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from cfp import backend, cli
-from cfp.benchtools import slowest_median, timed
-from cfp.checks import alike_on_all_ranks, int_options
+from cfp import cli
+from cfp.benchtools import prepare, slowest_median, timed
+from cfp.checks import int_options
 from cfp.data import synthetic
 from cfp.grid import ProcessGrid, factorizations
-from cfp.io import check_writable, save_json
+from cfp.io import save_json
 from cfp.models import build_model, layer_shapes
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
@@ -83,9 +83,7 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     P = world.Get_size()
-    if args.json:
-        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
-    backend.set_blas_threads(1)
+    prepare(world, args.json)
     profile = MachineProfile.load(args.profile)
     arch = {"width": args.width, "in_channels": 1, "classes": 10, "image": args.image}
     if args.model == "wide":

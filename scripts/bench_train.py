@@ -14,13 +14,13 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from cfp import backend, cli
+from cfp import cli
 from cfp.algorithms import ALGORITHMS
-from cfp.benchtools import quiet_barrier, slowest_median, timed
-from cfp.checks import alike_on_all_ranks, int_options
+from cfp.benchtools import prepare, quiet_barrier, slowest_median, timed
+from cfp.checks import int_options
 from cfp.data import synthetic
 from cfp.grid import ProcessGrid, factorizations
-from cfp.io import check_writable, save_json
+from cfp.io import save_json
 from cfp.models import build_model
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
@@ -118,9 +118,7 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     P = world.Get_size()
-    if args.json:
-        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
-    backend.set_blas_threads(1)
+    prepare(world, args.json)
     x, y = synthetic(args.batch_size, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
     rows = []
 

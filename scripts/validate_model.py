@@ -15,11 +15,11 @@ import tracemalloc
 import numpy as np
 from mpi4py import MPI
 
-from cfp import backend, cli
-from cfp.checks import alike_on_all_ranks, finite_number, int_options
-from cfp.benchtools import measure_conv
+from cfp import cli
+from cfp.checks import finite_number, int_options
+from cfp.benchtools import measure_conv, prepare
 from cfp.grid import ProcessGrid
-from cfp.io import check_writable, save_json
+from cfp.io import save_json
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost
 from cfp.data import synthetic
 from cfp.models import build_model, layer_shapes
@@ -99,9 +99,7 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     P = world.Get_size()
-    if args.json:
-        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
-    backend.set_blas_threads(1)
+    prepare(world, args.json)
     profile = MachineProfile.load(args.profile)
     rng = np.random.default_rng(0)
     rows = []
