@@ -16,7 +16,7 @@ import operator
 from collections import namedtuple
 
 from cfp.backend import get_array_module
-from cfp.checks import float_dtype, int_pair
+from cfp.checks import float_dtype, int_pair, positive_int
 
 # A block of samples holds about this many output pixels: the rows of the forward GEMM and the
 # inner dimension of the backward-filter GEMM. OpenBLAS runs near its peak from about 512 on;
@@ -27,10 +27,14 @@ _BLOCK_ROWS = 1024
 _BLOCK_ELEMENTS = 1 << 20
 _CACHE_LINE_BYTES = 64
 
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
 ConvGeometry = namedtuple(
-    "ConvGeometry", "N C H W F Kh Kw sh sw ph pw Ho Wo", module=__name__
+    "ConvGeometry", "N C H W F Kh Kw sh sw pt pb pl pr dh dw G mode Ho Wo", module=__name__
 )
-ConvGeometry.__doc__ = """Sizes of one convolution: input, kernel, stride, padding and output."""
+ConvGeometry.__doc__ = """Sizes of one convolution: input (N, C, H, W), kernel (F, C/G, Kh, Kw),
+stride (sh, sw), padding top, bottom, left, right (pt, pb, pl, pr), dilation (dh, dw), groups G,
+padding mode, and output (Ho, Wo)."""
 
 
 def _shape4(shape, name, layout):
@@ -43,41 +47,83 @@ def _shape4(shape, name, layout):
     return dims
 
 
-def conv_geometry(x_shape, w_shape, stride=1, padding=0):
-    """The ConvGeometry of x_shape (N, C, H, W) convolved with w_shape (F, C, Kh, Kw).
+def _padding(padding, kernel, dilation, stride):
+    """(top, bottom, left, right) from an int, a pair, 'valid' or 'same' (PyTorch's meaning:
+    the output as large as the input at stride 1; with an even kernel the extra row and column
+    go to the bottom and the right)."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return 0, 0, 0, 0
+        if padding != "same":
+            raise ValueError(f"padding {padding!r} is not one of 'valid', 'same', an integer or a pair")
+        if stride != (1, 1):
+            raise ValueError(f"padding 'same' is not supported for strided convolutions (stride={stride})")
+        out = []
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            out += [total // 2, total - total // 2]
+        return tuple(out)
+    ph, pw = int_pair(padding, "padding", 0, "a non-negative integer, a pair, 'same' or 'valid'")
+    return ph, ph, pw, pw
 
-    Raises ValueError, naming the bad value, for a shape that is not 4-D, mismatched channels,
-    a non-positive stride, a negative padding or a kernel larger than the padded input.
+
+def conv_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """The ConvGeometry of x_shape (N, C, H, W) convolved with w_shape (F, C/groups, Kh, Kw),
+    with PyTorch's nn.Conv2d meanings of stride, padding, dilation, groups and padding_mode.
+
+    Raises ValueError, naming the bad value, for everything PyTorch rejects: a shape that is not
+    4-D, channels that do not match, groups that do not divide C and F, a non-positive stride or
+    dilation, a negative or unknown padding, 'same' with a stride, an unknown padding mode, a
+    reflection wider than the input or a wrap-around more than once, or a kernel larger than
+    the padded input.
     """
     N, C, H, W = _shape4(x_shape, "x", "(N, C, H, W)")
-    F, Cw, Kh, Kw = _shape4(w_shape, "w", "(F, C, Kh, Kw)")
-    if C != Cw:
+    F, Cw, Kh, Kw = _shape4(w_shape, "w", "(F, C / groups, Kh, Kw)")
+    G = positive_int(groups, "groups")
+    if C % G or F % G:
+        raise ValueError(f"groups={G} must divide the input channels C={C} and the filters F={F}")
+    if C // G != Cw:
+        grouped = f" ({C} channels in {G} groups)" if G > 1 else ""
         raise ValueError(
-            f"x has C={C} channels but w expects {Cw} (w.shape={tuple(w_shape)})"
+            f"x has C={C} channels but w expects {Cw * G}{grouped} (w.shape={tuple(w_shape)})"
         )
     sh, sw = int_pair(stride, "stride", 1, "a positive integer")
-    ph, pw = int_pair(padding, "padding", 0, "a non-negative integer")
-    if Kh < 1 or Kw < 1 or Kh > H + 2 * ph or Kw > W + 2 * pw:
+    dh, dw = int_pair(dilation, "dilation", 1, "a positive integer")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
+    pt, pb, pl, pr = _padding(padding, (Kh, Kw), (dh, dw), (sh, sw))
+    if padding_mode == "reflect" and (max(pt, pb) >= H and pt + pb or max(pl, pr) >= W and pl + pr):
+        raise ValueError(f"padding {(pt, pb, pl, pr)} (top, bottom, left, right) with padding_mode 'reflect' "
+                         f"must be smaller than the input {H}x{W}")
+    if padding_mode == "circular" and (max(pt, pb) > H or max(pl, pr) > W):
+        raise ValueError(f"padding {(pt, pb, pl, pr)} (top, bottom, left, right) with padding_mode 'circular' "
+                         f"wraps around the input {H}x{W} more than once")
+    if padding_mode == "replicate" and (H == 0 and pt + pb or W == 0 and pl + pr):
+        raise ValueError(f"padding_mode 'replicate' cannot pad an empty {H}x{W} input")
+    Hp, Wp = H + pt + pb, W + pl + pr
+    eh, ew = dh * (Kh - 1) + 1, dw * (Kw - 1) + 1  # the kernel's extent
+    if Kh < 1 or Kw < 1 or eh > Hp or ew > Wp:
+        dilated = f" with dilation {(dh, dw)} (extent {eh}x{ew})" if (dh, dw) != (1, 1) else ""
         raise ValueError(
-            f"kernel {Kh}x{Kw} does not fit the padded input {H + 2 * ph}x{W + 2 * pw} "
-            f"(H={H}, W={W}, padding={(ph, pw)}): each kernel side must be between 1 and the "
+            f"kernel {Kh}x{Kw}{dilated} does not fit the padded input {Hp}x{Wp} "
+            f"(H={H}, W={W}, padding={(pt, pb, pl, pr)}): each kernel side must be between 1 and the "
             f"padded input side"
         )
-    Ho = (H + 2 * ph - Kh) // sh + 1
-    Wo = (W + 2 * pw - Kw) // sw + 1
-    return ConvGeometry(N, C, H, W, F, Kh, Kw, sh, sw, ph, pw, Ho, Wo)
+    Ho = (Hp - eh) // sh + 1
+    Wo = (Wp - ew) // sw + 1
+    return ConvGeometry(N, C, H, W, F, Kh, Kw, sh, sw, pt, pb, pl, pr, dh, dw, G, padding_mode, Ho, Wo)
 
 
-def conv2d_output_shape(x_shape, w_shape, stride=1, padding=0):
-    """(N, F, Ho, Wo) of conv2d_forward on x_shape (N, C, H, W) and w_shape (F, C, Kh, Kw)."""
-    g = conv_geometry(x_shape, w_shape, stride, padding)
+def conv2d_output_shape(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """(N, F, Ho, Wo) of conv2d_forward on x_shape (N, C, H, W) and w_shape (F, C/groups, Kh, Kw)."""
+    g = conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
     return (g.N, g.F, g.Ho, g.Wo)
 
 
-def conv2d_flops(x_shape, w_shape, stride=1, padding=0):
-    """2 N C F Ho Wo Kh Kw: the multiply-adds, counted as 2 flops, of each of the three passes."""
-    g = conv_geometry(x_shape, w_shape, stride, padding)
-    return 2 * g.N * g.C * g.F * g.Ho * g.Wo * g.Kh * g.Kw
+def conv2d_flops(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """2 N (C/G) F Ho Wo Kh Kw: the multiply-adds, counted as 2 flops, of each of the three passes."""
+    g = conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    return 2 * g.N * (g.C // g.G) * g.F * g.Ho * g.Wo * g.Kh * g.Kw
 
 
 def _require_ndim4(array, name, layout):
@@ -99,15 +145,21 @@ def _require_dy(dy, g):
 
 
 def _is_pointwise(g):
-    """1x1 kernel, stride 1, no padding: x is its own patch matrix, no im2col needed."""
-    return (g.Kh, g.Kw, g.sh, g.sw, g.ph, g.pw) == (1, 1, 1, 1, 0, 0)
+    """1x1 kernel, stride 1, no padding, one group: x is its own patch matrix, no im2col needed."""
+    return (g.Kh, g.Kw, g.sh, g.sw, g.pt, g.pb, g.pl, g.pr, g.G) == (1, 1, 1, 1, 0, 0, 0, 0, 1)
+
+
+def _is_depthwise(g):
+    """One input channel per group (depthwise, with a channel multiplier F / C): a direct
+    kernel of Kh*Kw multiply-adds beats a GEMM per group."""
+    return g.G > 1 and g.C == g.G
 
 
 def _samples_per_block(g):
     """Samples per block: about _BLOCK_ROWS output pixels, at most _BLOCK_ELEMENTS patch values."""
     patch_elements = g.C * g.Kh * g.Kw * g.Ho * g.Wo
     by_size = _BLOCK_ELEMENTS // max(1, patch_elements)
-    by_rows = _BLOCK_ROWS // (g.Ho * g.Wo)
+    by_rows = _BLOCK_ROWS // max(1, g.Ho * g.Wo)
     return max(1, min(g.N, by_size, by_rows))
 
 
@@ -117,17 +169,21 @@ def _blocks(g):
     return [(start, min(step, g.N - start)) for start in range(0, g.N, step)]
 
 
+def _padded_size(g):
+    return g.H + g.pt + g.pb, g.W + g.pl + g.pr
+
+
 def _window(i, j, g):
-    """Index, in a (n, Hp, Wp, C) array, of the input pixels that kernel offset (i, j) meets."""
-    rows = slice(i, i + g.sh * (g.Ho - 1) + 1, g.sh)
-    cols = slice(j, j + g.sw * (g.Wo - 1) + 1, g.sw)
-    return (slice(None), rows, cols, slice(None))
+    """Index, in a (n, Hp, Wp, ...) array, of the input pixels that kernel offset (i, j) meets."""
+    rows = slice(i * g.dh, i * g.dh + g.sh * (g.Ho - 1) + 1, g.sh)
+    cols = slice(j * g.dw, j * g.dw + g.sw * (g.Wo - 1) + 1, g.sw)
+    return (slice(None), rows, cols)
 
 
-def _filter_matrix(w):
-    """w (F, C, Kh, Kw) as the (Kh*Kw*C, F) matrix that multiplies pixel patches."""
-    F, C, Kh, Kw = w.shape
-    return w.transpose(2, 3, 1, 0).reshape(Kh * Kw * C, F)
+def _filter_matrices(w, G):
+    """w (F, C/G, Kh, Kw) as G matrices (G, Kh*Kw*C/G, F/G) that multiply pixel patches."""
+    F, Cg, Kh, Kw = w.shape
+    return w.reshape(G, F // G, Cg, Kh, Kw).transpose(0, 3, 4, 2, 1).reshape(G, Kh * Kw * Cg, F // G)
 
 
 def _channel_major(a, start, n, out):
@@ -160,11 +216,12 @@ def _spread_planes(xp, shape, dtype):
 def _pixel_patches(x, g, xp):
     """Yield (start, n, patches) over the blocks of samples of x (N, C, H, W).
 
-    patches: (n*Ho*Wo, Kh*Kw*C), one row per output pixel of the block, holding the input values
-    its kernel window covers in (kernel row, kernel column, channel) order, so that
-    patches @ _filter_matrix(w) is the convolution. With OpenBLAS, GEMMs on these pixel rows run
-    near peak even for F = 64, where the classic (C*Kh*Kw, Ho*Wo) columns lose 15-25%.
-    The buffers are reused from block to block: consume each block before asking for the next.
+    patches: (G, n*Ho*Wo, Kh*Kw*C/G), for each group one row per output pixel of the block,
+    holding the input values its kernel window covers in (kernel row, kernel column, channel)
+    order, so that patches @ _filter_matrices(w) is the convolution. With OpenBLAS, GEMMs on
+    these pixel rows run near peak even for F = 64, where the classic (C*Kh*Kw, Ho*Wo) columns
+    lose 15-25%. The buffers are reused from block to block: consume each block before asking
+    for the next. x is zero-padded here (other padding modes are applied before).
     """
     blocks = _blocks(g)
     step = blocks[0][1] if blocks else 0
@@ -173,142 +230,284 @@ def _pixel_patches(x, g, xp):
         # (that copy moves whole rows of H*W values, a transposing one would not).
         x_by_channel = xp.empty((g.C, step * g.H * g.W), x.dtype)
         for start, n in blocks:
-            yield start, n, _channel_major(x, start, n, x_by_channel).T
+            yield start, n, _channel_major(x, start, n, x_by_channel).T[None]
         return
-    Hp, Wp = g.H + 2 * g.ph, g.W + 2 * g.pw
+    Hp, Wp = _padded_size(g)
+    G, Cg = g.G, g.C // g.G
     padded = _spread_planes(xp, (step, g.C, Hp, Wp), x.dtype)  # the border stays zero
     channel_last = xp.empty((step, Hp, Wp, g.C), x.dtype)
-    patches = xp.empty((step, g.Ho, g.Wo, g.Kh, g.Kw * g.C), x.dtype)
-    # In channel-last layout the Kw*C values of one kernel row are contiguous, so one strided
-    # view, (sample, output row, output column, kernel row, Kw*C), holds all the patches and a
-    # single copy gathers them (nine separate window copies cost twice as much for 3x3).
+    per_sample = g.Ho * g.Wo * g.Kh * g.Kw * Cg
+    patches = xp.empty((G, step * per_sample), x.dtype)  # sliced per block: views, never copies
+    # In channel-last layout one strided view, (group, sample, output row, output column,
+    # kernel row, kernel column, channel of the group), holds all the patches and a single copy
+    # gathers them (where a kernel row's Kw*C values are contiguous, at one group and no
+    # dilation, the copy runs over them as one; nine separate window copies cost twice as much).
     item = channel_last.itemsize
     row, column = Wp * g.C * item, g.C * item
-    window_strides = (Hp * row, g.sh * row, g.sw * column, row, item)
+    window_strides = (Cg * item, Hp * row, g.sh * row, g.sw * column, g.dh * row, g.dw * column, item)
     for start, n in blocks:
-        padded[:n, :, g.ph:g.ph + g.H, g.pw:g.pw + g.W] = x[start:start + n]
+        padded[:n, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x[start:start + n]
         channel_last[:n] = padded[:n].transpose(0, 2, 3, 1)
-        windows = xp.lib.stride_tricks.as_strided(channel_last, patches[:n].shape, window_strides)
-        patches[:n] = windows
-        yield start, n, patches[:n].reshape(n * g.Ho * g.Wo, g.Kh * g.Kw * g.C)
+        shape = (G, n, g.Ho, g.Wo, g.Kh, g.Kw, Cg)
+        target = patches[:, :n * per_sample]
+        target.reshape(shape)[...] = xp.lib.stride_tricks.as_strided(channel_last, shape, window_strides)
+        yield start, n, target.reshape(G, n * g.Ho * g.Wo, g.Kh * g.Kw * Cg)
 
 
-def conv2d_forward(x, w, b=None, stride=1, padding=0):
-    """y (N, F, Ho, Wo) = x (N, C, H, W) cross-correlated with w (F, C, Kh, Kw), plus b (F,).
+def _pad_index(extent, before, after, mode):
+    """For each position of an axis padded by (before, after) in `mode`, the input position
+    it copies: the padding modes of PyTorch (reflect without repeating the edge, replicate the
+    edge, circular wrap-around)."""
+    import numpy as np
+    i = np.arange(-before, extent + after)
+    if mode == "reflect":
+        period = 2 * (extent - 1) if extent > 1 else 1
+        i = np.abs(i) % period
+        return np.where(i >= extent, period - i, i)
+    if mode == "replicate":
+        return np.clip(i, 0, extent - 1)
+    return i % extent  # circular
 
-    stride and padding: an int or a pair (rows, columns); padding adds zeros. The dtype of y is
-    that of x and w combined (float32 stays float32). With C = 0, y is b broadcast (or zeros).
-    """
-    _require_ndim4(x, "x", "(N, C, H, W)")
-    _require_ndim4(w, "w", "(F, C, Kh, Kw)")
-    g = conv_geometry(x.shape, w.shape, stride, padding)
+
+def _pad_input(x, g, xp):
+    """x padded by the geometry's padding in its (non-zero) mode, and the geometry of a
+    convolution without padding over it."""
+    rows = xp.asarray(_pad_index(g.H, g.pt, g.pb, g.mode))
+    cols = xp.asarray(_pad_index(g.W, g.pl, g.pr, g.mode))
+    padded = xp.ascontiguousarray(x[:, :, rows][:, :, :, cols])
+    Hp, Wp = _padded_size(g)
+    return padded, g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
+
+
+def _fold_padding(d_padded, g, xp):
+    """The adjoint of _pad_input: the gradient of the padded input added back onto the input
+    positions each padded position copied."""
+    rows, cols = _pad_index(g.H, g.pt, g.pb, g.mode), _pad_index(g.W, g.pl, g.pr, g.mode)
+    by_rows = d_padded[:, :, g.pt:g.pt + g.H].copy()
+    for r in [*range(g.pt), *range(g.pt + g.H, len(rows))]:
+        by_rows[:, :, int(rows[r])] += d_padded[:, :, r]
+    out = by_rows[:, :, :, g.pl:g.pl + g.W].copy()
+    for c in [*range(g.pl), *range(g.pl + g.W, len(cols))]:
+        out[:, :, :, int(cols[c])] += by_rows[:, :, :, c]
+    return out
+
+
+def _check_bias(b, g):
     if b is not None and tuple(getattr(b, "shape", ())) != (g.F,):
         raise ValueError(
             f"b must have shape ({g.F},) to match the F={g.F} filters of w, got shape "
             f"{getattr(b, 'shape', None)!r}"
         )
+
+
+def conv2d_forward(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """y (N, F, Ho, Wo) = x (N, C, H, W) cross-correlated with w (F, C/groups, Kh, Kw), plus b (F,).
+
+    The arguments mean what they mean to PyTorch's nn.Conv2d: stride and dilation an int or a
+    pair (rows, columns); padding an int, a pair, 'valid' or 'same'; groups splitting C and F
+    into groups convolved separately (groups = C: depthwise); padding_mode 'zeros', 'reflect',
+    'replicate' or 'circular'. The dtype of y is that of x and w combined (float32 stays
+    float32). With C = 0, y is b broadcast (or zeros).
+    """
+    _require_ndim4(x, "x", "(N, C, H, W)")
+    _require_ndim4(w, "w", "(F, C / groups, Kh, Kw)")
+    g = conv_geometry(x.shape, w.shape, stride, padding, dilation, groups, padding_mode)
+    _check_bias(b, g)
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
-    x = xp.ascontiguousarray(x, dtype=dtype)
-    filter_matrix = xp.ascontiguousarray(_filter_matrix(w.astype(dtype, copy=False)))
+    return _forward(xp.ascontiguousarray(x, dtype=dtype), w.astype(dtype, copy=False), b, g, xp)
+
+
+def _forward(x, w, b, g, xp):
+    dtype = x.dtype
+    if g.mode != "zeros":
+        x, g = _pad_input(x, g, xp)
     y = xp.empty((g.N, g.F, g.Ho * g.Wo), dtype)
-    if _is_pointwise(g):
+    if _is_depthwise(g):
+        _depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
+    elif _is_pointwise(g):
         # Each sample's (C, H*W) slab of x is its patch matrix: no copy, y comes out in place.
-        xp.matmul(filter_matrix.T, x.reshape(g.N, g.C, g.H * g.W), out=y)
+        xp.matmul(_filter_matrices(w, 1)[0].T, x.reshape(g.N, g.C, g.H * g.W), out=y)
     else:
-        pixel_major = xp.empty((_samples_per_block(g) * g.Ho * g.Wo, g.F), dtype)
+        filters = xp.ascontiguousarray(_filter_matrices(w, g.G))  # (G, Kh*Kw*C/G, F/G)
+        Fg = g.F // g.G
+        pixel_major = xp.empty((g.G, _samples_per_block(g) * g.Ho * g.Wo, Fg), dtype)
         for start, n, patches in _pixel_patches(x, g, xp):
-            rows = pixel_major[:n * g.Ho * g.Wo]
-            xp.matmul(patches, filter_matrix, out=rows)
-            y[start:start + n] = rows.reshape(n, g.Ho * g.Wo, g.F).transpose(0, 2, 1)
+            rows = pixel_major[:, :n * g.Ho * g.Wo]
+            xp.matmul(patches, filters, out=rows)
+            y[start:start + n].reshape(n, g.G, Fg, g.Ho * g.Wo)[...] = \
+                rows.reshape(g.G, n, g.Ho * g.Wo, Fg).transpose(1, 0, 3, 2)
     if b is not None:
         y += xp.asarray(b, dtype=dtype).reshape(g.F, 1)
     return y.reshape(g.N, g.F, g.Ho, g.Wo)
 
 
-def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0):
+def _zero_padded(x, g, xp):
+    """x inside a zero border of the geometry's padding: (N, C, Hp, Wp)."""
+    Hp, Wp = _padded_size(g)
+    if (Hp, Wp) == (g.H, g.W):
+        return x
+    out = xp.zeros((g.N, g.C, Hp, Wp), x.dtype)
+    out[:, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x
+    return out
+
+
+def _depthwise_forward(x, w, g, xp, y):
+    """Depthwise y (N, F, Ho, Wo), F = k C: output channel c*k + m is input channel c
+    correlated with filter c*k + m, as Kh*Kw multiply-adds of whole (N, C, k, Ho, Wo) arrays."""
+    k = g.F // g.C
+    padded = _zero_padded(x, g, xp)
+    taps = w.reshape(g.C, k, g.Kh, g.Kw)
+    out = y.reshape(g.N, g.C, k, g.Ho, g.Wo)
+    out[...] = 0
+    scratch = xp.empty_like(out)
+    for i in range(g.Kh):
+        for j in range(g.Kw):
+            window = padded[(slice(None), slice(None)) + _window(i, j, g)[1:]]  # (N, C, Ho, Wo)
+            xp.multiply(window[:, :, None], taps[None, :, :, i, j, None, None], out=scratch)
+            out += scratch
+
+
+def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """dx (N, C, H, W): the gradient of the loss with respect to x, from dy (N, F, Ho, Wo).
 
     x_shape is needed because with a stride > 1 several input sizes give the same output size.
-    Input positions that no output position reads (stride > 1) get zero gradient.
+    Input positions that no output position reads (stride > 1) get zero gradient; under a
+    padding mode other than zeros, the gradients of the padded border go back to the input
+    positions the border copied.
     """
-    _require_ndim4(w, "w", "(F, C, Kh, Kw)")
-    g = conv_geometry(x_shape, w.shape, stride, padding)
+    _require_ndim4(w, "w", "(F, C / groups, Kh, Kw)")
+    g = conv_geometry(x_shape, w.shape, stride, padding, dilation, groups, padding_mode)
     _require_dy(dy, g)
     xp = get_array_module(dy, w)
     dtype = xp.result_type(dy.dtype, w.dtype)
     if g.N * g.C * g.H * g.W == 0:
         return xp.zeros((g.N, g.C, g.H, g.W), dtype)
+    dy = xp.ascontiguousarray(dy, dtype=dtype)
     w = w.astype(dtype, copy=False)
+    if g.mode != "zeros":
+        Hp, Wp = _padded_size(g)
+        inner = g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
+        return _fold_padding(_backward_data(dy, w, inner, xp), g, xp)
+    return _backward_data(dy, w, g, xp)
+
+
+def _backward_data(dy, w, g, xp):
+    if _is_depthwise(g):
+        return _depthwise_backward_data(dy, w, g, xp)
     if (g.sh, g.sw) == (1, 1):
-        return _full_convolution(dy.astype(dtype, copy=False), w, g)
-    return _col2im_backward_data(xp.ascontiguousarray(dy, dtype=dtype), w, g)
+        return _full_convolution(dy, w, g, xp)
+    return _col2im_backward_data(dy, w, g, xp)
 
 
-def _full_convolution(dy, w, g):
-    """Stride-1 dx as a forward convolution: dy padded by K-1-p (cropped where p > K-1) and
-    correlated with w flipped in space, its C and F swapped. This reuses the forward's cheap
-    im2col copies instead of col2im's overlapping adds."""
-    xp = get_array_module(dy, w)
-    pad_h, pad_w = g.Kh - 1 - g.ph, g.Kw - 1 - g.pw
-    # A padding larger than the kernel made output pixels that see only zeros: their dy
-    # reaches no input, so those rows and columns are cropped instead of padded.
-    crop_h, crop_w = max(0, -pad_h), max(0, -pad_w)
-    dy = dy[:, :, crop_h:g.Ho - crop_h, crop_w:g.Wo - crop_w]
-    flipped = xp.ascontiguousarray(w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
-    return conv2d_forward(dy, flipped, padding=(max(0, pad_h), max(0, pad_w)))
+def _full_convolution(dy, w, g, xp):
+    """Stride-1 dx as a forward convolution: dy padded by d(K-1) - p on each side (cropped where
+    that is negative) and correlated with w flipped in space, C and F swapped within each group,
+    at the same dilation. This reuses the forward's cheap im2col copies instead of col2im's
+    overlapping adds."""
+    sides = (g.dh * (g.Kh - 1) - g.pt, g.dh * (g.Kh - 1) - g.pb,
+             g.dw * (g.Kw - 1) - g.pl, g.dw * (g.Kw - 1) - g.pr)
+    # A padding larger than the kernel's extent made output pixels that see only zeros: their
+    # dy reaches no input, so those rows and columns are cropped instead of padded.
+    top, bottom, left, right = (max(0, -p) for p in sides)
+    dy = xp.ascontiguousarray(dy[:, :, top:g.Ho - bottom, left:g.Wo - right])
+    G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
+    flipped = w[:, :, ::-1, ::-1].reshape(G, Fg, Cg, g.Kh, g.Kw).transpose(0, 2, 1, 3, 4)
+    flipped = xp.ascontiguousarray(flipped.reshape(g.C, Fg, g.Kh, g.Kw))
+    pt, pb, pl, pr = (max(0, p) for p in sides)
+    N, _, Hs, Ws = dy.shape
+    full = ConvGeometry(N, g.F, Hs, Ws, g.C, g.Kh, g.Kw, 1, 1, pt, pb, pl, pr, g.dh, g.dw, G, "zeros",
+                        g.H, g.W)
+    return _forward(dy, flipped, None, full, xp)
 
 
-def _col2im_backward_data(dy, w, g):
-    """dx for any stride: the patch gradients dy^T @ _filter_matrix(w)^T of each sample, added
-    back (col2im) at the input pixels their patches were taken from."""
-    xp = get_array_module(dy, w)
-    filter_matrix_t = _filter_matrix(w).T  # (F, Kh*Kw*C) view
+def _col2im_backward_data(dy, w, g, xp):
+    """dx for any stride: the patch gradients dy^T @ _filter_matrices(w)^T of each sample and
+    group, added back (col2im) at the input pixels their patches were taken from."""
+    G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
+    filters_t = _filter_matrices(w, G).transpose(0, 2, 1)  # (G, F/G, Kh*Kw*C/G) view
     step = _samples_per_block(g)
-    patch_grads = xp.empty((step, g.Ho, g.Wo, g.Kh, g.Kw, g.C), dy.dtype)
-    channel_last = xp.empty((step, g.H + 2 * g.ph, g.W + 2 * g.pw, g.C), dy.dtype)
+    Hp, Wp = _padded_size(g)
+    rows_per_sample, row = g.Ho * g.Wo, g.Kh * g.Kw * Cg
+    patch_grads = xp.empty((G, step * rows_per_sample * row), dy.dtype)  # sliced per block: views
+    channel_last = xp.empty((step, Hp, Wp, G, Cg), dy.dtype)
     dx = xp.empty((g.N, g.C, g.H, g.W), dy.dtype)
     for start, n in _blocks(g):
-        xp.matmul(
-            dy[start:start + n].reshape(n, g.F, g.Ho * g.Wo).transpose(0, 2, 1),
-            filter_matrix_t,
-            out=patch_grads[:n].reshape(n, g.Ho * g.Wo, g.Kh * g.Kw * g.C),
-        )
+        flat = patch_grads[:, :n * rows_per_sample * row]
+        grads = flat.reshape(G, n, g.Ho, g.Wo, g.Kh, g.Kw, Cg)
+        dy_block = dy[start:start + n].reshape(n, G, Fg, rows_per_sample).transpose(1, 0, 3, 2)
+        xp.matmul(dy_block.reshape(G, n * rows_per_sample, Fg), filters_t,
+                  out=flat.reshape(G, n * rows_per_sample, row))
         # col2im: every kernel offset adds its patch gradients back where its patches came from
         # (overlapping windows accumulate), then the padding border is dropped.
         target = channel_last[:n]
         target.fill(0)
         for i in range(g.Kh):
             for j in range(g.Kw):
-                target[_window(i, j, g)] += patch_grads[:n, :, :, i, j, :]
-        interior = target[:, g.ph:g.ph + g.H, g.pw:g.pw + g.W, :]
+                target[_window(i, j, g)] += grads[:, :, :, :, i, j, :].transpose(1, 2, 3, 0, 4)
+        interior = target[:, g.pt:g.pt + g.H, g.pl:g.pl + g.W].reshape(n, g.H, g.W, g.C)
         dx[start:start + n] = interior.transpose(0, 3, 1, 2)
     return dx
 
 
-def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0):
-    """dw (F, C, Kh, Kw): the gradient of the loss with respect to w, from x and dy (N, F, Ho, Wo).
+def _depthwise_backward_data(dy, w, g, xp):
+    """dx of the depthwise kernel: each tap sends dy * w back to the window it read."""
+    k = g.F // g.C
+    Hp, Wp = _padded_size(g)
+    d_padded = xp.zeros((g.N, g.C, Hp, Wp), dy.dtype)
+    taps = w.reshape(g.C, k, g.Kh, g.Kw)
+    grads = dy.reshape(g.N, g.C, k, g.Ho, g.Wo)
+    for i in range(g.Kh):
+        for j in range(g.Kw):
+            window = (slice(None), slice(None)) + _window(i, j, g)[1:]
+            d_padded[window] += (grads * taps[None, :, :, i, j, None, None]).sum(axis=2)
+    return xp.ascontiguousarray(d_padded[:, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W])
 
-    w_shape gives the kernel size (Kh, Kw). With N = 0, dw is zeros.
+
+def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """dw (F, C/groups, Kh, Kw): the gradient of the loss with respect to w, from x and dy
+    (N, F, Ho, Wo). w_shape gives the kernel size (Kh, Kw). With N = 0, dw is zeros.
     """
     _require_ndim4(x, "x", "(N, C, H, W)")
-    g = conv_geometry(x.shape, w_shape, stride, padding)
+    g = conv_geometry(x.shape, w_shape, stride, padding, dilation, groups, padding_mode)
     _require_dy(dy, g)
     xp = get_array_module(x, dy)
     dtype = xp.result_type(x.dtype, dy.dtype)
     x = xp.ascontiguousarray(x, dtype=dtype)
     dy = xp.ascontiguousarray(dy, dtype=dtype)
-    # dw as (F, Kh*Kw*C) = sum over blocks of dy_block @ patches, one GEMM per block whose inner
-    # dimension runs over all the block's output pixels.
-    dw_matrix = xp.zeros((g.F, g.Kh * g.Kw * g.C), dtype)
+    if g.mode != "zeros":
+        x, g = _pad_input(x, g, xp)
+    G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
+    if _is_depthwise(g):
+        return _depthwise_backward_filter(x, dy, g, xp)
+    # dw as (G, F/G, Kh*Kw*C/G) = sum over blocks of dy_block @ patches, one GEMM per block and
+    # group whose inner dimension runs over all the block's output pixels.
+    dw_matrix = xp.zeros((G, Fg, g.Kh * g.Kw * Cg), dtype)
     product = xp.empty_like(dw_matrix)
     dy_by_filter = xp.empty((g.F, _samples_per_block(g) * g.Ho * g.Wo), dtype)
     for start, n, patches in _pixel_patches(x, g, xp):
-        dy_block = _channel_major(dy, start, n, dy_by_filter)  # (F, n*Ho*Wo)
+        dy_block = _channel_major(dy, start, n, dy_by_filter).reshape(G, Fg, n * g.Ho * g.Wo)
         xp.matmul(dy_block, patches, out=product)
         dw_matrix += product
-    dw = dw_matrix.reshape(g.F, g.Kh, g.Kw, g.C).transpose(0, 3, 1, 2)
-    return xp.ascontiguousarray(dw)
+    dw = dw_matrix.reshape(G, Fg, g.Kh, g.Kw, Cg).transpose(0, 1, 4, 2, 3)
+    return xp.ascontiguousarray(dw.reshape(g.F, Cg, g.Kh, g.Kw))
+
+
+def _depthwise_backward_filter(x, dy, g, xp):
+    """dw of the depthwise kernel: each tap's gradient is dy times the window it read, summed
+    over samples and positions."""
+    k = g.F // g.C
+    padded = _zero_padded(x, g, xp)
+    # (C, k, N*Ho*Wo): each channel's gradients, its samples side by side
+    grads = xp.ascontiguousarray(dy.reshape(g.N, g.C, k, g.Ho * g.Wo).transpose(1, 2, 0, 3)).reshape(g.C, k, -1)
+    dw = xp.empty((g.C, k, g.Kh, g.Kw), dy.dtype)
+    window = xp.empty((g.C, g.N, g.Ho, g.Wo), dy.dtype)
+    for i in range(g.Kh):
+        for j in range(g.Kw):
+            window[...] = padded[(slice(None), slice(None)) + _window(i, j, g)[1:]].transpose(1, 0, 2, 3)
+            # (C, k, N*P) @ (C, N*P, 1): one batched GEMV per channel
+            dw[:, :, i, j] = xp.matmul(grads, window.reshape(g.C, -1, 1))[:, :, 0]
+    return dw.reshape(g.F, 1, g.Kh, g.Kw)
 
 
 def conv2d_backward_bias(dy):

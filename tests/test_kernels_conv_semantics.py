@@ -1,0 +1,227 @@
+"""nn.Conv2d's full semantics in the local kernels: dilation, groups (depthwise with a channel
+multiplier), 'same' and 'valid' and asymmetric padding, the four padding modes, pairs of every
+argument, and empty batches; the fast kernels against the plain-loop twin (float64, 1e-12) and,
+where PyTorch is installed, against torch.nn.functional (values, gradients and refusals)."""
+import random
+
+import numpy as np
+import pytest
+
+from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_flops,
+                         conv2d_forward, conv2d_output_shape)
+from cfp.kernels.conv import PADDING_MODES
+from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
+                                        conv2d_forward_loop)
+from test_kernels_conv import relative_error
+
+TOLERANCE = 1e-12
+
+
+def _valid(case):
+    try:
+        conv2d_output_shape(case["x"], case["w"], **case["args"])
+        return True
+    except ValueError:
+        return False
+
+
+def _make_cases(count=160, seed=11):
+    """Random small grouped, dilated, padded convolutions, every option alone and combined."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        G = rng.choice([1, 1, 2, 3, 4])
+        depthwise = G > 1 and rng.random() < 0.35
+        Cg = 1 if depthwise else rng.randint(1, 3)
+        Fg = rng.randint(1, 3)
+        K = (rng.randint(1, 4), rng.randint(1, 4)) if rng.random() < 0.3 else (rng.choice([1, 2, 3, 4, 5]),) * 2
+        stride = rng.choice([1, 1, 2, (2, 1), (1, 2)])
+        dilation = rng.choice([1, 1, 2, (1, 2), (2, 1)])
+        padding = rng.choice([0, 1, 2, (1, 0), (0, 2), "valid"] + (["same"] * 3 if stride == 1 else []))
+        mode = rng.choice(PADDING_MODES)
+        N = rng.choice([0, 1, 2, 3]) if rng.random() < 0.1 else rng.choice([1, 2, 3])
+        H, W = rng.randint(1, 8), rng.randint(1, 8)
+        case = {"x": (N, G * Cg, H, W), "w": (G * Fg, Cg) + K,
+                "args": {"stride": stride, "padding": padding, "dilation": dilation, "groups": G,
+                         "padding_mode": mode}}
+        if _valid(case):
+            cases.append(case)
+    return cases
+
+
+CASES = _make_cases()
+
+
+def _id(case):
+    a = case["args"]
+    return (f"x{'x'.join(map(str, case['x']))}-w{'x'.join(map(str, case['w']))}-s{a['stride']}-p{a['padding']}"
+            f"-d{a['dilation']}-g{a['groups']}-{a['padding_mode']}").replace(" ", "")
+
+
+def _problem(case, seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    y_shape = conv2d_output_shape(case["x"], case["w"], **case["args"])
+    x, w, dy = (rng.standard_normal(s).astype(dtype) for s in (case["x"], case["w"], y_shape))
+    return x, w, rng.standard_normal(case["w"][0]).astype(dtype), dy
+
+
+def test_cases_cover_every_option():
+    seen = {"groups": set(), "mode": set(), "padding": set(), "dilation": set(), "stride": set(),
+            "kernel": set(), "depthwise multiplier": set()}
+    for c in CASES:
+        a = c["args"]
+        seen["groups"].add(a["groups"])
+        seen["mode"].add(a["padding_mode"])
+        seen["padding"].add(str(a["padding"]))
+        seen["dilation"].add(str(a["dilation"]))
+        seen["stride"].add(str(a["stride"]))
+        seen["kernel"].update(c["w"][2:])
+        if a["groups"] > 1 and c["x"][1] == a["groups"]:
+            seen["depthwise multiplier"].add(c["w"][0] // a["groups"])
+    assert seen["groups"] == {1, 2, 3, 4}
+    assert seen["mode"] == set(PADDING_MODES)
+    assert {"same", "valid", "0", "1", "2", "(1, 0)", "(0, 2)"} <= seen["padding"]
+    assert {"1", "2", "(1, 2)", "(2, 1)"} <= seen["dilation"] and {"1", "2", "(2, 1)"} <= seen["stride"]
+    assert {1, 2, 3, 4, 5} <= seen["kernel"]  # odd and even kernels
+    assert {1, 2, 3} <= seen["depthwise multiplier"]
+    assert any(c["x"][0] == 0 for c in CASES)  # an empty batch
+    assert any(c["args"]["padding"] == "same" and c["w"][2] % 2 == 0 and c["args"]["padding_mode"] != "zeros"
+               for c in CASES)  # asymmetric padding in a non-zero mode
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_fast_kernels_match_the_loops(case):
+    x, w, b, dy = _problem(case)
+    a = case["args"]
+    checks = [
+        ("y", conv2d_forward(x, w, b, **a), conv2d_forward_loop(x, w, b, **a)),
+        ("dx", conv2d_backward_data(dy, w, x.shape, **a), conv2d_backward_data_loop(dy, w, x.shape, **a)),
+        ("dw", conv2d_backward_filter(x, dy, w.shape, **a), conv2d_backward_filter_loop(x, dy, w.shape, **a)),
+    ]
+    for name, actual, expected in checks:
+        assert actual.shape == expected.shape and actual.dtype == np.float64, name
+        assert relative_error(actual, expected) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("case", CASES[::8], ids=_id)
+def test_float32_stays_close(case):
+    x, w, b, dy = _problem(case)
+    a = case["args"]
+    single = [v.astype(np.float32) for v in (x, w, b, dy)]
+    pairs = [(conv2d_forward(*single[:3], **a), conv2d_forward(x, w, b, **a)),
+             (conv2d_backward_data(single[3], single[1], x.shape, **a), conv2d_backward_data(dy, w, x.shape, **a)),
+             (conv2d_backward_filter(single[0], single[3], w.shape, **a), conv2d_backward_filter(x, dy, w.shape, **a))]
+    for r32, r64 in pairs:
+        assert r32.dtype == np.float32
+        assert relative_error(r32.astype(np.float64), r64) < 1e-5
+
+
+def test_same_padding_puts_the_extra_row_and_column_last():
+    """An even kernel under 'same': PyTorch's choice, total // 2 before and the rest after."""
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 3, 3] = 1.0
+    w = np.zeros((1, 1, 2, 2))
+    w[0, 0, 1, 1] = 1.0  # y[i, j] is the padded input at (i + 1, j + 1)
+    y = conv2d_forward(x, w, padding="same")
+    # padding (0, 1, 0, 1): y[i, j] = x[i + 1, j + 1], and the last row and column read zeros
+    assert y.shape == (1, 1, 4, 4) and y[0, 0, 2, 2] == 1.0 and y.sum() == 1.0
+    assert conv2d_output_shape((2, 4, 7, 6), (4, 1, 4, 3), padding="same", dilation=(1, 2), groups=4) == (2, 4, 7, 6)
+
+
+def test_flops_divide_by_groups():
+    assert conv2d_flops((2, 8, 6, 6), (8, 2, 3, 3), padding=1, groups=4) == 2 * 2 * 2 * 8 * 6 * 6 * 9
+
+
+X = np.zeros((2, 4, 5, 5))
+
+
+@pytest.mark.parametrize("kwargs,w_shape,message", [
+    ({"groups": 3}, (6, 1, 3, 3), "groups=3 must divide the input channels C=4 and the filters F=6"),
+    ({"groups": 2}, (6, 1, 3, 3), r"x has C=4 channels but w expects 2 \(4 channels in 2 groups\)"),
+    ({"groups": 0}, (4, 4, 3, 3), "groups must be a positive integer, got 0"),
+    ({"padding": "same", "stride": 2}, (4, 4, 3, 3), "padding 'same' is not supported for strided convolutions"),
+    ({"padding": "full"}, (4, 4, 3, 3), "padding 'full' is not one of 'valid', 'same'"),
+    ({"padding": -1}, (4, 4, 3, 3), "padding must be a non-negative integer"),
+    ({"dilation": 0}, (4, 4, 3, 3), "dilation must be a positive integer"),
+    ({"dilation": 3}, (4, 4, 3, 3), r"kernel 3x3 with dilation \(3, 3\) \(extent 7x7\) does not fit the padded input 5x5"),
+    ({"padding_mode": "mirror"}, (4, 4, 3, 3), "padding_mode 'mirror' is not one of zeros, reflect, replicate, circular"),
+    ({"padding": 5, "padding_mode": "reflect"}, (4, 4, 3, 3), "with padding_mode 'reflect' must be smaller than the input 5x5"),
+    ({"padding": 6, "padding_mode": "circular"}, (4, 4, 3, 3), "wraps around the input 5x5 more than once"),
+])
+def test_refusals_name_the_value(kwargs, w_shape, message):
+    with pytest.raises(ValueError, match=message):
+        conv2d_forward(X, np.zeros(w_shape), **kwargs)
+
+
+@pytest.fixture
+def torch():
+    """PyTorch, the optional independent oracle; the test skips where it is not installed."""
+    return pytest.importorskip("torch")
+
+
+def _torch_conv(torch, x, w, b, args):
+    """torch.nn.functional's convolution with nn.Conv2d's handling of padding_mode."""
+    F = torch.nn.functional
+    a = dict(args)
+    mode, padding = a.pop("padding_mode"), a.pop("padding")
+    if mode == "zeros":
+        return F.conv2d(x, w, b, padding=padding, **a)
+    kh, kw = w.shape[2:]
+    dh, dw = (a["dilation"],) * 2 if isinstance(a["dilation"], int) else a["dilation"]
+    if padding == "same":
+        sides = []
+        for k, d in ((kw, dw), (kh, dh)):
+            total = d * (k - 1)
+            sides += [total // 2, total - total // 2]
+    elif padding == "valid":
+        sides = [0, 0, 0, 0]
+    else:
+        ph, pw = (padding, padding) if isinstance(padding, int) else padding
+        sides = [pw, pw, ph, ph]
+    return F.conv2d(F.pad(x, sides, mode=mode), w, b, padding=0, **a)
+
+
+@pytest.mark.parametrize("case", CASES[::4], ids=_id)
+def test_matches_torch(torch, case):
+    x, w, b, dy = _problem(case, seed=5)
+    a = case["args"]
+    tx, tw, tb = (torch.tensor(v, requires_grad=True) for v in (x, w, b))
+    ty = _torch_conv(torch, tx, tw, tb, a)
+    ty.backward(torch.tensor(dy))
+    assert relative_error(conv2d_forward(x, w, b, **a), ty.detach().numpy()) < 1e-12
+    assert relative_error(conv2d_backward_data(dy, w, x.shape, **a), tx.grad.numpy()) < 1e-12
+    assert relative_error(conv2d_backward_filter(x, dy, w.shape, **a), tw.grad.numpy()) < 1e-12
+    assert relative_error(conv2d_backward_bias(dy), tb.grad.numpy()) < 1e-12
+
+
+def test_refuses_what_torch_refuses(torch):
+    """Over random argument combinations (including invalid ones), cfp raises exactly where
+    nn.Conv2d's computation raises."""
+    rng = random.Random(3)
+    disagreements, refused = [], 0
+    for _ in range(400):
+        C, F, G = rng.choice([2, 4, 6]), rng.choice([2, 3, 4]), rng.choice([1, 2, 3])
+        K = rng.choice([1, 2, 3, 5])
+        H = rng.choice([1, 2, 3, 5])
+        args = {"stride": rng.choice([1, 2]), "padding": rng.choice([0, 1, 2, 3, 5, "same", "valid"]),
+                "dilation": rng.choice([1, 2, 3]), "groups": G, "padding_mode": rng.choice(PADDING_MODES)}
+        Cg = max(1, C // G)
+        x, w = np.zeros((1, C, H, H)), np.zeros((F, Cg, K, K))
+        try:
+            conv2d_forward(x, w, **args)
+            ours = None
+        except ValueError as e:
+            ours = str(e)
+        try:
+            theirs_layer = torch.nn.Conv2d(C, F, K, stride=args["stride"], padding=args["padding"],
+                                           dilation=args["dilation"], groups=G, padding_mode=args["padding_mode"],
+                                           bias=False).double()
+            theirs_layer(torch.zeros(1, C, H, H, dtype=torch.float64))
+            theirs = None
+        except (ValueError, RuntimeError) as e:
+            theirs = str(e)
+        if (ours is None) != (theirs is None):
+            disagreements.append((C, F, K, H, args, ours, theirs))
+        refused += ours is not None
+    assert not disagreements, disagreements[:5]
+    assert 50 < refused < 350  # both outcomes were tried
