@@ -20,9 +20,9 @@ import math
 import numpy as np
 
 from .grid import AXES, coords_of
-from .partition import check_filter_groups, gather_group, scatter_group, union_of_blocks
+from .partition import block_range, check_filter_groups, gather_group, scatter_group, union_of_blocks
 
-PARTS = ("block", "row", "column")
+PARTS = ("block", "row", "column", "groups")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,9 @@ class Shard:
     part 'block': coordinate c holds block c. With `groups` = p_f (stationary-w's P = q x p_f
     arrangement, coordinate c at (row, column) = divmod(c, p_f)), part 'row' holds the p_f
     blocks of c's row and part 'column' the q blocks of c's column: a union of blocks, strided
-    for a column (partition.gather_group, scatter_group).
+    for a column (partition.gather_group, scatter_group). Part 'groups' (a grouped
+    convolution's channels or filters, `groups` = G equal groups of the dimension) holds whole
+    groups: coordinate c the groups of block c of G over P.
     """
     axis: str
     part: str = "block"
@@ -45,9 +47,14 @@ class Shard:
             raise ValueError(f"unknown shard part {self.part!r}; expected one of {', '.join(PARTS)}")
         if self.part == "block" and self.groups != 1:
             raise ValueError("a 'block' shard has no filter groups")
+        if self.part == "groups" and self.groups < 1:
+            raise ValueError(f"a 'groups' shard needs a positive number of groups, got {self.groups}")
 
     def blocks(self, parts, coord):
-        """The block numbers (of `parts` blocks) coordinate `coord` holds, in increasing order."""
+        """The block numbers (of `parts` blocks) coordinate `coord` holds, in increasing order;
+        for part 'groups', the groups (of `groups`)."""
+        if self.part == "groups":
+            return list(range(*block_range(self.groups, parts, coord)))
         if self.part == "block":
             return [coord]
         check_filter_groups(parts, self.groups)
@@ -56,14 +63,18 @@ class Shard:
 
     def holders(self, parts):
         """Coordinates whose blocks are disjoint and cover the dimension (one per shard)."""
-        if self.part == "block":
+        if self.part in ("block", "groups"):
             return range(parts)
         if self.part == "row":
             return range(0, parts, self.groups)
         return range(self.groups)
 
     def __str__(self):
-        return self.axis if self.part == "block" else f"{self.axis}/{self.part}(p_f={self.groups})"
+        if self.part == "block":
+            return self.axis
+        if self.part == "groups":
+            return f"{self.axis}/groups({self.groups})"
+        return f"{self.axis}/{self.part}(p_f={self.groups})"
 
 
 def _as_dim(d):
@@ -94,7 +105,7 @@ class Layout:
             if len(shards) > 1 and not pair:
                 raise ValueError(f"layout {self._text()} splits {len(shards)} dimensions over grid axis "
                                  f"{axis!r}; only a row and a column of one p_f may share an axis")
-            if axis in self.partial and (len(shards) > 1 or shards[0].part == "block"):
+            if axis in self.partial and (len(shards) > 1 or shards[0].part in ("block", "groups")):
                 raise ValueError(f"layout {self._text()} both splits and sums over grid axis {axis!r} "
                                  f"(only the copies of a row or a column shard can be summands)")
 
@@ -118,7 +129,7 @@ class Layout:
         """Grid axes along which some ranks hold the same indices: the replica axes, and an axis
         that only a row or only a column shard uses (the ranks of a column hold one set)."""
         normal = self.on(grid)
-        alone = [d.axis for d in normal.dims if d is not None and d.part != "block"
+        alone = [d.axis for d in normal.dims if d is not None and d.part in ("row", "column")
                  and sum(e is not None and e.axis == d.axis for e in normal.dims) == 1]
         return [a for a in AXES if a in alone or a in self.replica_axes(grid)]
 
@@ -129,7 +140,7 @@ class Layout:
         for a in self.partial:
             d = next((d for d in self.dims if d is not None and d.axis == a), None)
             c = coords.get(a, 0)
-            position = c if d is None else c // d.groups if d.part == "column" else c % d.groups
+            position = c if d is None else c // d.groups if d.part == "column" else c % d.groups  # row
             if position:
                 return False
         return True
@@ -154,7 +165,11 @@ class Layout:
         def kept(d):  # a column of p_f = 1 and a row of p_f = P hold every block: whole
             return d is not None and shape[d.axis] > 1 and not (
                 d.part == "column" and d.groups == 1 or d.part == "row" and d.groups == shape[d.axis])
-        return Layout([d if kept(d) else None for d in self.dims], [a for a in self.partial if shape[a] > 1])
+
+        def plain(d):  # whole groups, P dividing G: the balanced blocks themselves
+            return Shard(d.axis) if d.part == "groups" and d.groups % shape[d.axis] == 0 else d
+        return Layout([plain(d) if kept(d) else None for d in self.dims],
+                      [a for a in self.partial if shape[a] > 1])
 
     def head(self, ndim):
         """The layout of the first `ndim` dimensions (GlobalAvgPool2d's (n, C) from NCHW)."""
@@ -174,9 +189,11 @@ class Layout:
             raise ValueError(f"{what}: layout {self} has {self.ndim} dimensions, the tensor has shape "
                              f"{tuple(global_shape)}")
         shape = _shape(grid)
-        for d in self.dims:
-            if d is not None and d.part != "block":
+        for extent, d in zip(global_shape, self.dims):
+            if d is not None and d.part in ("row", "column"):
                 check_filter_groups(shape[d.axis], d.groups)
+            if d is not None and d.part == "groups" and extent % d.groups:
+                raise ValueError(f"{what}: layout {self} cuts dimension of {extent} into {d.groups} equal groups")
 
     def is_primary(self, grid, coords):
         """True for one rank of every set of replicas (coordinate 0 along the replica axes):
@@ -224,6 +241,13 @@ def _indices(layout, global_shape, shape_key, coords_key):
             out.append(range(extent))
             continue
         parts = shape[d.axis]
+        if d.part == "groups":
+            if extent % d.groups:
+                raise ValueError(f"layout {layout}: {extent} is not {d.groups} equal groups")
+            size = extent // d.groups
+            held = d.blocks(parts, coords[d.axis])
+            out.append(range(held[0] * size, (held[-1] + 1) * size) if held else range(0))
+            continue
         ix = union_of_blocks(extent, parts, d.blocks(parts, coords[d.axis]))
         contiguous = not ix or ix[-1] - ix[0] + 1 == len(ix)
         out.append(range(ix[0], ix[-1] + 1) if contiguous and ix else range(0) if not ix else tuple(ix))

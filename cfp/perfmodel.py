@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 
-from .algorithms import ALGORITHMS
+from .algorithms import algorithm_class
 from .comm import PHASES as LEDGER_PHASES
 from .grid import parse_grid_spec
 from .io import load_json
@@ -40,7 +40,8 @@ def _allreduce(count, p, me, itemsize):
 
 
 def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0,
-                  filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8):
+                  filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8,
+                  dilation=1, groups=1, padding_mode="zeros"):
     """{phase: (bytes sent, bytes received)} of one forward and backward pass of a convolution.
 
     x_shape (N, C, H, W) and w_shape (F, C, Kh, Kw) are global; `grid` is a spec or dict of
@@ -50,18 +51,17 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     backward-filter, allgather dy within the column; backward-data, reduce-scatter dx within
     the row; gradient-sync, allreduce the dw and db shards over the P_n ranks sharing them.
     input_whole: x holds all C channels (no gather); need_dx=False: no backward-data (both
-    so for the network's first layer).
+    so for the network's first layer). w_shape is (F, C/groups, Kh, Kw); a grouped layer under
+    channel/filter parallelism moves only its gradient (algorithms/grouped.py).
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    cls = algorithm_class(algorithm, groups)
     sizes = parse_grid_spec(grid)
     P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
     s, c = coords.get("sample", 0), coords.get("channel", 0)
     N, C, H, W = x_shape
-    F, _, Kh, Kw = w_shape
-    _, _, Ho, Wo = conv2d_output_shape(x_shape, w_shape, stride, padding)
+    F, Cg, Kh, Kw = w_shape
+    _, _, Ho, Wo = conv2d_output_shape(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
     n = block_size(N, P_n, s)
-    cls = ALGORITHMS[algorithm]
     p_f = filter_groups_of(algorithm, P_c, filter_groups)
     row, column = gather_group(c, P_c, p_f), scatter_group(c, P_c, p_f)
     blocks = {  # per group: (the members' block sizes, this rank's place, bytes per unit)
@@ -69,7 +69,10 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
         "column": ([block_size(F, P_c, k) for k in column], column.index(c), n * Ho * Wo * itemsize),
     }
     if cls.weight_replicated:
-        w_count = F * C * Kh * Kw + (F if bias else 0)
+        w_count = F * Cg * Kh * Kw + (F if bias else 0)
+    elif groups > 1:  # whole groups per channel rank
+        filters = block_size(groups, P_c, c) * (F // groups)
+        w_count = filters * Cg * Kh * Kw + (filters if bias else 0)
     else:
         w_count = (len(union_of_blocks(F, P_c, column)) * len(union_of_blocks(C, P_c, row)) * Kh * Kw
                    + (block_size(F, P_c, c) if bias else 0))
@@ -129,7 +132,8 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
-    """One convolution: global batch N, C -> F channels, H x W input, K x K kernel."""
+    """One convolution: global batch N, C -> F channels, H x W input, K x K kernel, and
+    nn.Conv2d's stride, padding, dilation and groups (each filter sees C / groups channels)."""
     name: str
     N: int
     C: int
@@ -141,20 +145,24 @@ class LayerShape:
     padding: int = None  # default K // 2
     first: bool = False  # the network's first layer: its input whole over the channel axis, no dx
     normed: bool = False  # followed by batch norm and ReLU, which keep x-hat and a mask of its output
+    dilation: int = 1
+    groups: int = 1
 
     @property
     def pad(self):
-        return self.K // 2 if self.padding is None else self.padding
+        return self.dilation * (self.K // 2) if self.padding is None else self.padding
 
     @property
     def out_hw(self):
-        return ((self.H + 2 * self.pad - self.K) // self.stride + 1,
-                (self.W + 2 * self.pad - self.K) // self.stride + 1)
+        extent = self.dilation * (self.K - 1) + 1
+        return ((self.H + 2 * self.pad - extent) // self.stride + 1,
+                (self.W + 2 * self.pad - extent) // self.stride + 1)
 
     def flops(self, n=None, c=None, f=None):
-        """2 n c f H' W' K^2: one pass over n samples, c channels, f filters (default: all)."""
+        """2 n c f H' W' K^2: one pass over n samples, f filters that each see c channels
+        (default: all samples and filters, C / groups channels)."""
         Ho, Wo = self.out_hw
-        return 2 * (self.N if n is None else n) * (self.C if c is None else c) * \
+        return 2 * (self.N if n is None else n) * (self.C // self.groups if c is None else c) * \
             (self.F if f is None else f) * Ho * Wo * self.K * self.K
 
 
@@ -251,15 +259,20 @@ def _kernel_point(point):
 
 def _shard_sizes(layer, algorithm, P_n, P_c, p_f):
     """With p_f resolved (partition.filter_groups_of), the busiest rank's (n, x channels,
-    gathered channels, filters computed, y filters, weight elements): the first block of each
-    partition is the largest."""
+    gathered channels, filters computed, y filters, weight elements, channels each filter
+    sees): the first block of each partition is the largest."""
     n = block_size(layer.N, P_n, 0)
+    K2, G = layer.K ** 2, layer.groups
+    Cg, Fg = layer.C // G, layer.F // G
     if algorithm == "sample":
-        return n, layer.C, layer.C, layer.F, layer.F, layer.F * layer.C * layer.K ** 2
+        return n, layer.C, layer.C, layer.F, layer.F, layer.F * Cg * K2, Cg
+    if G > 1:  # whole groups per channel rank (algorithms/grouped.py)
+        own = block_size(G, P_c, 0)
+        return n, layer.C if layer.first else own * Cg, own * Cg, own * Fg, own * Fg, own * Fg * Cg * K2, Cg
     rows = len(union_of_blocks(layer.C, P_c, gather_group(0, P_c, p_f)))
     cols = len(union_of_blocks(layer.F, P_c, scatter_group(0, P_c, p_f)))
     x_channels = layer.C if layer.first else block_size(layer.C, P_c, 0)
-    return n, x_channels, rows, cols, block_size(layer.F, P_c, 0), cols * rows * layer.K ** 2
+    return n, x_channels, rows, cols, block_size(layer.F, P_c, 0), cols * rows * K2, rows
 
 
 def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1):
@@ -272,14 +285,14 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     p_f = filter_groups_of(algorithm, P_c, p_f)
     q = P_c // p_f
     item = profile.itemsize
-    n, x_channels, rows, cols, y_filters, w_count = _shard_sizes(layer, algorithm, P_n, P_c, p_f)
+    n, x_channels, rows, cols, y_filters, w_count, seen = _shard_sizes(layer, algorithm, P_n, P_c, p_f)
     Ho, Wo = layer.out_hw
     x_bytes, y_bytes = n * rows * layer.H * layer.W * item, n * cols * Ho * Wo * item
     per_node = profile.ranks_per_node
     row_intra = p_f <= per_node
     column_intra = (q - 1) * p_f + 1 <= per_node
     grad_intra = P_n * P_c <= per_node
-    flops, pixels = layer.flops(n, rows, cols), n * Ho * Wo
+    flops, pixels = layer.flops(n, seen, cols), n * Ho * Wo
     compute = {"forward": profile.kernel_time("forward", layer.K, flops, pixels),
                "backward-filter": profile.kernel_time("backward-filter", layer.K, flops, pixels),
                "backward-data": 0.0 if layer.first else
@@ -287,7 +300,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     comm = {phase: 0.0 for phase in PHASES}
     groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n, grad_intra)}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
-    for m in ALGORITHMS[algorithm].messages:
+    for m in algorithm_class(algorithm, layer.groups).messages:
         if _sent(m, layer.first, not layer.first):
             ranks, intra = groups[m.group]
             comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
-from ..kernels import conv2d_output_shape
+from ..kernels import conv2d_output_shape, conv_options
 from ..layout import Shard
 from ..partition import block_sizes, filter_groups_of
 from ..tensor import Layout, check_blocks
@@ -54,13 +54,20 @@ class ConvAlgorithm:
     messages = ()  # the collectives of one forward and backward pass (Message)
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None):
+                 bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,
+                 dilation=1, groups=1, padding_mode="zeros"):
         self.grid = grid
         self.C = positive_int(in_channels, "in_channels")
         self.F = positive_int(out_channels, "out_channels")
         self.kernel_size = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
-        self.stride = int_pair(stride, "stride", 1, "a positive integer")
-        self.padding = int_pair(padding, "padding", 0, "a non-negative integer")
+        # PyTorch's nn.Conv2d options (kernels/conv.py): checked now, the shapes at forward
+        self.options = conv_options(stride, padding, dilation, groups, padding_mode)
+        self.stride, self.padding = self.options["stride"], self.options["padding"]
+        self.groups = self.options["groups"]
+        if self.C % self.groups or self.F % self.groups:
+            raise ValueError(f"{layer}: groups={self.groups} must divide in_channels={self.C} and "
+                             f"out_channels={self.F}")
+        self.w_global_shape = (self.F, self.C // self.groups) + self.kernel_size
         self.bias = bool(bias)
         # Two separate facts: x holds all C channels on every channel rank (the images at the
         # network's first layer; always so under sample parallelism), and whether backward
@@ -91,7 +98,7 @@ class ConvAlgorithm:
         """(filters, channels, bias filters): the global indices of the weight and bias shard
         held at channel coordinate c, read from weight_layout and bias_layout."""
         coords = {**self.grid.coords, "channel": c}
-        filters, channels = self.weight_layout.indices((self.F, self.C, 1, 1), self.grid, coords)[:2]
+        filters, channels = self.weight_layout.indices(self.w_global_shape, self.grid, coords)[:2]
         (bias_filters,) = self.bias_layout.indices((self.F,), self.grid, coords)
         return list(filters), list(channels), list(bias_filters)
 
@@ -158,8 +165,9 @@ class ConvAlgorithm:
         check_blocks(x, self.input_layout, self.grid, f"{self.layer}: x")
         n, _, H, W = x.shape
         filters = self.F if self.weight_replicated else len(self.b_filters)
-        self._output_shape = conv2d_output_shape((n, 1, H, W), (filters, 1) + self.kernel_size,
-                                                 **self.conv_args())
+        spatial = {k: v for k, v in self.options.items() if k != "groups"}  # the output's H', W'
+        self._output_shape = (n, filters) + conv2d_output_shape((n, 1, H, W), (1, 1) + self.kernel_size,
+                                                                **spatial)[2:]
 
     @property
     def kept_bytes(self):
@@ -185,7 +193,8 @@ class ConvAlgorithm:
         return not (message.phase == "forward" and message.tensor == "x" and self.input_whole)
 
     def conv_args(self):
-        return {"stride": self.stride, "padding": self.padding}
+        """The kernels' keyword arguments: stride, padding, dilation, groups, padding_mode."""
+        return dict(self.options)
 
     # -- shards of global tensors ------------------------------------------------------------
 
@@ -198,11 +207,11 @@ class ConvAlgorithm:
         return b[self.b_filters].copy()
 
     def gather_weight(self, w_shard):
-        """The global weight (F, C, Kh, Kw) on every rank, from the channel ranks' shards."""
+        """The global weight (F, C/groups, Kh, Kw) on every rank, from the channel ranks' shards."""
         pieces = [self.shard_indices(c)[:2] for c in range(self.P_c)]
         per_filter_channel = self.kernel_size[0] * self.kernel_size[1]
         flat = self._gather_flat(w_shard, [len(f) * len(ch) * per_filter_channel for f, ch in pieces])
-        out = np.zeros((self.F, self.C) + self.kernel_size, dtype=w_shard.dtype)
+        out = np.zeros(self.w_global_shape, dtype=w_shard.dtype)
         for (f, ch), block in zip(pieces, flat):
             out[np.ix_(f, ch)] = block.reshape((len(f), len(ch)) + self.kernel_size)
         return out

@@ -10,12 +10,14 @@ from cfp.kernels.conv import (
     conv2d_forward,
     conv2d_output_shape,
     conv_geometry,
+    conv_options,
     ConvGeometry,
 )
 
 __all__ = [
     "ConvGeometry",
     "conv_geometry",
+    "conv_options",
     "conv2d_output_shape",
     "conv2d_flops",
     "conv2d_forward",

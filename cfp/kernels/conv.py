@@ -67,6 +67,23 @@ def _padding(padding, kernel, dilation, stride):
     return ph, ph, pw, pw
 
 
+def conv_options(stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """The convolution's options checked without shapes and put in one form: stride and
+    dilation pairs, padding a pair or 'same' / 'valid', groups, padding_mode. What a layer
+    checks when it is made, before it sees an input."""
+    stride = int_pair(stride, "stride", 1, "a positive integer")
+    dilation = int_pair(dilation, "dilation", 1, "a positive integer")
+    groups = positive_int(groups, "groups")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
+    if not isinstance(padding, str):
+        padding = int_pair(padding, "padding", 0, "a non-negative integer, a pair, 'same' or 'valid'")
+    else:
+        _padding(padding, (1, 1), dilation, stride)  # the string's own checks
+    return {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups,
+            "padding_mode": padding_mode}
+
+
 def conv_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """The ConvGeometry of x_shape (N, C, H, W) convolved with w_shape (F, C/groups, Kh, Kw),
     with PyTorch's nn.Conv2d meanings of stride, padding, dilation, groups and padding_mode.

@@ -23,6 +23,9 @@ class Conv2d(Module):
     """x: (n, C_c, H, W) -> y: (n, F_c, H', W') under algorithm 'x', 'y' or 'w' (channels split
     over the grid's channel axis), or (n, C, H, W) -> (n, F, H', W') under 'sample'.
 
+    stride, padding (an int, a pair, 'same' or 'valid'), dilation, groups and padding_mode
+    ('zeros', 'reflect', 'replicate', 'circular') mean what they mean to PyTorch's nn.Conv2d;
+    a grouped layer keeps whole groups on each channel rank (algorithms/grouped.py).
     input_whole: the input holds all C channels on every channel rank (the network's first
     layer, fed the images). need_dx: whether backward computes the input's gradient (not for
     the first layer). input_spec and output_spec are the algorithm's layouts on `grid`.
@@ -30,17 +33,18 @@ class Conv2d(Module):
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  algorithm="y", filter_groups=None, input_whole=False, need_dx=True, name="conv", seed=0,
-                 dtype=np.float32):
+                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros"):
         self.name, self.grid = name, grid
         self.algorithm = algorithm
         self.conv = make_conv(algorithm, grid, in_channels, out_channels, kernel_size,
                               filter_groups=filter_groups, stride=stride, padding=padding, bias=bias,
-                              input_whole=input_whole, need_dx=need_dx, layer=name)
+                              input_whole=input_whole, need_dx=need_dx, layer=name, dilation=dilation,
+                              groups=groups, padding_mode=padding_mode)
         kh, kw = self.conv.kernel_size
-        fan_in = in_channels * kh * kw
+        fan_in = in_channels // self.conv.groups * kh * kw
         rng = _init_rng(seed, name)
         # He (Kaiming) normal initialisation, for ReLU networks.
-        w = rng.standard_normal((out_channels, in_channels, kh, kw)) * math.sqrt(2.0 / fan_in)
+        w = rng.standard_normal(self.conv.w_global_shape) * math.sqrt(2.0 / fan_in)
         self.weight = Parameter(f"{name}.weight", self.conv.shard_weight(w.astype(dtype)), w.shape,
                                 self.conv.weight_layout, grid)
         self.bias = None
@@ -61,8 +65,7 @@ class Conv2d(Module):
         return self.grid, self.conv.output_layout
 
     def output_shape(self, shape):
-        return conv2d_output_shape(tuple(shape), (self.conv.F, self.conv.C) + self.conv.kernel_size,
-                                   **self.conv.conv_args())
+        return conv2d_output_shape(tuple(shape), self.conv.w_global_shape, **self.conv.conv_args())
 
     def own_parameters(self):
         return [self.weight] + ([self.bias] if self.bias is not None else [])
@@ -72,9 +75,9 @@ class Conv2d(Module):
         input's global shape (set by the container): perfmodel.predict_bytes."""
         c = self.conv
         x_shape = tuple(self.input_shape) + (1, 1) * (len(self.input_shape) == 2)
-        moved = predict_bytes(self.algorithm, x_shape, (c.F, c.C) + c.kernel_size, self.grid.shape,
-                              self.grid.coords, c.stride, c.padding, filter_groups=self.filter_groups,
-                              bias=c.bias, input_whole=c.input_whole, need_dx=c.need_dx, itemsize=itemsize)
+        moved = predict_bytes(self.algorithm, x_shape, c.w_global_shape, self.grid.shape, self.grid.coords,
+                              filter_groups=self.filter_groups, bias=c.bias, input_whole=c.input_whole,
+                              need_dx=c.need_dx, itemsize=itemsize, **c.conv_args())
         return {phase: v for phase, v in moved.items() if phase != "redistribute"}
 
     def forward(self, x):

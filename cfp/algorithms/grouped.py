@@ -1,0 +1,81 @@
+"""A grouped convolution (groups > 1, depthwise included) under channel/filter parallelism.
+
+Group g convolves only its C/G input channels into its F/G filters, so when every channel rank
+holds whole groups (block c of the G groups over P_c: the layout Shard('channel', 'groups', G),
+uneven when P_c does not divide G, empty blocks when G < P_c) of x, of w and of y, nothing
+moves along the channel axis at all: stationary-x, stationary-y and stationary-w coincide,
+each rank convolving its own groups, and only the gradient is summed over the ranks holding the
+same groups. When the previous layer's channel blocks are not whole groups, the Redistribute
+before this layer (containers.py) moves x into group blocks.
+
+forward:          local grouped convolution of this rank's groups
+backward-filter:  local
+backward-data:    local
+x: (n, G_c C/G, H, W) -> y: (n, G_c F/G, H', W'), w shard: (G_c F/G, C/G, Kh, Kw), G_c groups here.
+"""
+import numpy as np
+
+from .. import comm
+from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from ..layout import Shard
+from ..tensor import Layout
+from .base import GRADIENT_SYNC, ConvAlgorithm
+
+
+class GroupedChannels(ConvAlgorithm):
+    """Any of 'x', 'y', 'w' for groups > 1 (`name` stays the one asked for)."""
+
+    messages = (GRADIENT_SYNC,)
+
+    def __init__(self, name, grid, in_channels, out_channels, kernel_size, **kwargs):
+        self.name = name
+        super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)
+        self.own_groups = len(self._groups.blocks(self.P_c, grid.coord("channel")))
+        # the channels of this rank's groups (what the first layer takes from its whole input)
+        self.group_channels = list(Layout((None, self._groups)).indices((1, self.C), grid, grid.coords)[1])
+
+    @property
+    def _groups(self):
+        return Shard("channel", "groups", self.groups)
+
+    @property
+    def input_layout(self):
+        return Layout(("sample", None if self.input_whole else self._groups, None, None))
+
+    @property
+    def output_layout(self):
+        return Layout(("sample", self._groups, None, None))
+
+    @property
+    def weight_layout(self):
+        return Layout((self._groups, None, None, None))
+
+    @property
+    def bias_layout(self):
+        return Layout((self._groups,))
+
+    def local_args(self):
+        return {**self.conv_args(), "groups": max(1, self.own_groups)}
+
+    def forward(self, x, w, b=None):
+        self.check_input(x, w, b)
+        if self.input_whole:  # the first layer: take this rank's groups' channels, no message
+            x = x[:, self.group_channels]
+        with comm.tag(layer=self.layer, phase="forward"):
+            if self.own_groups:
+                y = conv2d_forward(x, w, b if self.bias else None, **self.local_args())
+            else:  # more channel ranks than groups: this one holds none
+                y = np.zeros(self._output_shape, x.dtype)
+        self._saved = (x, w)
+        return y
+
+    def backward(self, dy):
+        x, w = self.saved_for(dy)
+        db = conv2d_backward_bias(dy) if self.bias else None
+        if self.own_groups:
+            dw = conv2d_backward_filter(x, dy, w.shape, **self.local_args())
+            dx = conv2d_backward_data(dy, w, x.shape, **self.local_args()) if self.need_dx else None
+        else:
+            dw, dx = np.zeros(w.shape, dy.dtype), (np.zeros(x.shape, dy.dtype) if self.need_dx else None)
+        dw, db = self.sync_gradients(dw, db)
+        return dx, dw, db
