@@ -1,14 +1,19 @@
 """Run one distributed convolution, forward and backward, on global tensors from .npy files.
 
     mpiexec -n P python -m mpi4py scripts/run_conv.py --input x.npy --weight w.npy \\
-        --grad-output dy.npy [--bias b.npy] [--stride S] [--padding P] \\
+        --grad-output dy.npy [--bias b.npy] [--stride S|SH,SW] [--padding P|PH,PW|same|valid] \\
+        [--dilation D|DH,DW] [--groups G] [--padding-mode zeros|reflect|replicate|circular] \\
         --algorithm {sample,x,y,w} --grid sample=A,channel=B [--filter-groups p_f] --out result.npz \\
         [--allow-nonfinite]
+
+The convolution's options mean what they mean to PyTorch's nn.Conv2d; the weight is
+(F, C / groups, Kh, Kw).
 
 Every rank reads the global tensors and takes its block; the results y, dx, dw (and db) are
 gathered and written by rank 0 to the .npz file, and the communication ledger is printed. Use
 it to check another implementation against cfp, or to watch an algorithm's traffic.
 """
+import argparse
 import sys
 import time
 
@@ -25,14 +30,39 @@ from cfp.report import format_bytes, format_table
 from cfp.tensor import DistTensor
 
 
+def _ints(option, words=(), pairs=True):
+    """An argparse type: an integer, 'A,B' (when pairs), or one of `words`."""
+    def parse(text):
+        if text in words:
+            return text
+        parts = text.split(",")
+        try:
+            values = tuple(int(v) for v in parts)
+        except ValueError:
+            values = ()
+        if len(values) == 1 or pairs and len(values) == 2:
+            return values[0] if len(values) == 1 else values
+        expected = "an integer" + (" or two, A,B" if pairs else "") + "".join(f" or {w!r}" for w in words)
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+    parse.__name__ = option.lstrip("-")
+    return parse
+
+
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--input", required=True, help="x: (N, C, H, W) .npy")
-    p.add_argument("--weight", required=True, help="w: (F, C, Kh, Kw) .npy")
+    p.add_argument("--weight", required=True, help="w: (F, C / groups, Kh, Kw) .npy")
     p.add_argument("--grad-output", required=True, help="dy: (N, F, Ho, Wo) .npy")
     p.add_argument("--bias", help="b: (F,) .npy (optional)")
-    p.add_argument("--stride", type=int, default=1, help="stride of the convolution (rows and columns)")
-    p.add_argument("--padding", type=int, default=0, help="zero padding on each side (rows and columns)")
+    p.add_argument("--stride", type=_ints("--stride"), default=1,
+                   help="stride: S for rows and columns, or SH,SW")
+    p.add_argument("--padding", type=_ints("--padding", words=("same", "valid")), default=0,
+                   help="padding on each side: P, PH,PW, same (the output as large as the input, stride 1) "
+                        "or valid (none)")
+    p.add_argument("--dilation", type=_ints("--dilation"), default=1, help="dilation: D or DH,DW")
+    p.add_argument("--groups", type=_ints("--groups", pairs=False), default=1,
+                   help="groups: C and F in G groups convolved apart (G = C: depthwise)")
+    p.add_argument("--padding-mode", default="zeros", help="zeros, reflect, replicate or circular")
     p.add_argument("--algorithm", required=True, help="one of " + ", ".join(ALGORITHMS))
     p.add_argument("--grid", required=True, help="e.g. sample=2,channel=2")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing P_c)")
@@ -65,12 +95,18 @@ def load_problem(args):
     if x.ndim != 4 or w.ndim != 4:
         raise ValueError(f"input must be (N, C, H, W) and weight (F, C, Kh, Kw); got shapes "
                          f"{x.shape} and {w.shape}")
-    y_shape = conv2d_output_shape(x.shape, w.shape, args.stride, args.padding)
+    y_shape = conv2d_output_shape(x.shape, w.shape, **options(args))
     if dy.shape != y_shape:
         raise ValueError(f"grad-output has shape {dy.shape}; the convolution's output has shape {y_shape}")
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"bias has shape {b.shape}; expected ({w.shape[0]},) for F={w.shape[0]}")
     return x, w, b, dy
+
+
+def options(args):
+    """The convolution's keyword arguments from the command line."""
+    return {"stride": args.stride, "padding": args.padding, "dilation": args.dilation, "groups": args.groups,
+            "padding_mode": args.padding_mode}
 
 
 def ledger_table(ledger, world):
@@ -101,8 +137,7 @@ def main(argv=None):
     x, w, b, dy = load_problem(args)
     grid = ProcessGrid(args.grid)
     conv = make_conv(args.algorithm, grid, x.shape[1], w.shape[0], w.shape[2:],
-                     filter_groups=args.filter_groups, stride=args.stride, padding=args.padding,
-                     bias=b is not None, layer="conv")
+                     filter_groups=args.filter_groups, bias=b is not None, layer="conv", **options(args))
 
     x_local = DistTensor.from_global(x, conv.input_layout, grid).local
     dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local

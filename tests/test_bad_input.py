@@ -165,6 +165,12 @@ def test_run_conv_bad_input(problem, files):
         (args + ["--algorithm", "x", "--grid", "channel=2", "--filter-groups", "2", "--out", str(folder / "r.npz")],
          "applies to algorithm 'w' only"),
         (_with(args, "--stride", "0") + base, "stride must be a positive integer"),
+        (_with(args, "--stride", "2,x") + base, r"argument --stride: '2,x': expected an integer or two"),
+        (_with(args, "--padding", "full") + base, r"argument --padding: 'full': expected an integer or two, A,B or 'same' or 'valid'"),
+        (_with(args, "--padding", "same") + base + ["--stride", "2"], "padding 'same' is not supported for strided"),
+        (args + base + ["--groups", "2"], "groups=2 must divide the input channels C=5"),
+        (args + base + ["--padding-mode", "mirror"], "padding_mode 'mirror' is not one of"),
+        (args + base + ["--dilation", "9"], r"with dilation \(9, 9\) .* does not fit the padded input"),
     ]
     for case_args, message in cases:
         fails_once(2, RUN_CONV, case_args, message)

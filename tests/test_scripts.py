@@ -68,6 +68,42 @@ def test_result_matches_serial(tmp_path, nprocs, algorithm, grid, extra):
             assert err < 1e-10, (name, err)
 
 
+@pytest.mark.parametrize("nprocs,algorithm,grid,options,groups", [
+    (3, "w", "channel=3", ["--stride", "1", "--padding", "same", "--dilation", "2,1", "--padding-mode", "reflect"], 1),
+    (2, "x", "channel=2", ["--stride", "2,1", "--padding", "1,0", "--groups", "3", "--padding-mode", "circular"], 3),
+    (3, "y", "sample=1,channel=3", ["--padding", "valid", "--groups", "6"], 6),
+])
+def test_conv2d_options_from_the_command_line(tmp_path, nprocs, algorithm, grid, options, groups):
+    """--stride, --padding, --dilation, --groups, --padding-mode as PyTorch's nn.Conv2d takes
+    them, against the serial kernels."""
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((2, 6, 7, 6)), rng.standard_normal((12, 6 // groups, 3, 3))
+    b = rng.standard_normal(12)
+    values = dict(zip(options[::2], options[1::2]))
+
+    def parsed(text):
+        if text in ("same", "valid") or "," not in text:
+            return text if text in ("same", "valid") else int(text)
+        return tuple(int(v) for v in text.split(","))
+    kwargs = {"stride": parsed(values.get("--stride", "1")), "padding": parsed(values.get("--padding", "0")),
+              "dilation": parsed(values.get("--dilation", "1")), "groups": groups,
+              "padding_mode": values.get("--padding-mode", "zeros")}
+    y = conv2d_forward(x, w, b, **kwargs)
+    dy = rng.standard_normal(y.shape)
+    for name, a in (("x", x), ("w", w), ("b", b), ("dy", dy)):
+        np.save(tmp_path / f"{name}.npy", a)
+    out = tmp_path / "result.npz"
+    proc, _ = run(nprocs, ["--input", str(tmp_path / "x.npy"), "--weight", str(tmp_path / "w.npy"),
+                           "--grad-output", str(tmp_path / "dy.npy"), "--bias", str(tmp_path / "b.npy"), *options,
+                           "--algorithm", algorithm, "--grid", grid, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = {"y": y, "dx": conv2d_backward_data(dy, w, x.shape, **kwargs),
+                "dw": conv2d_backward_filter(x, dy, w.shape, **kwargs), "db": conv2d_backward_bias(dy)}
+    with np.load(out, allow_pickle=False) as result:
+        for name, want in expected.items():
+            assert np.max(np.abs(result[name] - want)) / np.max(np.abs(want)) < 1e-10, name
+
+
 def test_float32_stays_float32_and_bias_is_optional(tmp_path):
     args, expected = write_problem(tmp_path, dtype=np.float32, bias=False)
     out = tmp_path / "result.npz"
