@@ -1,5 +1,6 @@
 """Model definitions from cfp.nn: a small ResNet for 8x8 to 32x32 images with a width
-multiplier, and a wide plain CNN whose width shows channel/filter parallelism at work.
+multiplier, a wide plain CNN whose width shows channel/filter parallelism at work, and a
+MobileNet-like stack of depthwise, dilated and grouped convolutions.
 
 Each convolution and the classifier run on a grid (a factorization of the ranks) with an
 algorithm ('sample', 'x', 'y' or 'w' with p_f): one for all layers, or per layer from a plan
@@ -18,7 +19,7 @@ from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, Linear, MaxPool2d, Module
 from .perfmodel import LayerShape
 from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 
-MODELS = ("resnet", "wide")
+MODELS = ("resnet", "wide", "mobile")
 
 
 class _Builder:
@@ -64,9 +65,9 @@ class _Builder:
         self.last = layer
         return layer
 
-    def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
+    def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False, groups=1, dilation=1):
         return self._layer(Conv2d, name, cin, cout, first, kernel_size=kernel, stride=stride,
-                           padding=kernel // 2, bias=False)
+                           padding=dilation * (kernel // 2), bias=False, groups=groups, dilation=dilation)
 
     def bn(self, name, channels):
         grid, layout = self.last.output_spec(None)
@@ -133,6 +134,34 @@ def _resnet_layers(b, width, in_channels, classes, image):
             *b.head(4 * base, classes)]
 
 
+def mobile_cnn(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_groups=None, seed=0,
+               dtype=np.float32, image=8, plan=None, grids=None, planned=None):
+    """A MobileNet-like stack for small images: a 3x3 stem to 16 x width channels, then blocks
+    of a depthwise 3x3 convolution (groups = channels) and a pointwise 1x1 one, each with batch
+    norm and ReLU, widening 16 -> 32 -> 64 (times width) with a stride 2 in the second block;
+    the third block's depthwise layer is dilated (2), and a grouped 3x3 layer (4 groups) comes
+    before the classifier. It exercises every grouped path of the algorithms."""
+    if plan is None:
+        _check_width(width, "width", 16 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
+    b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan)
+    return _finish(_mobile_layers(b, width, in_channels, classes, image), b, planned)
+
+
+def _mobile_layers(b, width, in_channels, classes, image):
+    base = 16 * width
+    size = image
+    layers = [b.conv("stem.conv", in_channels, base, 3, 1, size, first=True), b.bn("stem.bn", base), ReLU()]
+    for name, cin, cout, stride, dilation in (("block1", base, 2 * base, 1, 1), ("block2", 2 * base, 4 * base, 2, 1),
+                                              ("block3", 4 * base, 4 * base, 1, 2)):
+        layers += [b.conv(f"{name}.dw", cin, cin, 3, stride, size, groups=cin, dilation=dilation),
+                   b.bn(f"{name}.dw_bn", cin), ReLU()]
+        size = _after(size, 3, stride)
+        layers += [b.conv(f"{name}.pw", cin, cout, 1, 1, size), b.bn(f"{name}.pw_bn", cout), ReLU()]
+    top = 4 * base
+    layers += [b.conv("head.grouped", top, top, 3, 1, size, groups=4), b.bn("head.grouped_bn", top), ReLU()]
+    return layers + b.head(top, classes)
+
+
 def _wide_layers(b, width, depth, in_channels, classes, image):
     size = image
     layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), ReLU()]
@@ -150,8 +179,9 @@ class _ShapeRecorder:
     def __init__(self, batch):
         self.batch, self.shapes = batch, []
 
-    def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False):
-        self.shapes.append(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first))
+    def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False, groups=1, dilation=1):
+        self.shapes.append(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first,
+                                      groups=groups, dilation=dilation))
         return Module()
 
     def bn(self, name, channels):
@@ -170,6 +200,8 @@ def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8
     recorder = _ShapeRecorder(batch)
     if name == "resnet":
         _resnet_layers(recorder, width, in_channels, classes, image)
+    elif name == "mobile":
+        _mobile_layers(recorder, width, in_channels, classes, image)
     elif name == "wide":
         _wide_layers(recorder, width, depth, in_channels, classes, image)
     else:
@@ -240,7 +272,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
     the global `batch` under `profile` (a perfmodel.MachineProfile) and `memory_limit` (bytes
     per rank, or None); the planner's Plan is kept as model.plan.
     """
-    builders = {"resnet": small_resnet, "wide": wide_cnn}
+    builders = {"resnet": small_resnet, "wide": wide_cnn, "mobile": mobile_cnn}
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
     arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}

@@ -21,7 +21,8 @@ from cfp.train import (DATASETS, DEFAULT_PROFILE, OPTIMIZERS, SCHEDULES, SGD_MOM
 def parse_args(argv):
     defaults = TrainConfig()
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--model", default=defaults.model, help="resnet (small ResNet) or wide (wide plain CNN)")
+    p.add_argument("--model", default=defaults.model, help="resnet (small ResNet), wide (wide plain CNN) or mobile (depthwise, dilated and "
+                        "grouped convolutions)")
     p.add_argument("--width", type=int, default=defaults.width,
                    help="resnet: width multiplier (16, 32, 64 channels times W); wide: channels per layer")
     p.add_argument("--depth", type=int, default=defaults.depth,

@@ -64,6 +64,27 @@ def test_training_matches_one_rank(spec, algorithm):
         assert_close_all_ranks(final[name], weights0[name], 1e-9, f"{spec} {algorithm} {name}")
 
 
+_serial_mobile = {}
+
+
+@pytest.mark.parametrize("spec,algorithm", CASES)
+def test_mobile_model_matches_one_rank(spec, algorithm):
+    """The depthwise, dilated and grouped stack (cfp.models.mobile_cnn) trains as on one rank:
+    whole groups per channel rank, with redistributions where a layer's groups do not fall on
+    the previous layer's channel blocks."""
+    steps = 8
+    if "serial" not in _serial_mobile:
+        result, model = train_model(config(model="mobile", max_steps=steps, grid="sample=1"), world=MPI.COMM_SELF)
+        _serial_mobile["serial"] = ([h["loss"] for h in result["history"]], weights(model))
+    losses0, weights0 = _serial_mobile["serial"]
+    result, model = train_model(config(model="mobile", max_steps=steps, grid=spec, algorithm=algorithm))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), np.array(losses0), 1e-9,
+                           f"mobile {spec} {algorithm} losses")
+    final = weights(model)
+    for name in final:
+        assert_close_all_ranks(final[name], weights0[name], 1e-9, f"mobile {spec} {algorithm} {name}")
+
+
 def test_auto_plan_trains_like_one_rank():
     """--algorithm auto picks the algorithm per layer on one grid (with two or more channel
     ranks the cpu-dev plan mixes them: y for the first convolution, x after it); the losses
