@@ -4,6 +4,7 @@ Single process, no mpiexec: `python scripts/bench_kernels.py --threads 1 --repea
 """
 import argparse
 import platform
+import re
 import statistics
 import sys
 import time
@@ -21,9 +22,11 @@ from cfp.kernels import (
     conv2d_forward,
 )
 
-# N x C x F x H x W x K: the three shapes BENCHMARKS.md reports (3x3 "same" convolutions on a
-# wide-ish and a very wide layer, and a 1x1 channel-reducing layer).
-DEFAULT_SHAPES = ("32x64x64x32x32x3", "8x256x256x16x16x3", "32x256x64x16x16x1")
+# N x C x F x H x W x K[gG][dD]: the shapes BENCHMARKS.md reports (3x3 "same" convolutions on a
+# wide-ish and a very wide layer, a 1x1 channel-reducing layer; then a depthwise, a grouped
+# and a dilated 3x3 layer).
+DEFAULT_SHAPES = ("32x64x64x32x32x3", "8x256x256x16x16x3", "32x256x64x16x16x1",
+                  "32x256x256x16x16x3g256", "32x256x256x16x16x3g32", "8x256x256x32x32x3d2")
 PASSES = ("forward", "backward_data", "backward_filter")
 
 try:
@@ -45,17 +48,21 @@ def cpu_name():
 
 
 def parse_shape(text):
-    """'32x64x64x32x32x3' -> (N, C, F, H, W, K); padding K // 2 keeps H and W ("same")."""
-    try:
-        dims = tuple(int(d) for d in text.lower().split("x"))
-    except ValueError:
-        dims = ()
-    if len(dims) != 6 or min(dims) < 1:
+    """'32x64x64x32x32x3' -> (N, C, F, H, W, K, groups, dilation), with 'g32' and 'd2' after K
+    for groups and dilation; padding dilation * (K // 2) keeps H and W ("same")."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)(?:g(\d+))?(?:d(\d+))?", text.lower())
+    dims = tuple(int(d) if d else 1 for d in match.groups()) if match else ()
+    if len(dims) != 8 or min(dims) < 1 or dims[1] % dims[6] or dims[2] % dims[6]:
         raise argparse.ArgumentTypeError(
-            f"shape must be N x C x F x H x W x K with positive integers, e.g. 32x64x64x32x32x3, "
-            f"got {text!r}"
+            f"shape must be N x C x F x H x W x K with positive integers and optional gG (groups dividing "
+            f"C and F) and dD (dilation), e.g. 32x64x64x32x32x3 or 32x256x256x16x16x3g32, got {text!r}"
         )
     return dims
+
+
+def shape_text(shape):
+    N, C, F, H, W, K, G, D = shape
+    return f"{N}x{C}x{F}x{H}x{W}x{K}" + (f"g{G}" if G > 1 else "") + (f"d{D}" if D > 1 else "")
 
 
 def median_seconds(run, repeats, warmup=1):
@@ -70,15 +77,16 @@ def median_seconds(run, repeats, warmup=1):
     return statistics.median(times)
 
 
-def cfp_runs(x, w, dy, padding):
+def cfp_runs(x, w, dy, padding, groups, dilation):
+    kw = {"padding": padding, "groups": groups, "dilation": dilation}
     return {
-        "forward": lambda: conv2d_forward(x, w, padding=padding),
-        "backward_data": lambda: conv2d_backward_data(dy, w, x.shape, padding=padding),
-        "backward_filter": lambda: conv2d_backward_filter(x, dy, w.shape, padding=padding),
+        "forward": lambda: conv2d_forward(x, w, **kw),
+        "backward_data": lambda: conv2d_backward_data(dy, w, x.shape, **kw),
+        "backward_filter": lambda: conv2d_backward_filter(x, dy, w.shape, **kw),
     }
 
 
-def torch_runs(x, w, dy, padding):
+def torch_runs(x, w, dy, padding, groups, dilation):
     tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
 
     def backward(which):
@@ -86,27 +94,28 @@ def torch_runs(x, w, dy, padding):
         # (input, weight, bias) gradients so each pass is timed on its own.
         mask = [which == "data", which == "filter", False]
         return torch.ops.aten.convolution_backward(
-            tdy, tx, tw, None, [1, 1], [padding, padding], [1, 1], False, [0, 0], 1, mask
+            tdy, tx, tw, None, [1, 1], [padding, padding], [dilation, dilation], False, [0, 0], groups, mask
         )
 
     return {
-        "forward": lambda: torch.nn.functional.conv2d(tx, tw, padding=padding),
+        "forward": lambda: torch.nn.functional.conv2d(tx, tw, padding=padding, groups=groups, dilation=dilation),
         "backward_data": lambda: backward("data"),
         "backward_filter": lambda: backward("filter"),
     }
 
 
 def bench_shape(shape, dtype, repeats, rng):
-    N, C, F, H, W, K = shape
-    padding = K // 2
+    N, C, F, H, W, K, G, D = shape
+    padding = D * (K // 2)
     x = rng.standard_normal((N, C, H, W)).astype(dtype)
-    w = rng.standard_normal((F, C, K, K)).astype(dtype)
-    dy = rng.standard_normal((N, F, H + 2 * padding - K + 1, W + 2 * padding - K + 1)).astype(dtype)
-    flops = conv2d_flops(x.shape, w.shape, 1, padding)
-    row = {"shape": "x".join(map(str, shape)), "padding": padding, "flops_per_pass": flops}
-    implementations = {"cfp": cfp_runs(x, w, dy, padding)}
+    w = rng.standard_normal((F, C // G, K, K)).astype(dtype)
+    extent = D * (K - 1) + 1
+    dy = rng.standard_normal((N, F, H + 2 * padding - extent + 1, W + 2 * padding - extent + 1)).astype(dtype)
+    flops = conv2d_flops(x.shape, w.shape, 1, padding, D, G)
+    row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops}
+    implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D)}
     if torch is not None:
-        implementations["torch"] = torch_runs(x, w, dy, padding)
+        implementations["torch"] = torch_runs(x, w, dy, padding, G, D)
     for name, runs in implementations.items():
         for pass_name in PASSES:
             seconds = median_seconds(runs[pass_name], repeats)
@@ -120,7 +129,7 @@ def bench_shape(shape, dtype, repeats, rng):
 
 def markdown_table(rows):
     names = ["cfp"] + (["torch"] if torch is not None else [])
-    header = ["shape N x C x F x H x W x K", "pad"]
+    header = ["shape N x C x F x H x W x K [groups, dilation]", "pad"]
     for name in names:
         header += [f"{name} fwd ms (GF/s)", f"{name} bwd-data ms (GF/s)",
                    f"{name} bwd-filter ms (GF/s)", f"{name} total ms"]
@@ -146,7 +155,7 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=1, help="BLAS and torch threads")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
-                        help="N x C x F x H x W x K, stride 1, padding K // 2 "
+                        help="N x C x F x H x W x K[gG][dD], stride 1, padding D * (K // 2) "
                              f"(default: {' '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
