@@ -9,6 +9,7 @@ import pytest
 
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_flops,
                          conv2d_forward, conv2d_output_shape)
+from cfp.kernels import conv as conv_module
 from cfp.kernels.conv import PADDING_MODES
 from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
                                         conv2d_forward_loop)
@@ -89,8 +90,16 @@ def test_cases_cover_every_option():
                for c in CASES)  # asymmetric padding in a non-zero mode
 
 
+@pytest.fixture(params=[False, True], ids=["im2col", "winograd"])
+def fast_path(request):
+    """Every check of the fast kernels runs on the im2col path and with Winograd F(2x2, 3x3)
+    for the 3x3 stride-1 layers."""
+    with conv_module.winograd(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_fast_kernels_match_the_loops(case):
+def test_fast_kernels_match_the_loops(case, fast_path):
     x, w, b, dy = _problem(case)
     a = case["args"]
     checks = [
@@ -104,7 +113,7 @@ def test_fast_kernels_match_the_loops(case):
 
 
 @pytest.mark.parametrize("case", CASES[::8], ids=_id)
-def test_float32_stays_close(case):
+def test_float32_stays_close(case, fast_path):
     x, w, b, dy = _problem(case)
     a = case["args"]
     single = [v.astype(np.float32) for v in (x, w, b, dy)]
@@ -182,7 +191,7 @@ def _torch_conv(torch, x, w, b, args):
 
 
 @pytest.mark.parametrize("case", CASES[::4], ids=_id)
-def test_matches_torch(torch, case):
+def test_matches_torch(torch, case, fast_path):
     x, w, b, dy = _problem(case, seed=5)
     a = case["args"]
     tx, tw, tb = (torch.tensor(v, requires_grad=True) for v in (x, w, b))
@@ -225,3 +234,20 @@ def test_refuses_what_torch_refuses(torch):
         refused += ours is not None
     assert not disagreements, disagreements[:5]
     assert 50 < refused < 350  # both outcomes were tried
+
+
+def test_winograd_is_exact_in_float64_and_close_in_float32():
+    """On the benchmark's 3x3 shapes (scaled down), Winograd F(2x2, 3x3) against im2col:
+    float64 to 1e-12, float32 to 1e-5 relative."""
+    rng = np.random.default_rng(9)
+    for N, C, F, H in ((4, 64, 64, 32), (2, 256, 256, 16)):
+        x, w = rng.standard_normal((N, C, H, H)), rng.standard_normal((F, C, 3, 3))
+        dy = rng.standard_normal((N, F, H, H))
+        with conv_module.winograd(False):
+            plain = (conv2d_forward(x, w, padding=1), conv2d_backward_data(dy, w, x.shape, padding=1))
+        for dtype, tolerance in ((np.float64, 1e-12), (np.float32, 1e-5)):
+            with conv_module.winograd(True):
+                fast = (conv2d_forward(x.astype(dtype), w.astype(dtype), padding=1),
+                        conv2d_backward_data(dy.astype(dtype), w.astype(dtype), x.shape, padding=1))
+            for a, b in zip(fast, plain):
+                assert a.dtype == dtype and relative_error(a.astype(np.float64), b) < tolerance
