@@ -253,19 +253,20 @@ def _pixel_patches(x, g, xp):
     Hp, Wp = _padded_size(g)
     G, Cg = g.G, g.C // g.G
     padded = _spread_planes(xp, (step, g.C, Hp, Wp), x.dtype)  # the border stays zero
-    channel_last = xp.empty((step, Hp, Wp, g.C), x.dtype)
+    # Channel-last within each group, (sample, group, row, column, channel of the group): a
+    # kernel row's Kw*Cg values are then contiguous (without dilation), and one strided view,
+    # (group, sample, output row, output column, kernel row, kernel column, channel), holds all
+    # the patches, which a single copy gathers in runs of Kw*Cg values (nine separate window
+    # copies cost twice as much for 3x3).
+    channel_last = xp.empty((step, G, Hp, Wp, Cg), x.dtype)
     per_sample = g.Ho * g.Wo * g.Kh * g.Kw * Cg
     patches = xp.empty((G, step * per_sample), x.dtype)  # sliced per block: views, never copies
-    # In channel-last layout one strided view, (group, sample, output row, output column,
-    # kernel row, kernel column, channel of the group), holds all the patches and a single copy
-    # gathers them (where a kernel row's Kw*C values are contiguous, at one group and no
-    # dilation, the copy runs over them as one; nine separate window copies cost twice as much).
     item = channel_last.itemsize
-    row, column = Wp * g.C * item, g.C * item
-    window_strides = (Cg * item, Hp * row, g.sh * row, g.sw * column, g.dh * row, g.dw * column, item)
+    row, column = Wp * Cg * item, Cg * item
+    window_strides = (Hp * row, G * Hp * row, g.sh * row, g.sw * column, g.dh * row, g.dw * column, item)
     for start, n in blocks:
         padded[:n, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x[start:start + n]
-        channel_last[:n] = padded[:n].transpose(0, 2, 3, 1)
+        channel_last[:n] = padded[:n].reshape(n, G, Cg, Hp, Wp).transpose(0, 1, 3, 4, 2)
         shape = (G, n, g.Ho, g.Wo, g.Kh, g.Kw, Cg)
         target = patches[:, :n * per_sample]
         target.reshape(shape)[...] = xp.lib.stride_tricks.as_strided(channel_last, shape, window_strides)
@@ -475,20 +476,48 @@ def _zero_padded(x, g, xp):
     return out
 
 
+# The depthwise kernel works channel-last, on a few samples at a time: each of the Kh*Kw taps is
+# one multiply-add of (samples, Ho, Wo, C) arrays along contiguous channels, on data small enough
+# to stay in cache between taps (about _DEPTHWISE_ELEMENTS values per array).
+_DEPTHWISE_ELEMENTS = 1 << 18
+
+
+def _depthwise_blocks(g):
+    Hp, Wp = _padded_size(g)
+    step = max(1, min(g.N, _DEPTHWISE_ELEMENTS // max(1, Hp * Wp * g.F)))
+    return [(start, min(step, g.N - start)) for start in range(0, g.N, step)], step
+
+
+def _channel_last_padded(x, start, n, g, xp, out):
+    """Samples start..start+n of x, zero-padded, channel-last, in `out` (its border zero)."""
+    out[:n, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x[start:start + n].transpose(0, 2, 3, 1)
+    return out[:n]
+
+
+def _tap(a, i, j, g):
+    """The positions of a channel-last (n, Hp, Wp, ...) array that kernel offset (i, j) reads."""
+    return a[_window(i, j, g)]
+
+
 def _depthwise_forward(x, w, g, xp, y):
     """Depthwise y (N, F, Ho, Wo), F = k C: output channel c*k + m is input channel c
-    correlated with filter c*k + m, as Kh*Kw multiply-adds of whole (N, C, k, Ho, Wo) arrays."""
+    correlated with filter c*k + m."""
     k = g.F // g.C
-    padded = _zero_padded(x, g, xp)
-    taps = w.reshape(g.C, k, g.Kh, g.Kw)
-    out = y.reshape(g.N, g.C, k, g.Ho, g.Wo)
-    out[...] = 0
+    Hp, Wp = _padded_size(g)
+    taps = xp.ascontiguousarray(w.reshape(g.C, k, g.Kh, g.Kw).transpose(2, 3, 0, 1))  # (Kh, Kw, C, k)
+    blocks, step = _depthwise_blocks(g)
+    padded = xp.zeros((step, Hp, Wp, g.C), x.dtype)
+    out = xp.empty((step, g.Ho, g.Wo, g.C, k), x.dtype)
     scratch = xp.empty_like(out)
-    for i in range(g.Kh):
-        for j in range(g.Kw):
-            window = padded[(slice(None), slice(None)) + _window(i, j, g)[1:]]  # (N, C, Ho, Wo)
-            xp.multiply(window[:, :, None], taps[None, :, :, i, j, None, None], out=scratch)
-            out += scratch
+    for start, n in blocks:
+        source = _channel_last_padded(x, start, n, g, xp, padded)
+        o, t = out[:n], scratch[:n]
+        o[...] = 0
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                xp.multiply(_tap(source, i, j, g)[..., None], taps[i, j], out=t)
+                o += t
+        y[start:start + n] = o.reshape(n, g.Ho, g.Wo, g.F).transpose(0, 3, 1, 2)
 
 
 def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
@@ -574,17 +603,25 @@ def _col2im_backward_data(dy, w, g, xp):
 
 
 def _depthwise_backward_data(dy, w, g, xp):
-    """dx of the depthwise kernel: each tap sends dy * w back to the window it read."""
+    """dx of the depthwise kernel: each tap sends dy * w back to the positions it read."""
     k = g.F // g.C
     Hp, Wp = _padded_size(g)
-    d_padded = xp.zeros((g.N, g.C, Hp, Wp), dy.dtype)
-    taps = w.reshape(g.C, k, g.Kh, g.Kw)
-    grads = dy.reshape(g.N, g.C, k, g.Ho, g.Wo)
-    for i in range(g.Kh):
-        for j in range(g.Kw):
-            window = (slice(None), slice(None)) + _window(i, j, g)[1:]
-            d_padded[window] += (grads * taps[None, :, :, i, j, None, None]).sum(axis=2)
-    return xp.ascontiguousarray(d_padded[:, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W])
+    taps = xp.ascontiguousarray(w.reshape(g.C, k, g.Kh, g.Kw).transpose(2, 3, 0, 1))  # (Kh, Kw, C, k)
+    blocks, step = _depthwise_blocks(g)
+    d_padded = xp.empty((step, Hp, Wp, g.C), dy.dtype)
+    grads = xp.empty((step, g.Ho, g.Wo, g.C, k), dy.dtype)
+    scratch = xp.empty_like(grads)
+    dx = xp.empty((g.N, g.C, g.H, g.W), dy.dtype)
+    for start, n in blocks:
+        d, gr, t = d_padded[:n], grads[:n], scratch[:n]
+        d[...] = 0
+        gr[...] = dy[start:start + n].reshape(n, g.C, k, g.Ho, g.Wo).transpose(0, 3, 4, 1, 2)
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                xp.multiply(gr, taps[i, j], out=t)
+                _tap(d, i, j, g)[...] += t[..., 0] if k == 1 else t.sum(axis=-1)
+        dx[start:start + n] = d[:, g.pt:g.pt + g.H, g.pl:g.pl + g.W].transpose(0, 3, 1, 2)
+    return dx
 
 
 def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
@@ -617,20 +654,22 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
 
 
 def _depthwise_backward_filter(x, dy, g, xp):
-    """dw of the depthwise kernel: each tap's gradient is dy times the window it read, summed
-    over samples and positions."""
+    """dw of the depthwise kernel: each tap's gradient is dy times the positions it read,
+    summed over samples and positions."""
     k = g.F // g.C
-    padded = _zero_padded(x, g, xp)
-    # (C, k, N*Ho*Wo): each channel's gradients, its samples side by side
-    grads = xp.ascontiguousarray(dy.reshape(g.N, g.C, k, g.Ho * g.Wo).transpose(1, 2, 0, 3)).reshape(g.C, k, -1)
-    dw = xp.empty((g.C, k, g.Kh, g.Kw), dy.dtype)
-    window = xp.empty((g.C, g.N, g.Ho, g.Wo), dy.dtype)
-    for i in range(g.Kh):
-        for j in range(g.Kw):
-            window[...] = padded[(slice(None), slice(None)) + _window(i, j, g)[1:]].transpose(1, 0, 2, 3)
-            # (C, k, N*P) @ (C, N*P, 1): one batched GEMV per channel
-            dw[:, :, i, j] = xp.matmul(grads, window.reshape(g.C, -1, 1))[:, :, 0]
-    return dw.reshape(g.F, 1, g.Kh, g.Kw)
+    Hp, Wp = _padded_size(g)
+    blocks, step = _depthwise_blocks(g)
+    padded = xp.zeros((step, Hp, Wp, g.C), x.dtype)
+    grads = xp.empty((step, g.Ho, g.Wo, g.C, k), dy.dtype)
+    dw = xp.zeros((g.Kh, g.Kw, g.C, k), dy.dtype)
+    for start, n in blocks:
+        source = _channel_last_padded(x, start, n, g, xp, padded)
+        gr = grads[:n]
+        gr[...] = dy[start:start + n].reshape(n, g.C, k, g.Ho, g.Wo).transpose(0, 3, 4, 1, 2)
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                dw[i, j] += xp.einsum("nhwc,nhwcm->cm", _tap(source, i, j, g), gr)
+    return xp.ascontiguousarray(dw.transpose(2, 3, 0, 1)).reshape(g.F, 1, g.Kh, g.Kw)
 
 
 def conv2d_backward_bias(dy):
