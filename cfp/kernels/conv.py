@@ -640,6 +640,14 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
     G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
     if _is_depthwise(g):
         return _depthwise_backward_filter(x, dy, g, xp)
+    if _is_pointwise(g):
+        # dw = sum over samples of dy_n (F, H*W) @ x_n^T (H*W, C): BLAS reads x_n transposed,
+        # so neither tensor is copied
+        dw, product = xp.zeros((g.F, g.C), dtype), xp.empty((g.F, g.C), dtype)
+        for n in range(g.N):
+            xp.matmul(dy[n].reshape(g.F, g.H * g.W), x[n].reshape(g.C, g.H * g.W).T, out=product)
+            dw += product
+        return dw.reshape(g.F, g.C, 1, 1)
     # dw as (G, F/G, Kh*Kw*C/G) = sum over blocks of dy_block @ patches, one GEMM per block and
     # group whose inner dimension runs over all the block's output pixels.
     dw_matrix = xp.zeros((G, Fg, g.Kh * g.Kw * Cg), dtype)
