@@ -45,7 +45,7 @@ from . import backend
 from .partition import block_sizes
 from .report import format_bytes, format_table
 
-PHASES = ("forward", "backward-data", "backward-filter", "gradient-sync", "redistribute", "other")
+PHASES = ("forward", "backward-data", "backward-filter", "gradient-sync", "halo", "redistribute", "other")
 
 
 @dataclasses.dataclass(frozen=True)

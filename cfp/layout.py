@@ -301,7 +301,23 @@ def exchange_plan(global_shape, source, source_grid, target, target_grid, ranks)
 
 @functools.lru_cache(maxsize=512)
 def _plan(global_shape, source, s_key, target, t_key, ranks):
-    s_shape, t_shape = dict(s_key), dict(t_key)
+    t_shape = dict(t_key)
+    wanted = []
+    for d in range(ranks):
+        tc = coords_of(d, t_shape)
+        # the other summands of a partial target are zeros: they want nothing
+        wanted.append(target.indices(global_shape, t_shape, tc) if target.first_summand(t_shape, tc) else None)
+    return gather_plan(global_shape, source, s_key, tuple(wanted))
+
+
+@functools.lru_cache(maxsize=512)
+def gather_plan(global_shape, source, source_grid, wanted):
+    """The pieces [(s, d, index sets)] that give each rank d the global indices wanted[d] (per
+    dimension a range or sorted tuple; None: nothing) of a tensor laid out by `source` on
+    `source_grid`: the exchange of exchange_plan, for any wanted sets, overlapping ones
+    included (a halo: the rows a convolution needs beyond its own block)."""
+    s_shape = _shape(source_grid)
+    ranks = len(wanted)
     # Ranks holding the same indices hold copies, unless they differ only along the partial
     # axes: then they hold summands of one copy.
     copies = {}  # held index sets -> {coordinates off the partial axes: [the summands' ranks]}
@@ -312,12 +328,10 @@ def _plan(global_shape, source, s_key, target, t_key, ranks):
         copies.setdefault(held, {}).setdefault(copy, []).append(r)
     pieces = []
     for d in range(ranks):
-        tc = coords_of(d, t_shape)
-        if not target.first_summand(t_shape, tc):
-            continue  # the other summands of a partial target are zeros
-        wanted = target.indices(global_shape, t_shape, tc)
+        if wanted[d] is None:
+            continue
         for held, by_copy in copies.items():
-            piece = tuple(_intersect(h, w) for h, w in zip(held, wanted))
+            piece = tuple(_intersect(h, w) for h, w in zip(held, wanted[d]))
             if any(p is None for p in piece):
                 continue
             keys = list(by_copy)

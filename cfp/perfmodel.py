@@ -12,8 +12,9 @@ import os
 
 from .algorithms import algorithm_class
 from .comm import PHASES as LEDGER_PHASES
-from .grid import parse_grid_spec
+from .grid import AXES, parse_grid_spec
 from .io import load_json
+from .layout import piece_size
 from .kernels import conv2d_output_shape
 from .partition import (block_size, block_sizes, filter_groups_of, gather_group, scatter_group,
                         union_of_blocks)
@@ -64,6 +65,14 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     n = block_size(N, P_n, s)
     p_f = filter_groups_of(algorithm, P_c, filter_groups)
     row, column = gather_group(c, P_c, p_f), scatter_group(c, P_c, p_f)
+    P_h, P_w = sizes.get("height", 1), sizes.get("width", 1)
+    halo = None
+    if P_h * P_w > 1:  # the local blocks: x extended by its halo, y's own rows and columns
+        halo = _halo(cls, x_shape, w_shape, sizes, input_whole, groups, stride=stride, padding=padding,
+                     dilation=dilation, padding_mode=padding_mode)
+        out_rows, in_rows = halo["spans"]["height"][coords.get("height", 0)][:2]
+        out_cols, in_cols = halo["spans"]["width"][coords.get("width", 0)][:2]
+        H, W, Ho, Wo = len(in_rows), len(in_cols), out_rows, out_cols
     blocks = {  # per group: (the members' block sizes, this rank's place, bytes per unit)
         "row": ([block_size(C, P_c, k) for k in row], row.index(c), n * H * W * itemsize),
         "column": ([block_size(F, P_c, k) for k in column], column.index(c), n * Ho * Wo * itemsize),
@@ -77,16 +86,41 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
         w_count = (len(union_of_blocks(F, P_c, column)) * len(union_of_blocks(C, P_c, row)) * Kh * Kw
                    + (block_size(F, P_c, c) if bias else 0))
     out = {phase: (0, 0) for phase in PHASES}
+    if halo is not None:  # the halo exchange, and its adjoint when dx is computed
+        out["halo"] = _halo_bytes(halo, sizes, coords, need_dx, itemsize)
+    # the ranks that hold the same shard: the sample and spatial ranks of one channel coordinate
+    sharing = P_n * P_h * P_w
+    me = (s * P_h + coords.get("height", 0)) * P_w + coords.get("width", 0)
     for m in cls.messages:
         if not _sent(m, input_whole, need_dx):
             continue
         if m.collective == "allreduce":
-            moved = _allreduce(w_count, P_n, s, itemsize)
+            moved = _allreduce(w_count, sharing, me, itemsize)
         else:
             collective = _allgather if m.collective == "allgather" else _reduce_scatter
             moved = collective(*blocks[m.group])
         out[m.phase] = tuple(a + b for a, b in zip(out[m.phase], moved))
     return out
+
+
+def _halo(cls, x_shape, w_shape, sizes, input_whole, groups, **options):
+    """The layer's halo exchange (algorithms.base.halo_plan, what the algorithm runs)."""
+    from .algorithms.base import activation_layout, halo_plan
+    shape = {a: sizes.get(a, 1) for a in AXES}
+    layout = activation_layout(shape, cls.input_channel(input_whole, groups))
+    return halo_plan(tuple(x_shape), layout, tuple(shape.items()), tuple(w_shape[2:]), tuple(sorted(options.items())))
+
+
+def _halo_bytes(plan, sizes, coords, need_dx, itemsize):
+    """(sent, received) of the halo exchange and, with dx, of its adjoint, which moves the same
+    pieces back."""
+    shape = {a: sizes.get(a, 1) for a in AXES}
+    rank = 0
+    for a in AXES:
+        rank = rank * shape[a] + coords.get(a, 0)
+    sent = sum(piece_size(p) for s, d, p in plan["pieces"] if s == rank and d != rank) * itemsize
+    received = sum(piece_size(p) for s, d, p in plan["pieces"] if d == rank and s != rank) * itemsize
+    return (sent + received, received + sent) if need_dx else (sent, received)
 
 
 def _sent(message, input_whole, need_dx):

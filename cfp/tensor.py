@@ -12,7 +12,7 @@ from mpi4py import MPI
 from . import backend, comm as collectives
 from .layout import Layout, Shard, exchange_plan, global_extent, piece_size, positions, selector
 
-__all__ = ["DistTensor", "Layout", "Shard", "check_blocks"]
+__all__ = ["DistTensor", "Layout", "Shard", "check_blocks", "move"]
 
 
 def _same_ranks(grid_a, grid_b):
@@ -105,35 +105,41 @@ class DistTensor:
     def _exchange(self, pieces, wanted):
         """Send and receive `pieces` ((s, d, index sets), from layout.exchange_plan) with one
         all-to-all; return this rank's block of the indices `wanted`, the sum of what arrived."""
-        p, me = self.grid.size, self.grid.rank
-        xp = backend.get_array_module(self.local)
-        host = backend.to_host(self.local)
-        mine = self.indices()
-        send = [[] for _ in range(p)]
-        arriving = [[] for _ in range(p)]
-        for s, d, piece in pieces:
-            if s == me:
-                block = host[selector([positions(ix, m) for ix, m in zip(piece, mine)])]
-                send[d].append(np.ascontiguousarray(block).reshape(-1))
-            if d == me:
-                arriving[s].append(piece)
-        send = [np.concatenate(chunks) if chunks else np.empty(0, dtype=host.dtype) for chunks in send]
-        counts = [sum(piece_size(piece) for piece in arriving[s]) for s in range(p)]
-        chunks = collectives.alltoallv(self.grid.comm, send, counts, host.dtype)
-
-        out = np.zeros(tuple(len(ix) for ix in wanted), dtype=host.dtype)
-        for s, chunk in enumerate(chunks):
-            offset = 0
-            for piece in arriving[s]:
-                size = piece_size(piece)
-                where = selector([positions(ix, w) for ix, w in zip(piece, wanted)])
-                out[where] += chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece))
-                offset += size
-        return backend.from_host(out, xp)
+        return move(self.local, self.indices(), pieces, wanted, self.grid.comm)
 
     def __repr__(self):
         return (f"DistTensor(global_shape={self.global_shape}, layout={self.layout}, "
                 f"grid={self.grid.describe()}, local_shape={tuple(self.local.shape)})")
+
+
+def move(local, held, pieces, wanted, comm):
+    """The exchange behind redistribute and the halo: rank s sends, for each piece (s, d, index
+    sets), that part of its `local` array (which holds the global indices `held`) to rank d;
+    every rank returns an array over the indices `wanted`, zero where nothing arrived, the sum
+    where several pieces arrive at one place. One all-to-all over `comm`, in the ledger."""
+    p, me = comm.Get_size(), comm.Get_rank()
+    xp = backend.get_array_module(local)
+    host = backend.to_host(local)
+    send = [[] for _ in range(p)]
+    arriving = [[] for _ in range(p)]
+    for s, d, piece in pieces:
+        if s == me:
+            block = host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
+            send[d].append(np.ascontiguousarray(block).reshape(-1))
+        if d == me:
+            arriving[s].append(piece)
+    send = [np.concatenate(chunks) if chunks else np.empty(0, dtype=host.dtype) for chunks in send]
+    counts = [sum(piece_size(piece) for piece in arriving[s]) for s in range(p)]
+    chunks = collectives.alltoallv(comm, send, counts, host.dtype)
+    out = np.zeros(tuple(len(ix) for ix in wanted), dtype=host.dtype)
+    for s, chunk in enumerate(chunks):
+        offset = 0
+        for piece in arriving[s]:
+            size = piece_size(piece)
+            where = selector([positions(ix, w) for ix, w in zip(piece, wanted)])
+            out[where] += chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece))
+            offset += size
+    return backend.from_host(out, xp)
 
 
 def check_blocks(local, layout, grid, what):

@@ -8,15 +8,19 @@ of these are layouts (cfp/layout.py): `input_layout`, `output_layout`, `weight_l
 `bias_layout`, and every index set below is read from them.
 """
 import collections
+import functools
+import math
 
 import numpy as np
 
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
-from ..kernels import conv2d_output_shape, conv_options
-from ..layout import Shard
-from ..partition import block_sizes, filter_groups_of
-from ..tensor import Layout, check_blocks
+from ..kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv2d_output_shape,
+                       conv_geometry, conv_options)
+from ..grid import coords_of
+from ..layout import Shard, gather_plan
+from ..partition import block_range, block_sizes, filter_groups_of
+from ..tensor import Layout, check_blocks, move
 
 
 Message = collections.namedtuple("Message", "phase collective group tensor")
@@ -37,6 +41,53 @@ of x is not sent when the input is whole (the first layer), nor is anything of b
 when no dx is wanted."""
 
 GRADIENT_SYNC = Message("gradient-sync", "allreduce", "gradient", "w")
+
+
+@functools.lru_cache(maxsize=256)
+def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
+    """The halo exchange of a convolution whose input (global x_shape, NCHW) is laid out by
+    `layout` on a grid of `grid_shape` ((axis, size) pairs) that splits height and width, for
+    kernel_size and the spatial `options` ((name, value) pairs: stride, padding, dilation,
+    padding_mode): per axis and coordinate (output extent, input indices needed, padding
+    before, padding after), the indices each rank wants, and the pieces that bring them
+    (layout.gather_plan). Pure arithmetic: the algorithms run it, perfmodel counts it.
+
+    Coordinate c of an axis computes output rows o_lo..o_hi-1 (balanced blocks of the output)
+    and needs input rows s*o_lo - p_before to s*(o_hi - 1) + d*(k - 1) - p_before, clipped to
+    the image; the rows beyond the image are its local zero padding. What it does not hold
+    arrives in one all-to-all from whichever ranks hold it, however wide the halo (no
+    multi-hop); what it holds but does not need is skipped. (An empty output block, which
+    ConvAlgorithm refuses, would need nothing.)"""
+    N, C, H, W = x_shape
+    shape = dict(grid_shape)
+    g = conv_geometry((1, 1, H, W), (1, 1) + tuple(kernel_size), **dict(options))
+    spans = {}
+    for axis, extent, out, s, d, k, before in (("height", H, g.Ho, g.sh, g.dh, g.Kh, g.pt),
+                                               ("width", W, g.Wo, g.sw, g.dw, g.Kw, g.pl)):
+        spans[axis] = []
+        for c in range(shape.get(axis, 1)):
+            lo, hi = block_range(out, shape.get(axis, 1), c)
+            if hi == lo:
+                spans[axis].append((0, range(0), 0, 0))
+                continue
+            first, last = s * lo - before, s * (hi - 1) + d * (k - 1) - before  # inclusive
+            need = range(max(0, first), min(extent, last + 1))
+            spans[axis].append((hi - lo, need, max(0, -first), max(0, last + 1 - extent)))
+    wanted = []
+    for r in range(math.prod(shape.values())):
+        c = coords_of(r, shape)
+        n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
+        wanted.append((n_ix, c_ix, spans["height"][c.get("height", 0)][1], spans["width"][c.get("width", 0)][1]))
+    wanted = tuple(wanted)
+    return {"spans": spans, "wanted": wanted, "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
+
+
+def activation_layout(grid_shape, channel):
+    """NCHW split by sample, by `channel` over the channel axis (a Shard, 'channel' or None),
+    and by height and width where the grid has those axes."""
+    shape = dict(grid_shape)
+    return Layout(("sample", channel, "height" if shape.get("height", 1) > 1 else None,
+                   "width" if shape.get("width", 1) > 1 else None))
 
 
 class ConvAlgorithm:
@@ -79,11 +130,11 @@ class ConvAlgorithm:
             raise ValueError(f"{layer}: algorithm {self.name!r} with its input whole over the channel axis "
                              f"computes no dx (the network's first layer); give it a channel-split input "
                              f"(a Redistribute before it) or need_dx=False")
-        for axis in ("height", "width"):
-            if grid.axis_size(axis) > 1:  # until spatial parallelism exists, never a silent replica
-                raise ValueError(f"{layer}: grid {grid.describe()} splits the {axis} axis over "
-                                 f"{grid.axis_size(axis)} ranks; the convolutions support sample and "
-                                 f"channel axes only (spatial parallelism is not implemented)")
+        self.P_h, self.P_w = grid.axis_size("height"), grid.axis_size("width")
+        self.spatial = self.P_h * self.P_w > 1
+        if self.spatial and self.options["padding_mode"] != "zeros":
+            raise ValueError(f"{layer}: padding_mode {self.options['padding_mode']!r} on grid {grid.describe()}, "
+                             f"which splits the image: only 'zeros' padding combines with a spatial split")
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
         self.p_f = filter_groups_of(self.name, self.P_c, filter_groups)
         c = grid.coord("channel")
@@ -93,6 +144,7 @@ class ConvAlgorithm:
         self.x_channels = list(self.input_layout.indices((1, self.C, 1, 1), grid, grid.coords)[1])
         self._saved = None
         self._output_shape = None
+        self._halo, self._halo_plans = None, {}
 
     def shard_indices(self, c):
         """(filters, channels, bias filters): the global indices of the weight and bias shard
@@ -113,15 +165,23 @@ class ConvAlgorithm:
     def bias_shape(self):
         return (len(self.b_filters),)
 
+    @classmethod
+    def input_channel(cls, input_whole, groups):
+        """How x's channels are split over the channel axis: by block, or not at all when the
+        input is whole (the first layer; sample parallelism)."""
+        return None if input_whole or cls.weight_replicated else "channel"
+
     @property
     def input_layout(self):
-        """x's layout: split by sample, and by channel unless every rank holds all of C."""
-        return Layout(("sample", None if self.input_whole else "channel", None, None))
+        """x's layout: split by sample, by channel unless every rank holds all of C, and by
+        height and width on a spatial grid (balanced blocks of the image's rows and columns)."""
+        return activation_layout(self.grid.shape, self.input_channel(self.input_whole, self.groups))
 
     @property
     def output_layout(self):
-        """y's (and dy's) layout: split by sample, and by filter unless w is whole everywhere."""
-        return Layout(("sample", None if self.weight_replicated else "channel", None, None))
+        """y's (and dy's) layout: split by sample, by filter unless w is whole everywhere, and
+        by height and width in balanced blocks of the output's rows and columns."""
+        return activation_layout(self.grid.shape, None if self.weight_replicated else "channel")
 
     @property
     def weight_layout(self):
@@ -141,7 +201,75 @@ class ConvAlgorithm:
         """b (F,): added where y's filter block is, so it follows y's filter split."""
         return Layout((None if self.weight_replicated else "channel",))
 
-    def check_input(self, x, w, b):
+    def output_hw(self, H, W):
+        """The output's (H', W') for an input of H x W."""
+        spatial = {k: v for k, v in self.options.items() if k != "groups"}
+        return conv2d_output_shape((1, 1, H, W), (1, 1) + self.kernel_size, **spatial)[2:]
+
+    # -- spatial splits: the halo ---------------------------------------------------------------
+
+    def halo_plan(self, x_shape):
+        """This rank's part of the halo exchange for a global input of x_shape (module-level
+        halo_plan, cached per shape): its output block, the padding of its local convolution,
+        the pieces of the exchange, the indices it holds and wants."""
+        key = tuple(int(n) for n in x_shape)
+        if key not in self._halo_plans:
+            plan = halo_plan(key, self.input_layout, tuple(self.grid.shape.items()), self.kernel_size,
+                             tuple(sorted((k, v) for k, v in self.options.items() if k != "groups")))
+            for axis, name in (("height", "rows"), ("width", "columns")):
+                outs = [span[0] for span in plan["spans"][axis]]
+                if min(outs) == 0:
+                    raise ValueError(
+                        f"{self.layer}: an input of {key[2]}x{key[3]} gives {sum(outs)} output {name}, too few "
+                        f"for the {len(outs)} ranks of the {axis} axis of grid {self.grid.describe()}: the image "
+                        f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
+            me, c = self.grid.rank, self.grid.coords
+            out_rows, _, top, bottom = plan["spans"]["height"][c["height"]]
+            out_cols, _, left, right = plan["spans"]["width"][c["width"]]
+            self._halo_plans[key] = {"pieces": plan["pieces"], "wanted": plan["wanted"][me],
+                                     "held": self.input_layout.indices(key, self.grid, c),
+                                     "out_rows": out_rows, "out_cols": out_cols,
+                                     "padding": (top, bottom, left, right)}
+        return self._halo_plans[key]
+
+    def halo(self, x):
+        """x's block extended by the rows and columns its kernel windows read (phase 'halo')."""
+        if not self.spatial:
+            return x
+        h = self._halo
+        with comm.tag(layer=self.layer, phase="halo"):
+            return move(x, h["held"], h["pieces"], h["wanted"], self.grid.comm)
+
+    def halo_adjoint(self, dx_extended):
+        """The adjoint of halo: each rank's gradient of its extended block added back onto the
+        blocks of the ranks the rows came from (phase 'halo')."""
+        if not self.spatial or dx_extended is None:
+            return dx_extended
+        h = self._halo
+        back = [(d, s, piece) for s, d, piece in h["pieces"]]
+        with comm.tag(layer=self.layer, phase="halo"):
+            return move(dx_extended, h["wanted"], back, h["held"], self.grid.comm)
+
+    # -- the local kernels, on this rank's (extended) block ------------------------------------
+
+    def kernel_args(self):
+        """The kernels' arguments for this rank's block: the layer's options, with the padding
+        of the halo plan on a spatial grid (zero rows only where the block meets the border)."""
+        args = dict(self.options)
+        if self.spatial:
+            args["padding"] = self._halo["padding"]
+        return args
+
+    def local_forward(self, x, w, b=None):
+        return conv2d_forward(x, w, b, **self.kernel_args())
+
+    def local_backward_data(self, dy, w, x_shape):
+        return conv2d_backward_data(dy, w, x_shape, **self.kernel_args())
+
+    def local_backward_filter(self, x, dy, w_shape):
+        return conv2d_backward_filter(x, dy, w_shape, **self.kernel_args())
+
+    def check_input(self, x, w, b, input_shape=None):
         """The checks of forward's inputs: dtypes (float32 or float64, one for all), this rank's
         shapes, then, collectively, that the ranks' x blocks form one tensor (tensor.check_blocks,
         skipped inside comm.inputs_checked()), so that no rank computes on a tensor the others
@@ -162,12 +290,17 @@ class ConvAlgorithm:
         if self.bias and (b is None or tuple(b.shape) != self.bias_shape):
             got = None if b is None else tuple(b.shape)
             raise ValueError(f"{self.layer}: bias shard has shape {got}, expected {self.bias_shape}")
-        check_blocks(x, self.input_layout, self.grid, f"{self.layer}: x")
-        n, _, H, W = x.shape
+        checked = check_blocks(x, self.input_layout, self.grid, f"{self.layer}: x")
+        shape = tuple(input_shape) if input_shape is not None else checked
+        if shape is None and self.spatial:
+            raise ValueError(f"{self.layer}: on a spatial grid forward needs the global input shape "
+                             f"(input_shape=), which a trusted caller passes")
+        n = x.shape[0]
         filters = self.F if self.weight_replicated else len(self.b_filters)
-        spatial = {k: v for k, v in self.options.items() if k != "groups"}  # the output's H', W'
-        self._output_shape = (n, filters) + conv2d_output_shape((n, 1, H, W), (1, 1) + self.kernel_size,
-                                                                **spatial)[2:]
+        H, W = (shape[2], shape[3]) if self.spatial else x.shape[2:]
+        self._halo = self.halo_plan((shape[0] if shape else n, self.C, H, W)) if self.spatial else None
+        rows, cols = (self._halo["out_rows"], self._halo["out_cols"]) if self.spatial else self.output_hw(H, W)
+        self._output_shape = (n, filters, rows, cols)
 
     @property
     def kept_bytes(self):

@@ -16,10 +16,10 @@ x: (n, G_c C/G, H, W) -> y: (n, G_c F/G, H', W'), w shard: (G_c F/G, C/G, Kh, Kw
 import numpy as np
 
 from .. import comm
-from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from ..kernels import conv2d_backward_bias
 from ..layout import Shard
 from ..tensor import Layout
-from .base import GRADIENT_SYNC, ConvAlgorithm
+from .base import GRADIENT_SYNC, ConvAlgorithm, activation_layout
 
 
 class GroupedChannels(ConvAlgorithm):
@@ -38,13 +38,13 @@ class GroupedChannels(ConvAlgorithm):
     def _groups(self):
         return Shard("channel", "groups", self.groups)
 
-    @property
-    def input_layout(self):
-        return Layout(("sample", None if self.input_whole else self._groups, None, None))
+    @classmethod
+    def input_channel(cls, input_whole, groups):
+        return None if input_whole else Shard("channel", "groups", groups)
 
     @property
     def output_layout(self):
-        return Layout(("sample", self._groups, None, None))
+        return activation_layout(self.grid.shape, self._groups)
 
     @property
     def weight_layout(self):
@@ -54,16 +54,17 @@ class GroupedChannels(ConvAlgorithm):
     def bias_layout(self):
         return Layout((self._groups,))
 
-    def local_args(self):
-        return {**self.conv_args(), "groups": max(1, self.own_groups)}
+    def kernel_args(self):
+        return {**super().kernel_args(), "groups": max(1, self.own_groups)}
 
-    def forward(self, x, w, b=None):
-        self.check_input(x, w, b)
+    def forward(self, x, w, b=None, input_shape=None):
+        self.check_input(x, w, b, input_shape)
+        x = self.halo(x)
         if self.input_whole:  # the first layer: take this rank's groups' channels, no message
             x = x[:, self.group_channels]
         with comm.tag(layer=self.layer, phase="forward"):
             if self.own_groups:
-                y = conv2d_forward(x, w, b if self.bias else None, **self.local_args())
+                y = self.local_forward(x, w, b if self.bias else None)
             else:  # more channel ranks than groups: this one holds none
                 y = np.zeros(self._output_shape, x.dtype)
         self._saved = (x, w)
@@ -73,9 +74,9 @@ class GroupedChannels(ConvAlgorithm):
         x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         if self.own_groups:
-            dw = conv2d_backward_filter(x, dy, w.shape, **self.local_args())
-            dx = conv2d_backward_data(dy, w, x.shape, **self.local_args()) if self.need_dx else None
+            dw = self.local_backward_filter(x, dy, w.shape)
+            dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None
         else:
             dw, dx = np.zeros(w.shape, dy.dtype), (np.zeros(x.shape, dy.dtype) if self.need_dx else None)
         dw, db = self.sync_gradients(dw, db)
-        return dx, dw, db
+        return self.halo_adjoint(dx), dw, db

@@ -9,7 +9,7 @@ x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F / p_f, C / q, Kh, Kw): the
 column's F blocks and the channels of the row's C blocks (partition.union_of_blocks).
 """
 from .. import comm
-from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from ..kernels import conv2d_backward_bias
 from ..partition import block_size, gather_group, scatter_group
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message
 
@@ -28,14 +28,15 @@ class StationaryW(ConvAlgorithm):
         self.row_channel_sizes = [block_size(self.C, P_c, k) for k in gather_group(c, P_c, self.p_f)]
         self.column_filter_sizes = [block_size(self.F, P_c, k) for k in scatter_group(c, P_c, self.p_f)]
 
-    def forward(self, x, w, b=None):
-        self.check_input(x, w, b)
+    def forward(self, x, w, b=None, input_shape=None):
+        self.check_input(x, w, b, input_shape)
+        x = self.halo(x)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.input_whole:  # the first layer: take the row's channels, no message
                 x_row = x[:, self.w_channels]
             else:
                 x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes)
-            partial_y = conv2d_forward(x_row, w, **self.conv_args())
+            partial_y = self.local_forward(x_row, w)
             y = comm.reduce_scatter(self.column_comm, partial_y, 1, self.column_filter_sizes)
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
@@ -47,11 +48,11 @@ class StationaryW(ConvAlgorithm):
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes)
-            dw = conv2d_backward_filter(x_row, dy_column, w.shape, **self.conv_args())
+            dw = self.local_backward_filter(x_row, dy_column, w.shape)
         dx = None
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
-                partial_dx = conv2d_backward_data(dy_column, w, x_row.shape, **self.conv_args())
+                partial_dx = self.local_backward_data(dy_column, w, x_row.shape)
                 dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes)
         dw, db = self.sync_gradients(dw, db)
-        return dx, dw, db
+        return self.halo_adjoint(dx), dw, db

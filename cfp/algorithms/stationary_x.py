@@ -6,7 +6,7 @@ backward-data:    local dx with the gathered dy, no communication
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
 from .. import comm
-from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from ..kernels import conv2d_backward_bias
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
 
@@ -15,12 +15,13 @@ class StationaryX(ConvAlgorithm):
     messages = (Message("forward", "reduce_scatter", "column", "y"),
                 Message("backward-filter", "allgather", "column", "y"), GRADIENT_SYNC)
 
-    def forward(self, x, w, b=None):
-        self.check_input(x, w, b)
+    def forward(self, x, w, b=None, input_shape=None):
+        self.check_input(x, w, b, input_shape)
+        x = self.halo(x)
         if self.input_whole:  # the first layer: take this rank's channels, no message
             x = x[:, self.w_channels]
         with comm.tag(layer=self.layer, phase="forward"):
-            partial_y = conv2d_forward(x, w, **self.conv_args())
+            partial_y = self.local_forward(x, w)
             y = comm.reduce_scatter(self.channel_comm, partial_y, 1, channel_block_sizes(self.F, self.grid))
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
@@ -32,10 +33,10 @@ class StationaryX(ConvAlgorithm):
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid))
-            dw = conv2d_backward_filter(x, dy_all_filters, w.shape, **self.conv_args())
+            dw = self.local_backward_filter(x, dy_all_filters, w.shape)
         dx = None
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
-                dx = conv2d_backward_data(dy_all_filters, w, x.shape, **self.conv_args())
+                dx = self.local_backward_data(dy_all_filters, w, x.shape)
         dw, db = self.sync_gradients(dw, db)
-        return dx, dw, db
+        return self.halo_adjoint(dx), dw, db

@@ -6,7 +6,7 @@ backward-data:    local partial dx over all C, reduce-scatter over P_c
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F_c, C, Kh, Kw).
 """
 from .. import comm
-from ..kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+from ..kernels import conv2d_backward_bias
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
 
@@ -15,14 +15,15 @@ class StationaryY(ConvAlgorithm):
     messages = (Message("forward", "allgather", "row", "x"),
                 Message("backward-data", "reduce_scatter", "row", "x"), GRADIENT_SYNC)
 
-    def forward(self, x, w, b=None):
-        self.check_input(x, w, b)
+    def forward(self, x, w, b=None, input_shape=None):
+        self.check_input(x, w, b, input_shape)
+        x = self.halo(x)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.input_whole:  # the first layer: every rank already has all channels
                 x_all_channels = x
             else:
                 x_all_channels = comm.allgather(self.channel_comm, x, 1, channel_block_sizes(self.C, self.grid))
-            y = conv2d_forward(x_all_channels, w, b if self.bias else None, **self.conv_args())
+            y = self.local_forward(x_all_channels, w, b if self.bias else None)
         self._saved = (x_all_channels, w)
         return y
 
@@ -30,11 +31,11 @@ class StationaryY(ConvAlgorithm):
         x_all_channels, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
-            dw = conv2d_backward_filter(x_all_channels, dy, w.shape, **self.conv_args())
+            dw = self.local_backward_filter(x_all_channels, dy, w.shape)
         dx = None
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
-                partial_dx = conv2d_backward_data(dy, w, x_all_channels.shape, **self.conv_args())
+                partial_dx = self.local_backward_data(dy, w, x_all_channels.shape)
                 dx = comm.reduce_scatter(self.channel_comm, partial_dx, 1, channel_block_sizes(self.C, self.grid))
         dw, db = self.sync_gradients(dw, db)
-        return dx, dw, db
+        return self.halo_adjoint(dx), dw, db

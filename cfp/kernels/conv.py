@@ -64,6 +64,9 @@ def _padding(padding, kernel, dilation, stride):
             total = d * (k - 1)
             out += [total // 2, total - total // 2]
         return tuple(out)
+    if isinstance(padding, (tuple, list)) and len(padding) == 4:  # cfp's own: (top, bottom, left, right)
+        sides = tuple(int_pair(padding[i:i + 2], "padding", 0, "non-negative integers") for i in (0, 2))
+        return sides[0] + sides[1]
     ph, pw = int_pair(padding, "padding", 0, "a non-negative integer, a pair, 'same' or 'valid'")
     return ph, ph, pw, pw
 
@@ -77,7 +80,9 @@ def conv_options(stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"
     groups = positive_int(groups, "groups")
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
-    if not isinstance(padding, str):
+    if isinstance(padding, (tuple, list)) and len(padding) == 4:
+        padding = _padding(padding, (1, 1), dilation, stride)
+    elif not isinstance(padding, str):
         padding = int_pair(padding, "padding", 0, "a non-negative integer, a pair, 'same' or 'valid'")
     else:
         _padding(padding, (1, 1), dilation, stride)  # the string's own checks

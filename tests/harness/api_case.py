@@ -65,7 +65,9 @@ def weight_dtype_differs():
 
 
 def spatial_grid():
-    layer(grid=ProcessGrid(f"height={SIZE}"))
+    """A 1-row image over the height axis: too small for the grid."""
+    conv, w, b = layer(grid=ProcessGrid(f"height={SIZE}"))
+    conv.forward(x_block(conv, H=1 if RANK == 0 else 0), w, b)
 
 
 def backward_first():

@@ -1,0 +1,140 @@
+"""Spatial parallelism: every algorithm on every factorization of the world into sample x height
+x width x channel, against the serial convolution of the same global tensors (float64): uneven
+heights and widths, strides 1 and 2, paddings 0 to 2 and 'same', kernels 1 to 5, dilation,
+groups; the halo exchange's ledger against perfmodel.predict_bytes, and its adjoint."""
+import numpy as np
+import pytest
+
+from cfp import comm as C
+from cfp.algorithms import make_conv
+from cfp.grid import AXES, ProcessGrid
+from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,
+                         conv2d_forward, conv2d_output_shape)
+from cfp.perfmodel import ledger_bytes, predict_bytes
+from cfp.tensor import DistTensor
+from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+
+pytestmark = pytest.mark.mpi
+
+SPECS = [s for s in grid_specs(4, AXES) if "height=1,width=1" not in s or SIZE == 1]
+
+
+def configs():
+    out = []
+    for spec in SPECS:
+        P_c = int(spec.split("channel=")[1])
+        out += [(spec, "sample", None), (spec, "x", None), (spec, "y", None)]
+        out += [(spec, "w", p_f) for p_f in range(1, P_c + 1) if P_c % p_f == 0 and 1 < p_f < P_c]
+    return out
+
+
+CONFIGS = configs()
+
+# N, C, F, H, W, K, options: 7 rows over 2 or 3 ranks, even and odd kernels, strides, dilation
+CASES = {
+    "k3-p1": (2, 3, 5, 7, 6, 3, {"padding": 1}),
+    "k5-p2-s2": (2, 4, 3, 9, 7, 5, {"padding": 2, "stride": 2}),
+    "k1": (3, 2, 4, 7, 5, 1, {}),
+    "k2-p0": (1, 3, 2, 7, 8, 2, {}),
+    "k4-same": (2, 2, 3, 7, 7, 4, {"padding": "same"}),
+    "k3-d2-p2": (2, 3, 3, 8, 7, 3, {"dilation": 2, "padding": 2}),
+    "k3-s2-p0-pairs": (2, 3, 4, 9, 8, 3, {"stride": (2, 1), "padding": (0, 1)}),
+    "groups2": (2, 4, 6, 7, 6, 3, {"groups": 2, "padding": 1}),
+}
+
+
+def ids(config):
+    spec, alg, p_f = config
+    return f"{spec}-{alg}" + (f"-pf{p_f}" if p_f else "")
+
+
+@pytest.fixture(scope="module")
+def grids():
+    made = {spec: ProcessGrid(spec) for spec in SPECS}
+    yield made
+    for g in made.values():
+        g.free()
+
+
+def problem(case, seed=0):
+    N, Cin, F, H, W, K, opts = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, Cin, H, W))
+    w = rng.standard_normal((F, Cin // opts.get("groups", 1), K, K))
+    b = rng.standard_normal(F)
+    dy = rng.standard_normal(conv2d_output_shape(x.shape, w.shape, **opts))
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("config", CONFIGS, ids=ids)
+def test_spatial_grids_match_serial(grids, config, name):
+    spec, algorithm, p_f = config
+    grid = grids[spec]
+    N, Cin, F, H, W, K, opts = CASES[name]
+    x, w, b, dy = problem(CASES[name])
+    conv = make_conv(algorithm, grid, Cin, F, K, filter_groups=p_f, layer="conv", **opts)
+    x_local = DistTensor.from_global(x, conv.input_layout, grid).local
+    dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        y_local = conv.forward(x_local, conv.shard_weight(w), conv.shard_bias(b))
+        dx_local, dw, db = conv.backward(dy_local)
+    got = {"y": DistTensor(y_local, dy.shape, conv.output_layout, grid).gather(),
+           "dx": DistTensor(dx_local, x.shape, conv.input_layout, grid).gather(),
+           "dw": conv.gather_weight(dw), "db": conv.gather_bias(db)}
+    expected = {"y": conv2d_forward(x, w, b, **opts), "dx": conv2d_backward_data(dy, w, x.shape, **opts),
+                "dw": conv2d_backward_filter(x, dy, w.shape, **opts), "db": conv2d_backward_bias(dy)}
+    for key in expected:
+        assert_close_all_ranks(got[key], expected[key], 1e-10, f"{name} {ids(config)} {key}")
+    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, filter_groups=p_f, itemsize=8,
+                              **opts)
+    measured = ledger_bytes(ledger, layer="conv")
+    assert_all_ranks(measured == predicted, f"{name} {ids(config)}: ledger {measured} != predicted {predicted}")
+
+
+def test_the_halo_moves_what_the_windows_need(grids):
+    """On height=P (when the world allows), a 3x3 'same' layer: each inner boundary sends one
+    row each way, so a rank's halo bytes are its neighbours' edge rows, forward and back."""
+    spec = f"sample=1,height={SIZE},width=1,channel=1"
+    if SIZE == 1:
+        pytest.skip("one rank has no neighbour")
+    grid = grids[spec]
+    x = np.random.default_rng(1).standard_normal((2, 3, 4 * SIZE, 5))
+    conv = make_conv("sample", grid, 3, 2, 3, padding=1, layer="conv")
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        y = conv.forward(DistTensor.from_global(x, conv.input_layout, grid).local,
+                         conv.shard_weight(np.ones((2, 3, 3, 3))), conv.shard_bias(np.zeros(2)))
+        conv.backward(np.ones_like(y))
+    neighbours = (grid.coord("height") > 0) + (grid.coord("height") < SIZE - 1)
+    row = 2 * 3 * 5 * 8  # samples x channels x columns x bytes
+    halo = ledger_bytes(ledger, "conv")["halo"]
+    assert_all_ranks(halo == (2 * neighbours * row, 2 * neighbours * row), f"halo bytes {halo}")
+
+
+def test_an_image_too_small_for_the_grid_is_refused(grids):
+    """More ranks along height than output rows: one message on every rank, before any move."""
+    if SIZE == 1:
+        pytest.skip("one rank holds any image")
+    grid = grids[f"sample=1,height={SIZE},width=1,channel=1"]
+    conv = make_conv("x", grid, 2, 2, 3, stride=2, layer="conv")
+    x = DistTensor.from_global(np.zeros((1, 2, 2 * SIZE - 1, 4)), conv.input_layout, grid).local
+    raises_on_all_ranks(ValueError, lambda: conv.forward(x, conv.shard_weight(np.zeros((2, 2, 3, 3))),
+                                                         conv.shard_bias(np.zeros(2))),
+                        match=f"gives {SIZE - 1} output rows, too few for the {SIZE} ranks of the height axis")
+
+
+def test_refusals(grids):
+    spec = SPECS[-1]
+    grid = grids[spec]
+    if grid.axis_size("height") * grid.axis_size("width") == 1:
+        pytest.skip("needs a spatial grid")
+    raises_on_all_ranks(ValueError, lambda: make_conv("y", grid, 4, 4, 3, padding=1, padding_mode="reflect"),
+                        match="only 'zeros' padding combines with a spatial split")
+    conv = make_conv("y", grid, 4, 4, 3, padding=1, layer="conv")
+    x = DistTensor.from_global(np.zeros((2, 4, 6, 6)), conv.input_layout, grid).local
+    with C.inputs_checked():  # a trusted caller must say the global shape
+        raises_on_all_ranks(ValueError, lambda: conv.forward(x, conv.shard_weight(np.zeros((4, 4, 3, 3))),
+                                                             conv.shard_bias(np.zeros(4))),
+                            match="needs the global input shape")
