@@ -66,8 +66,9 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     """Time one distributed convolution, forward and backward, on the global tensors x, w, b, dy.
 
     Returns forward_s and backward_s (median of the slowest rank), and the most any rank sent
-    per iteration (bytes_sent_per_rank), holds as weights (weight_bytes_per_rank) and keeps
-    from forward to backward (kept_activation_bytes_per_rank).
+    per iteration (bytes_sent_per_rank; of them in the halo exchange, halo_bytes_per_rank),
+    holds as weights (weight_bytes_per_rank) and keeps from forward to backward
+    (kept_activation_bytes_per_rank).
     """
     conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
                      stride=stride, padding=padding, layer="conv")
@@ -81,7 +82,7 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
         ledger.reset()
         with comm.use_ledger(ledger), comm.inputs_checked():
             t0 = time.perf_counter()
-            conv.forward(x_local, w_shard, b_shard)
+            conv.forward(x_local, w_shard, b_shard, input_shape=x.shape)
             t1 = time.perf_counter()
             conv.backward(dy_local)
             t2 = time.perf_counter()
@@ -90,8 +91,10 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     times = slowest_median(world, step, repeats, warmup)
     kept = conv.kept_bytes
     sent = sum(r.bytes_sent for r in ledger.records)
-    most = np.empty(3)
-    world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept], dtype=np.float64), most, op=MPI.MAX)
+    halo = sum(r.bytes_sent for r in ledger.records if r.phase == "halo")
+    most = np.empty(4)
+    world.Allreduce(np.array([sent, w_shard.nbytes + b_shard.nbytes, kept, halo], dtype=np.float64), most,
+                    op=MPI.MAX)
     return {"forward_s": times["forward"], "backward_s": times["backward"],
             "bytes_sent_per_rank": int(most[0]), "weight_bytes_per_rank": int(most[1]),
-            "kept_activation_bytes_per_rank": int(most[2])}
+            "kept_activation_bytes_per_rank": int(most[2]), "halo_bytes_per_rank": int(most[3])}

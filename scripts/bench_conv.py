@@ -1,13 +1,15 @@
 """Time every algorithm and grid on one convolution layer at the current rank count.
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
-        [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--json out.json]
+        [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--spatial] [--json out.json]
 
-For each factorization P_n x P_c of the rank count and each algorithm (stationary-w with every
+For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
+the image split over height and width too) and each algorithm (stationary-w with every
 p_f dividing P_c): forward and backward time (median over repeats of the slowest rank),
 speedup over one rank (the serial kernels timed on rank 0 in the same run, while the other
 ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
-the weight and activation memory per rank. A table on stdout; --json keeps the rows.
+the bytes of the halo exchange and the weight and activation memory per rank. A table on
+stdout; --json keeps the rows.
 """
 import sys
 import time
@@ -40,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="element type")
     p.add_argument("--algorithms", default="sample,x,y,w",
                    help=f"comma-separated algorithms to time, of {', '.join(ALGORITHMS)}")
+    p.add_argument("--spatial", action="store_true",
+                   help="also split the image: every sample x height x width x channel factorization")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     try:
@@ -106,11 +110,12 @@ def main(argv=None):
     baseline = on_rank0(world, lambda: serial_baseline(args, x, w, b, dy))
     one_rank = baseline["forward"] + baseline["backward"]
     rows = [{"grid": "1 rank (serial kernels)", "algorithm": "-", "forward_s": baseline["forward"],
-             "backward_s": baseline["backward"], "bytes_sent_per_rank": 0,
+             "backward_s": baseline["backward"], "bytes_sent_per_rank": 0, "halo_bytes_per_rank": 0,
              "weight_bytes_per_rank": w.nbytes + b.nbytes, "kept_activation_bytes_per_rank": x.nbytes}]
     wanted = args.algorithms.split(",")
-    for P_n, P_c in factorizations(P):
-        grid = ProcessGrid(f"sample={P_n},channel={P_c}")
+    shapes = factorizations(P, 4) if args.spatial else [(n, 1, 1, c) for n, c in factorizations(P)]
+    for P_n, P_h, P_w, P_c in shapes:
+        grid = ProcessGrid({"sample": P_n, "height": P_h, "width": P_w, "channel": P_c})
         for algorithm in wanted:
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
@@ -127,12 +132,13 @@ def main(argv=None):
               f"thread(s) per rank, median of {args.repeats} (after {args.warmup} warm-up), "
               f"time of the slowest rank")
         print("| grid | algorithm | forward s | backward s | total s | speedup vs 1 rank | GFLOP/s "
-              "| sent MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| sent MiB/rank | of it halo MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['grid']} | {r['algorithm']} | {r['forward_s']:.4f} | {r['backward_s']:.4f} | "
                   f"{r['forward_s'] + r['backward_s']:.4f} | {r['speedup']:.2f}x | {r['gflops_per_s']:.1f} | "
-                  f"{r['bytes_sent_per_rank'] / MiB:.2f} | {r['weight_bytes_per_rank'] / MiB:.2f} | "
+                  f"{r['bytes_sent_per_rank'] / MiB:.2f} | {r['halo_bytes_per_rank'] / MiB:.2f} | "
+                  f"{r['weight_bytes_per_rank'] / MiB:.2f} | "
                   f"{r['kept_activation_bytes_per_rank'] / MiB:.2f} |")
         if args.json:
             save_json(args.json, {"arguments": vars(args), "ranks": P, "threads": threads, "rows": rows})
