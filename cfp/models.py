@@ -50,11 +50,6 @@ class _Builder:
             grid = self.grids.get(spec["grid"])
         except ValueError as e:
             raise ValueError(f"layer {name}: {e}") from None
-        split = [a for a in ("height", "width") if grid.axis_size(a) > 1]
-        if split:
-            raise ValueError(f"layer {name}: grid {grid.describe()} splits the image over {' and '.join(split)}; "
-                             f"spatial grids run single convolutions (scripts/run_conv.py), not models yet: "
-                             f"batch norm, pooling and the loss do not take a split image")
         return grid, spec
 
     def _layer(self, cls, name, cin, cout, first=False, **kwargs):

@@ -53,6 +53,9 @@ def write_problem(folder, N=3, C=5, F=7, H=6, W=5, K=3, stride=1, padding=1, dty
     (3, "x", "sample=3", []),
     (4, "w", "sample=1,channel=4", ["--filter-groups", "2"]),
     (4, "sample", "sample=2,channel=2", []),
+    (2, "y", "height=2", []),
+    (3, "x", "width=3", []),
+    (4, "w", "height=2,channel=2", ["--filter-groups", "2"]),
 ])
 def test_result_matches_serial(tmp_path, nprocs, algorithm, grid, extra):
     args, expected = write_problem(tmp_path, stride=2 if algorithm == "x" else 1)

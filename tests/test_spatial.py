@@ -12,7 +12,7 @@ from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_back
                          conv2d_forward, conv2d_output_shape)
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor
-from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -138,3 +138,56 @@ def test_refusals(grids):
         raises_on_all_ranks(ValueError, lambda: conv.forward(x, conv.shard_weight(np.zeros((4, 4, 3, 3))),
                                                              conv.shard_bias(np.zeros(4))),
                             match="needs the global input shape")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on spatial grids: 20 float64 steps of the small ResNet, the same losses as one rank.
+
+TRAIN_GRIDS = {2: [("height=2", "y"), ("width=2", "x"), ("height=2", "sample")],
+               3: [("height=3", "w")],
+               4: [("sample=2,height=2", "y"), ("height=2,channel=2", "w"), ("height=2,width=2", "x")]}
+_serial = {}
+
+
+def _serial_losses(upsample):
+    from mpi4py import MPI
+    from test_train import config
+    from cfp.train import train
+    if upsample not in _serial:
+        result = train(config(grid="sample=1", upsample=upsample), world=MPI.COMM_SELF)
+        _serial[upsample] = np.array([h["loss"] for h in result["history"]])
+    return _serial[upsample]
+
+
+@pytest.mark.parametrize("spec,algorithm", TRAIN_GRIDS.get(SIZE, []))
+def test_training_on_spatial_grids_matches_one_rank(spec, algorithm):
+    """Batch norm over sample x height x width ranks, global pooling over the spatial ranks, the
+    classifier and the loss on copies along them; 16x16 digits where 3 ranks share the image
+    (the 2x2 outputs of the last stage of 8x8 digits do not split three ways)."""
+    from test_train import config
+    from cfp.train import train
+    upsample = 2 if "3" in spec else 1
+    result = train(config(grid=spec, algorithm=algorithm, upsample=upsample))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(upsample), 1e-9,
+                           f"{spec} {algorithm} losses")
+
+
+def test_a_plan_from_spatial_to_channel_parallelism(mpi_tmp_path):
+    """The early 8x8 layers split the image, the late wide ones the channels: the planner's
+    idea of spatial parallelism early, channel parallelism late, run as a plan."""
+    if SIZE == 1:
+        pytest.skip("one rank splits nothing")
+    import json
+    from test_train import config
+    from cfp.train import train
+    layers = {"stem.conv": {"grid": f"height={SIZE}", "algorithm": "sample"},
+              "layer2.conv1": {"grid": f"channel={SIZE}", "algorithm": "y"},
+              "layer2.proj": {"grid": f"width={SIZE}" if SIZE < 3 else f"channel={SIZE}", "algorithm": "x"},
+              "layer3.conv1": {"grid": f"channel={SIZE}", "algorithm": "y"}}
+    path = mpi_tmp_path / "plan.json"
+    if WORLD.Get_rank() == 0:
+        path.write_text(json.dumps({"layers": layers}))
+    WORLD.Barrier()
+    result = train(config(plan=str(path)))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(1), 1e-9,
+                           "spatial then channel plan losses")

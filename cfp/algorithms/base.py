@@ -106,7 +106,7 @@ class ConvAlgorithm:
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,
-                 dilation=1, groups=1, padding_mode="zeros"):
+                 dilation=1, groups=1, padding_mode="zeros", split_image=True):
         self.grid = grid
         self.C = positive_int(in_channels, "in_channels")
         self.F = positive_int(out_channels, "out_channels")
@@ -130,7 +130,9 @@ class ConvAlgorithm:
             raise ValueError(f"{layer}: algorithm {self.name!r} with its input whole over the channel axis "
                              f"computes no dx (the network's first layer); give it a channel-split input "
                              f"(a Redistribute before it) or need_dx=False")
-        self.P_h, self.P_w = grid.axis_size("height"), grid.axis_size("width")
+        # split_image=False: a layer on a spatial grid whose input is not split over height and
+        # width (the classifier after global pooling): those ranks then hold copies
+        self.P_h, self.P_w = (grid.axis_size("height"), grid.axis_size("width")) if split_image else (1, 1)
         self.spatial = self.P_h * self.P_w > 1
         if self.spatial and self.options["padding_mode"] != "zeros":
             raise ValueError(f"{layer}: padding_mode {self.options['padding_mode']!r} on grid {grid.describe()}, "
@@ -139,7 +141,8 @@ class ConvAlgorithm:
         self.p_f = filter_groups_of(self.name, self.P_c, filter_groups)
         c = grid.coord("channel")
         self.channel_comm = grid.axis_comm("channel")
-        self.gradient_comm = grid.complement_comm("channel")  # ranks holding the same shard
+        # the ranks holding the same shard: other samples and (when it splits the image) other blocks
+        self.gradient_comm = grid.complement_comm("channel") if split_image else grid.axis_comm("sample")
         self.w_filters, self.w_channels, self.b_filters = self.shard_indices(c)
         self.x_channels = list(self.input_layout.indices((1, self.C, 1, 1), grid, grid.coords)[1])
         self._saved = None
@@ -175,13 +178,18 @@ class ConvAlgorithm:
     def input_layout(self):
         """x's layout: split by sample, by channel unless every rank holds all of C, and by
         height and width on a spatial grid (balanced blocks of the image's rows and columns)."""
-        return activation_layout(self.grid.shape, self.input_channel(self.input_whole, self.groups))
+        return activation_layout(self.image_split, self.input_channel(self.input_whole, self.groups))
 
     @property
     def output_layout(self):
         """y's (and dy's) layout: split by sample, by filter unless w is whole everywhere, and
         by height and width in balanced blocks of the output's rows and columns."""
-        return activation_layout(self.grid.shape, None if self.weight_replicated else "channel")
+        return activation_layout(self.image_split, None if self.weight_replicated else "channel")
+
+    @property
+    def image_split(self):
+        """{'height': P_h, 'width': P_w}: how this layer splits the image (1 x 1 when it does not)."""
+        return {"height": self.P_h, "width": self.P_w}
 
     @property
     def weight_layout(self):

@@ -44,7 +44,7 @@ class GroupedChannels(ConvAlgorithm):
 
     @property
     def output_layout(self):
-        return activation_layout(self.grid.shape, self._groups)
+        return activation_layout(self.image_split, self._groups)
 
     @property
     def weight_layout(self):

@@ -33,13 +33,13 @@ class Conv2d(Module):
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  algorithm="y", filter_groups=None, input_whole=False, need_dx=True, name="conv", seed=0,
-                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros"):
+                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros", split_image=True):
         self.name, self.grid = name, grid
         self.algorithm = algorithm
         self.conv = make_conv(algorithm, grid, in_channels, out_channels, kernel_size,
                               filter_groups=filter_groups, stride=stride, padding=padding, bias=bias,
                               input_whole=input_whole, need_dx=need_dx, layer=name, dilation=dilation,
-                              groups=groups, padding_mode=padding_mode)
+                              groups=groups, padding_mode=padding_mode, split_image=split_image)
         kh, kw = self.conv.kernel_size
         fan_in = in_channels // self.conv.groups * kh * kw
         rng = _init_rng(seed, name)
@@ -75,13 +75,18 @@ class Conv2d(Module):
         input's global shape (set by the container): perfmodel.predict_bytes."""
         c = self.conv
         x_shape = tuple(self.input_shape) + (1, 1) * (len(self.input_shape) == 2)
-        moved = predict_bytes(self.algorithm, x_shape, c.w_global_shape, self.grid.shape, self.grid.coords,
+        shape, coords = dict(self.grid.shape), dict(self.grid.coords)
+        if not c.spatial:  # the spatial ranks hold copies: the layer moves what it would on one
+            shape.update(height=1, width=1)
+            coords.update(height=0, width=0)
+        moved = predict_bytes(self.algorithm, x_shape, c.w_global_shape, shape, coords,
                               filter_groups=self.filter_groups, bias=c.bias, input_whole=c.input_whole,
                               need_dx=c.need_dx, itemsize=itemsize, **c.conv_args())
         return {phase: v for phase, v in moved.items() if phase != "redistribute"}
 
     def forward(self, x):
-        return self.conv.forward(x, self.weight.data, None if self.bias is None else self.bias.data)
+        return self.conv.forward(x, self.weight.data, None if self.bias is None else self.bias.data,
+                                 input_shape=self.input_shape)
 
     def backward(self, dy):
         dx, self.weight.grad, db = self.conv.backward(dy)
@@ -98,7 +103,7 @@ class Linear(Conv2d):
                  input_whole=False, need_dx=True, name="linear", seed=0, dtype=np.float32):
         super().__init__(grid, in_features, out_features, 1, bias=bias, algorithm=algorithm,
                          filter_groups=filter_groups, input_whole=input_whole, need_dx=need_dx, name=name,
-                         seed=seed, dtype=dtype)
+                         seed=seed, dtype=dtype, split_image=False)
 
     @property
     def input_spec(self):
@@ -113,7 +118,9 @@ class Linear(Conv2d):
     def forward(self, x):
         if x.ndim != 2:
             raise ValueError(f"{self.name}: expected (n, features) input, got shape {tuple(x.shape)}")
-        return super().forward(x[:, :, None, None])[:, :, 0, 0]
+        shape = None if self.input_shape is None else tuple(self.input_shape) + (1, 1)
+        return self.conv.forward(x[:, :, None, None], self.weight.data,
+                                 None if self.bias is None else self.bias.data, input_shape=shape)[:, :, 0, 0]
 
     def backward(self, dy):
         dx = super().backward(dy[:, :, None, None])

@@ -73,10 +73,15 @@ class AvgPool2d(_PerPosition):
 
 
 class GlobalAvgPool2d(Module):
-    """(n, C, H, W) -> (n, C): the mean over all positions of each channel."""
+    """(n, C, H, W) -> (n, C): the mean over all positions of each channel. On a grid that
+    splits the image, each rank sums its block and the sums are added over the height and
+    width axes (phase 'forward'), so every spatial rank holds the whole mean: the output is
+    replicated there, and its gradient, the same on every copy, spreads back locally."""
 
     def output_spec(self, spec):
-        grid, layout = _spatial_whole(self, spec)
+        grid, layout = spec
+        self._spatial = [d.axis for d in layout.on(grid).dims[2:] if d is not None]
+        self._grid = grid
         return grid, layout.head(2)
 
     def output_shape(self, shape):
@@ -84,12 +89,22 @@ class GlobalAvgPool2d(Module):
 
     def forward(self, x):
         self._x_shape = x.shape
-        return x.mean(axis=(2, 3))
+        spatial = getattr(self, "_spatial", [])
+        if not spatial:
+            return x.mean(axis=(2, 3))
+        sums = x.sum(axis=(2, 3))
+        with comm.tag(layer="global-pool", phase="forward"):
+            for axis in spatial:
+                sums = comm.allreduce(self._grid.axis_comm(axis), sums)
+        H, W = self.input_shape[2:]
+        self._positions = H * W
+        return sums / (H * W)
 
     def backward(self, dy):
         n, c, h, w = self._x_shape
+        positions = self._positions if getattr(self, "_spatial", []) else h * w
         xp = backend.get_array_module(dy)
-        return xp.broadcast_to(dy[:, :, None, None] / (h * w), self._x_shape).copy()
+        return xp.broadcast_to(dy[:, :, None, None] / positions, self._x_shape).copy()
 
 
 class Flatten(Module):
@@ -128,9 +143,10 @@ class BatchNorm2d(Module):
         self.grid = grid
         self.layout = Layout(("sample", "channel", None, None)) if layout is None else layout
         if self.layout.ndim != 4 or self.layout.dims[0] is None or self.layout.dims[0].axis != "sample" \
-                or any(self.layout.on(grid).dims[2:]) or self.layout.partial:
+                or self.layout.partial:
             raise ValueError(f"{name}: batch norm takes NCHW activations split by sample (and perhaps "
-                             f"channel), whole images; got layout {self.layout}")
+                             f"channel, height and width); got layout {self.layout}")
+        # the ranks holding the same channels: those of other samples and other image blocks
         self.stats_comm = grid.complement_comm("channel")
         channel_layout = Layout(self.layout.dims[1:2])
         n = len(channel_layout.indices((num_features,), grid, grid.coords)[0])

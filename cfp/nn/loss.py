@@ -15,7 +15,7 @@ class SoftmaxCrossEntropy:
 
     def __init__(self, grid, name="loss"):
         self.grid = grid
-        self.comm = grid.complement_comm("channel")
+        self.comm = grid.axis_comm("sample")  # the ranks of other samples (the rest hold copies)
         self.name = name
 
     def forward(self, logits, labels):
