@@ -50,8 +50,6 @@ TRAIN_CASES = [
     (["--grid", "sample=2", "--batch-size", "1"], "batch size 1 is smaller than the sample axis"),
     (["--grid", "channel=2", "--model", "wide", "--width", "1"], "width=1 gives 1 channels"),
     (["--grid", "sample=3"], "grid sample=3 needs 3 ranks, the communicator has 2"),
-    (["--grid", "height=2", "--model", "wide", "--width", "4", "--depth", "2"],
-     "splits the image over height; this layer needs whole images"),
     (["--grid", "depth=2"], "unknown grid axis 'depth'"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),

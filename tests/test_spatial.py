@@ -143,33 +143,41 @@ def test_refusals(grids):
 # ---------------------------------------------------------------------------------------------
 # Training on spatial grids: 20 float64 steps of the small ResNet, the same losses as one rank.
 
-TRAIN_GRIDS = {2: [("height=2", "y"), ("width=2", "x"), ("height=2", "sample")],
+TRAIN_GRIDS = {2: [("height=2", "y"), ("width=2", "x"), ("height=2", "sample"), ("height=2", "x", "wide")],
                3: [("height=3", "w")],
-               4: [("sample=2,height=2", "y"), ("height=2,channel=2", "w"), ("height=2,width=2", "x")]}
+               4: [("sample=2,height=2", "y"), ("height=2,channel=2", "w"), ("height=2,width=2", "x"),
+                   ("height=2,width=2", "sample", "wide")]}
 _serial = {}
 
 
-def _serial_losses(upsample):
+WIDE = {"model": "wide", "width": 8, "depth": 2}  # with a max pool, whose halo the image split needs
+
+
+def _serial_losses(upsample, model="resnet"):
     from mpi4py import MPI
     from test_train import config
     from cfp.train import train
-    if upsample not in _serial:
-        result = train(config(grid="sample=1", upsample=upsample), world=MPI.COMM_SELF)
-        _serial[upsample] = np.array([h["loss"] for h in result["history"]])
-    return _serial[upsample]
+    if (upsample, model) not in _serial:
+        extra = WIDE if model == "wide" else {}
+        result = train(config(grid="sample=1", upsample=upsample, **extra), world=MPI.COMM_SELF)
+        _serial[upsample, model] = np.array([h["loss"] for h in result["history"]])
+    return _serial[upsample, model]
 
 
-@pytest.mark.parametrize("spec,algorithm", TRAIN_GRIDS.get(SIZE, []))
-def test_training_on_spatial_grids_matches_one_rank(spec, algorithm):
+@pytest.mark.parametrize("case", TRAIN_GRIDS.get(SIZE, []), ids=lambda c: "-".join(c))
+def test_training_on_spatial_grids_matches_one_rank(case):
     """Batch norm over sample x height x width ranks, global pooling over the spatial ranks, the
-    classifier and the loss on copies along them; 16x16 digits where 3 ranks share the image
-    (the 2x2 outputs of the last stage of 8x8 digits do not split three ways)."""
+    classifier and the loss on copies along them, max pooling with its halo; 16x16 digits where
+    3 ranks share the image (the 2x2 outputs of the last stage of 8x8 digits do not split three
+    ways)."""
     from test_train import config
     from cfp.train import train
+    spec, algorithm, model = (case + ("resnet",))[:3]
     upsample = 2 if "3" in spec else 1
-    result = train(config(grid=spec, algorithm=algorithm, upsample=upsample))
-    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(upsample), 1e-9,
-                           f"{spec} {algorithm} losses")
+    extra = WIDE if model == "wide" else {}
+    result = train(config(grid=spec, algorithm=algorithm, upsample=upsample, **extra))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(upsample, model),
+                           1e-9, f"{spec} {algorithm} {model} losses")
 
 
 def test_a_plan_from_spatial_to_channel_parallelism(mpi_tmp_path):
@@ -191,3 +199,37 @@ def test_a_plan_from_spatial_to_channel_parallelism(mpi_tmp_path):
     result = train(config(plan=str(path)))
     assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(1), 1e-9,
                            "spatial then channel plan losses")
+
+
+@pytest.mark.parametrize("pool,kernel,stride,padding", [("max", 3, 2, 1), ("avg", 3, 1, 1), ("max", 2, 2, 0),
+                                                         ("avg", 2, 2, 0)])
+def test_pooling_on_split_images(grids, pool, kernel, stride, padding):
+    """Max and average pooling of a 7x9 image split over height and width: the blocks' halos
+    (also where stride = kernel: 7 rows in blocks of 4 and 3 pool to 2 and 1 output rows, whose
+    windows cross the blocks' boundary), forward and backward, against one rank."""
+    from cfp.kernels.pool import avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward
+    from cfp.nn import AvgPool2d, MaxPool2d, Sequential
+    from cfp.tensor import Layout
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 7, 9))
+    if pool == "max":
+        y, arg = max_pool2d_forward(x, kernel, stride, padding)
+        dy = rng.standard_normal(y.shape)
+        dx = max_pool2d_backward(dy, arg, x.shape, kernel, stride, padding)
+    else:
+        y = avg_pool2d_forward(x, kernel, stride, padding)
+        dy = rng.standard_normal(y.shape)
+        dx = avg_pool2d_backward(dy, x.shape, kernel, stride, padding)
+    for spec in SPECS:
+        grid = grids[spec]
+        if (y.shape[2] < grid.axis_size("height")) or (y.shape[3] < grid.axis_size("width")):
+            continue
+        layout = Layout(("sample", "channel" if grid.axis_size("channel") > 1 else None,
+                         "height" if grid.axis_size("height") > 1 else None,
+                         "width" if grid.axis_size("width") > 1 else None))
+        model = Sequential((MaxPool2d if pool == "max" else AvgPool2d)(kernel, stride, padding))
+        model.place((grid, layout))
+        out = model.forward(DistTensor.from_global(x, layout, grid))
+        back = model.backward(DistTensor.from_global(dy, layout, grid))
+        assert_close_all_ranks(out.gather(), y, 1e-12, f"{pool} {spec} y")
+        assert_close_all_ranks(back.gather(), dx, 1e-12, f"{pool} {spec} dx")

@@ -21,10 +21,43 @@ def _spatial_whole(module, spec, first=2):
 
 
 class _PerPosition(Module):
-    """Pooling works within each channel of each sample: the layout stays, H and W must be whole."""
+    """Pooling works within each channel of each sample: the layout stays. On a grid that splits
+    the image, each rank pools its block of the output, after a halo exchange of the input rows
+    and columns its windows read (algorithms.base.halo_plan, as for a convolution; phase
+    'halo'), and its gradient goes back by the adjoint."""
 
     def output_spec(self, spec):
-        return _spatial_whole(self, spec)
+        grid, layout = spec
+        self._split = grid if any(d is not None for d in layout.on(grid).dims[2:]) else None
+        self._layout = layout
+        return spec
+
+    def _halo(self, x):
+        if getattr(self, "_split", None) is None:
+            self._plan = None
+            return x, self.padding
+        from ..algorithms.base import halo_plan
+        from ..tensor import move
+        grid, shape = self._split, tuple(int(n) for n in self.input_shape)
+        options = (("dilation", 1), ("padding", self.padding), ("padding_mode", "zeros"), ("stride", self.stride))
+        plan = halo_plan(shape, self._layout, tuple(grid.shape.items()), (self.kernel, self.kernel), options)
+        spans = [plan["spans"][a][grid.coord(a)] for a in ("height", "width")]
+        if not all(span[0] for span in plan["spans"]["height"] + plan["spans"]["width"]):
+            raise ValueError(f"{self.describe()}: an input of {shape[2]}x{shape[3]} pooled to too few rows or columns "
+                             f"for the ranks of grid {grid.describe()}: the image is too small for the grid")
+        held = self._layout.indices(shape, grid, grid.coords)
+        self._plan = (plan["pieces"], held, plan["wanted"][grid.rank], grid)
+        with comm.tag(layer=self.describe(), phase="halo"):
+            x = move(x, held, plan["pieces"], plan["wanted"][grid.rank], grid.comm)
+        return x, (spans[0][2], spans[0][3], spans[1][2], spans[1][3])
+
+    def _halo_back(self, dx):
+        if self._plan is None:
+            return dx
+        from ..tensor import move
+        pieces, held, wanted, grid = self._plan
+        with comm.tag(layer=self.describe(), phase="halo"):
+            return move(dx, wanted, [(d, s, p) for s, d, p in pieces], held, grid.comm)
 
 
 class ReLU(Module):
@@ -49,12 +82,14 @@ class MaxPool2d(_PerPosition):
         return _pooled(shape, self.kernel, self.stride, self.padding)
 
     def forward(self, x):
+        x, self._local_padding = self._halo(x)
         self._x_shape = x.shape
-        y, self._argmax = max_pool2d_forward(x, self.kernel, self.stride, self.padding)
+        y, self._argmax = max_pool2d_forward(x, self.kernel, self.stride, self._local_padding)
         return y
 
     def backward(self, dy):
-        return max_pool2d_backward(dy, self._argmax, self._x_shape, self.kernel, self.stride, self.padding)
+        return self._halo_back(max_pool2d_backward(dy, self._argmax, self._x_shape, self.kernel, self.stride,
+                                                   self._local_padding))
 
 
 class AvgPool2d(_PerPosition):
@@ -65,11 +100,13 @@ class AvgPool2d(_PerPosition):
         return _pooled(shape, self.kernel, self.stride, self.padding)
 
     def forward(self, x):
+        x, self._local_padding = self._halo(x)
         self._x_shape = x.shape
-        return avg_pool2d_forward(x, self.kernel, self.stride, self.padding)
+        return avg_pool2d_forward(x, self.kernel, self.stride, self._local_padding)
 
     def backward(self, dy):
-        return avg_pool2d_backward(dy, self._x_shape, self.kernel, self.stride, self.padding)
+        return self._halo_back(avg_pool2d_backward(dy, self._x_shape, self.kernel, self.stride,
+                                                   self._local_padding))
 
 
 class GlobalAvgPool2d(Module):
