@@ -233,3 +233,22 @@ def test_pooling_on_split_images(grids, pool, kernel, stride, padding):
         back = model.backward(DistTensor.from_global(dy, layout, grid))
         assert_close_all_ranks(out.gather(), y, 1e-12, f"{pool} {spec} y")
         assert_close_all_ranks(back.gather(), dx, 1e-12, f"{pool} {spec} dx")
+
+
+@pytest.mark.parametrize("name", ["k5-p2-s2", "k4-same", "k3-d2-p2"])
+def test_the_halo_exchange_is_the_adjoint_of_the_halo_add(grids, name):
+    """<halo(x), y> = <x, halo_adjoint(y)> summed over the ranks, for random blocks x and random
+    extended blocks y, on every spatial grid."""
+    N, Cin, F, H, W, K, opts = CASES[name]
+    rng = np.random.default_rng(7 + WORLD.Get_rank())
+    for spec in SPECS:
+        grid = grids[spec]
+        conv = make_conv("x", grid, Cin, F, K, layer="conv", **opts)
+        if not conv.spatial:
+            continue
+        conv._halo = conv.halo_plan((N, Cin, H, W))
+        x = rng.standard_normal(conv.input_layout.local_shape((N, Cin, H, W), grid, grid.coords))
+        y = rng.standard_normal(tuple(len(ix) for ix in conv._halo["wanted"]))
+        lhs = WORLD.allreduce(float(np.vdot(conv.halo(x), y)))
+        rhs = WORLD.allreduce(float(np.vdot(x, conv.halo_adjoint(y))))
+        assert_all_ranks(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"{spec} {name}: {lhs} != {rhs}")
