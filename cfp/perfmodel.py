@@ -309,9 +309,10 @@ def _shard_sizes(layer, algorithm, P_n, P_c, p_f):
     return n, x_channels, rows, cols, block_size(layer.F, P_c, 0), cols * rows * K2, rows
 
 
-def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1):
+def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1):
     """Predicted seconds (per phase, compute and communication) and bytes per rank of one
-    forward and backward pass of `layer` under `algorithm` on a P_n x P_c grid.
+    forward and backward pass of `layer` under `algorithm` on a P_n x P_h x P_w x P_c grid
+    (P_h, P_w > 1: the image split over height and width, with a halo exchange).
 
     Ranks of a channel row are neighbours (channel varies fastest), so the row, the column and
     the gradient group stay inside a node when the ranks they span fit in one.
@@ -320,24 +321,36 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     q = P_c // p_f
     item = profile.itemsize
     n, x_channels, rows, cols, y_filters, w_count, seen = _shard_sizes(layer, algorithm, P_n, P_c, p_f)
-    Ho, Wo = layer.out_hw
-    x_bytes, y_bytes = n * rows * layer.H * layer.W * item, n * cols * Ho * Wo * item
+    Ho_all, Wo_all = layer.out_hw
+    # this rank's block of the image (the largest): its output rows and columns, and the input
+    # rows and columns its windows read, halo included
+    Ho, Wo = block_size(Ho_all, P_h, 0), block_size(Wo_all, P_w, 0)
+    extent = layer.dilation * (layer.K - 1) + 1
+    H = min(layer.H, (Ho - 1) * layer.stride + extent) if P_h > 1 else layer.H
+    W = min(layer.W, (Wo - 1) * layer.stride + extent) if P_w > 1 else layer.W
+    x_bytes, y_bytes = n * rows * H * W * item, n * cols * Ho * Wo * item
     per_node = profile.ranks_per_node
     row_intra = p_f <= per_node
     column_intra = (q - 1) * p_f + 1 <= per_node
-    grad_intra = P_n * P_c <= per_node
-    flops, pixels = layer.flops(n, seen, cols), n * Ho * Wo
+    grad_intra = P_n * P_h * P_w * P_c <= per_node
+    flops, pixels = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all), n * Ho * Wo
     compute = {"forward": profile.kernel_time("forward", layer.K, flops, pixels),
                "backward-filter": profile.kernel_time("backward-filter", layer.K, flops, pixels),
                "backward-data": 0.0 if layer.first else
                profile.kernel_time("backward-data", layer.K, flops, pixels)}
     comm = {phase: 0.0 for phase in PHASES}
-    groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n, grad_intra)}
+    groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n * P_h * P_w, grad_intra)}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
     for m in algorithm_class(algorithm, layer.groups).messages:
         if _sent(m, layer.first, not layer.first):
             ranks, intra = groups[m.group]
             comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
+    if P_h * P_w > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
+        own = block_size(layer.H, P_h, 0) * block_size(layer.W, P_w, 0)
+        received = n * x_channels * max(0, H * W - own) * item
+        p = P_h * P_w
+        halo = profile.collective_time("alltoall", p, received * p / (p - 1), grad_intra)
+        comm["halo"] = halo * (1 if layer.first else 2)
     weights = w_count * item
     memory = {
         "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,

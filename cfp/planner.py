@@ -25,9 +25,13 @@ class Choice:
     p_f: int
     cost: dict  # perfmodel.layer_cost's result
     redistribution: float = 0.0  # seconds to bring the previous layer's output into this layout
+    P_h: int = 1
+    P_w: int = 1
 
     @property
     def grid(self):
+        if self.P_h * self.P_w > 1:
+            return f"sample={self.P_n},height={self.P_h},width={self.P_w},channel={self.P_c}"
         return f"sample={self.P_n},channel={self.P_c}"
 
     @property
@@ -36,13 +40,20 @@ class Choice:
 
 
 def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORITHMS, grid=None,
-                  optimizer_buffers=1):
+                  optimizer_buffers=1, spatial=False):
     """Every (grid, algorithm, p_f) for `layer` on `ranks` ranks (or on the fixed `grid`
-    (P_n, P_c)), with its predicted cost. Data parallelism needs P_c = 1 (on a grid with
-    P_c > 1 it would only replicate work)."""
-    grids = [grid] if grid is not None else factorizations(ranks)
+    (P_n, P_c) or (P_n, P_h, P_w, P_c)), with its predicted cost. Data parallelism needs P_c = 1
+    (on a grid with P_c > 1 it would only replicate work). spatial: also the grids that split
+    the image over height and width (as far as the layer's output has rows and columns)."""
+    if grid is not None:
+        grids = [tuple(grid) if len(grid) == 4 else (grid[0], 1, 1, grid[1])]
+    elif spatial:
+        Ho, Wo = layer.out_hw
+        grids = [f for f in factorizations(ranks, 4) if f[1] <= Ho and f[2] <= Wo]
+    else:
+        grids = [(P_n, 1, 1, P_c) for P_n, P_c in factorizations(ranks)]
     out = []
-    for P_n, P_c in grids:
+    for P_n, P_h, P_w, P_c in grids:
         if P_n > layer.N:  # a sample rank without a sample does nothing useful
             continue
         for algorithm in algorithms:
@@ -52,8 +63,8 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
                 continue  # with one channel rank x, y and w are the same computation: keep one
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
-                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers)
-                out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost))
+                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w)
+                out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost, P_h=P_h, P_w=P_w))
     return out
 
 
@@ -61,9 +72,9 @@ def redistribution_time(previous, choice, profile):
     """Seconds to move the previous layer's output (forward) and its gradient (backward) into
     this layer's layout: nothing on the same grid, else an all-to-all of each rank's share of
     the activation over all ranks."""
-    if (previous.P_n, previous.P_c) == (choice.P_n, choice.P_c):
+    if (previous.P_n, previous.P_h, previous.P_w, previous.P_c) == (choice.P_n, choice.P_h, choice.P_w, choice.P_c):
         return 0.0  # data parallelism runs only where P_c = 1, so one grid means one layout
-    ranks = choice.P_n * choice.P_c
+    ranks = choice.P_n * choice.P_h * choice.P_w * choice.P_c
     Ho, Wo = previous.layer.out_hw
     share = previous.layer.N * previous.layer.F * Ho * Wo * profile.itemsize / ranks
     intra = ranks <= profile.ranks_per_node
@@ -153,27 +164,29 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
         entry = entries[L.name]
         sizes = parse_grid_spec(entry["grid"])
         P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
-        if P_n * P_c != ranks or set(sizes) - {"sample", "channel"}:
-            raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a sample x channel "
-                             f"grid of {ranks} ranks")
-        cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers)
-        choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost))
+        P_h, P_w = sizes.get("height", 1), sizes.get("width", 1)
+        if P_n * P_h * P_w * P_c != ranks:
+            raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a grid of {ranks} ranks")
+        cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers,
+                          P_h, P_w)
+        choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w))
     for previous, choice in zip(choices, choices[1:]):
         choice.redistribution = redistribution_time(previous, choice, profile)
     return Plan(choices, ranks)
 
 
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,
-         grid=None, optimizer_buffers=1):
+         grid=None, optimizer_buffers=1, spatial=False):
     """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose
     predicted memory per rank is at most `memory_limit` bytes (None: no limit).
 
-    grid: a fixed (P_n, P_c) for every layer (what a model built on one grid can run).
+    grid: a fixed (P_n, P_c) or (P_n, P_h, P_w, P_c) for every layer (what a model built on one
+    grid can run). spatial: also consider grids that split the image, layer by layer.
     Raises ValueError when no plan fits the limit, naming the smallest memory possible.
     """
     if not layers:
         raise ValueError("plan: no layers given")
-    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers) for L in layers]
+    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers, spatial) for L in layers]
     for L, opts in zip(layers, options):
         if not opts:
             raise ValueError(f"plan: layer {L.name} has no valid option on {ranks} ranks "

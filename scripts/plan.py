@@ -10,6 +10,7 @@ Layers are planned as a chain in model order (a residual block's projection coun
 after the block's convolutions). --out writes the plan as a plan file that
 `scripts/train.py --plan` runs: {"layers": {layer name: {"grid", "algorithm", "filter_groups"}}}.
 """
+import math
 import sys
 
 from cfp import cli
@@ -36,6 +37,8 @@ def parse_args(argv):
     p.add_argument("--memory-limit", type=float, help="MiB per rank the plan must fit")
     p.add_argument("--grid", help="plan on this grid only (as a model built on one grid runs)")
     p.add_argument("--data-parallel", action="store_true", help="data parallelism only, for comparison")
+    p.add_argument("--spatial", action="store_true",
+                   help="also consider grids that split the image over height and width, layer by layer")
     p.add_argument("--out", help="write the plan here as a plan file for scripts/train.py --plan")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "in_channels", "batch", "ranks"))
@@ -53,14 +56,12 @@ def main(argv=None):
     grid = None
     if args.grid:
         sizes = parse_grid_spec(args.grid)
-        if set(sizes) - {"sample", "channel"}:
-            raise ValueError(f"grid {args.grid}: the planner plans sample x channel grids only")
-        grid = (sizes.get("sample", 1), sizes.get("channel", 1))
-        if grid[0] * grid[1] != args.ranks:
-            raise ValueError(f"grid {args.grid} has {grid[0] * grid[1]} ranks, --ranks says {args.ranks}")
+        grid = tuple(sizes.get(a, 1) for a in ("sample", "height", "width", "channel"))
+        if math.prod(grid) != args.ranks:
+            raise ValueError(f"grid {args.grid} has {math.prod(grid)} ranks, --ranks says {args.ranks}")
     limit = None if args.memory_limit is None else args.memory_limit * 2 ** 20
     kwargs = {"algorithms": ("sample",)} if args.data_parallel else {}
-    result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, **kwargs)
+    result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, spatial=args.spatial, **kwargs)
     print(f"# {args.model} width {args.width}, {args.image}x{args.image} images, global batch {args.batch}, "
           f"{args.ranks} ranks, profile {profile.name}")
     print(result.table())

@@ -191,7 +191,7 @@ PLAN = os.path.join(SCRIPTS, "plan.py")
 @pytest.mark.parametrize("args,message", [
     (["--ranks", "0"], "--ranks must be a positive integer, got 0"),
     (["--ranks", "4", "--memory-limit", "nan"], "--memory-limit must be a finite number, got nan"),
-    (["--ranks", "4", "--grid", "height=4"], "plans sample x channel grids only"),
+    (["--ranks", "4", "--grid", "height=3"], "grid height=3 has 3 ranks, --ranks says 4"),
     (["--ranks", "4", "--grid", "sample=3"], "grid sample=3 has 3 ranks, --ranks says 4"),
     (["--ranks", "4", "--model", "vgg"], "unknown model 'vgg'"),
     (["--ranks", "4", "--profile", "no-such-machine"], "machine profile 'no-such-machine' does not exist"),

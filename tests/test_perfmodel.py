@@ -8,7 +8,7 @@ from mpi4py import MPI
 from cfp.grid import ProcessGrid
 from cfp.models import build_model, layer_shapes
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost, predict_bytes
-from cfp.planner import plan
+from cfp.planner import plan, plan_entries
 
 
 def profile_data(alpha=0.0, beta=1.0, rate=1e10, ranks_per_node=4, inter=None):
@@ -118,3 +118,21 @@ def test_a_layer_alone_does_not_plan():
     with pytest.raises(ValueError, match="unknown algorithm 'auto'"):
         Conv2d(grid, 64, 64, 3, algorithm="auto", name="c")
     grid.free()
+
+
+def test_the_planner_splits_large_images_of_one_sample():
+    """With one 64x64 sample on 4 ranks, data parallelism has nothing to split: asked to
+    (spatial=True), the planner puts early layers on grids that split the image, prices them
+    as price_plan does, and never splits an image into more blocks than it has rows."""
+    from cfp.planner import price_plan
+    profile = MachineProfile.load("cpu-dev")
+    shapes = layer_shapes("resnet", 1, 1, image=64)
+    flat = plan(shapes, 4, profile)
+    spatial = plan(shapes, 4, profile, spatial=True)
+    assert all(c.P_h == c.P_w == 1 for c in flat.choices)
+    assert any(c.P_h * c.P_w > 1 for c in spatial.choices)
+    assert spatial.time <= flat.time
+    assert abs(price_plan(shapes, 4, profile, plan_entries(spatial)).time - spatial.time) < 1e-12
+    for c in spatial.choices:
+        Ho, Wo = c.layer.out_hw
+        assert c.P_h <= Ho and c.P_w <= Wo and c.P_n * c.P_h * c.P_w * c.P_c == 4

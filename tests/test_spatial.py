@@ -252,3 +252,29 @@ def test_the_halo_exchange_is_the_adjoint_of_the_halo_add(grids, name):
         lhs = WORLD.allreduce(float(np.vdot(conv.halo(x), y)))
         rhs = WORLD.allreduce(float(np.vdot(x, conv.halo_adjoint(y))))
         assert_all_ranks(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"{spec} {name}: {lhs} != {rhs}")
+
+
+def test_the_planners_spatial_plan_trains_like_one_rank(mpi_tmp_path):
+    """The planner's plan with grids that split the image considered layer by layer (plan.py
+    --spatial), for the small ResNet on 16x16 digits one sample at a time, run as a plan file:
+    at 4 ranks it splits the image (width=2,channel=2 under the cpu-dev profile)."""
+    import json
+    from test_train import config
+    from cfp.models import layer_shapes
+    from cfp.perfmodel import MachineProfile
+    from cfp.planner import plan, plan_entries
+    from cfp.train import train
+    shapes = layer_shapes("resnet", 1, 1, in_channels=1, classes=10, image=16)
+    planned = plan(shapes, SIZE, MachineProfile.load("cpu-dev"), algorithms=("sample", "y"), spatial=True)
+    if SIZE == 4:
+        assert any(c.P_h * c.P_w > 1 for c in planned.choices), [c.grid for c in planned.choices]
+    path = mpi_tmp_path / "plan.json"
+    if WORLD.Get_rank() == 0:
+        path.write_text(json.dumps({"layers": plan_entries(planned)}))
+    WORLD.Barrier()
+    common = dict(upsample=2, batch_size=1, train_samples=8, max_steps=8)
+    from mpi4py import MPI
+    serial = train(config(grid="sample=1", **common), world=MPI.COMM_SELF)
+    result = train(config(plan=str(path), **common))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]),
+                           np.array([h["loss"] for h in serial["history"]]), 1e-9, "the planner's spatial plan")
