@@ -24,7 +24,7 @@ def configs():
     for spec in SPECS:
         P_c = int(spec.split("channel=")[1])
         out += [(spec, "sample", None), (spec, "x", None), (spec, "y", None)]
-        out += [(spec, "w", p_f) for p_f in range(1, P_c + 1) if P_c % p_f == 0 and 1 < p_f < P_c]
+        out += [(spec, "w", p_f) for p_f in range(1, P_c + 1) if P_c % p_f == 0]
     return out
 
 
@@ -40,6 +40,9 @@ CASES = {
     "k3-d2-p2": (2, 3, 3, 8, 7, 3, {"dilation": 2, "padding": 2}),
     "k3-s2-p0-pairs": (2, 3, 4, 9, 8, 3, {"stride": (2, 1), "padding": (0, 1)}),
     "groups2": (2, 4, 6, 7, 6, 3, {"groups": 2, "padding": 1}),
+    # 3 rows and 5 columns padded by 2: at 4 ranks along an axis a rank holds no input row or
+    # column yet has an output one, all of it from its neighbours and the padding
+    "empty-input-blocks": (1, 2, 3, 3, 5, 3, {"padding": 2}),
 }
 
 
