@@ -8,11 +8,10 @@ import pytest
 from cfp import comm as C
 from cfp.algorithms import make_conv
 from cfp.grid import AXES, ProcessGrid
-from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,
-                         conv2d_forward, conv2d_output_shape)
-from cfp.perfmodel import ledger_bytes, predict_bytes
+from cfp.perfmodel import ledger_bytes
 from cfp.tensor import DistTensor
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from test_algorithm_options import check_against_serial
 
 pytestmark = pytest.mark.mpi
 
@@ -59,41 +58,10 @@ def grids():
         g.free()
 
 
-def problem(case, seed=0):
-    N, Cin, F, H, W, K, opts = case
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((N, Cin, H, W))
-    w = rng.standard_normal((F, Cin // opts.get("groups", 1), K, K))
-    b = rng.standard_normal(F)
-    dy = rng.standard_normal(conv2d_output_shape(x.shape, w.shape, **opts))
-    return x, w, b, dy
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)
 def test_spatial_grids_match_serial(grids, config, name):
-    spec, algorithm, p_f = config
-    grid = grids[spec]
-    N, Cin, F, H, W, K, opts = CASES[name]
-    x, w, b, dy = problem(CASES[name])
-    conv = make_conv(algorithm, grid, Cin, F, K, filter_groups=p_f, layer="conv", **opts)
-    x_local = DistTensor.from_global(x, conv.input_layout, grid).local
-    dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
-    ledger = C.CommLedger()
-    with C.use_ledger(ledger):
-        y_local = conv.forward(x_local, conv.shard_weight(w), conv.shard_bias(b))
-        dx_local, dw, db = conv.backward(dy_local)
-    got = {"y": DistTensor(y_local, dy.shape, conv.output_layout, grid).gather(),
-           "dx": DistTensor(dx_local, x.shape, conv.input_layout, grid).gather(),
-           "dw": conv.gather_weight(dw), "db": conv.gather_bias(db)}
-    expected = {"y": conv2d_forward(x, w, b, **opts), "dx": conv2d_backward_data(dy, w, x.shape, **opts),
-                "dw": conv2d_backward_filter(x, dy, w.shape, **opts), "db": conv2d_backward_bias(dy)}
-    for key in expected:
-        assert_close_all_ranks(got[key], expected[key], 1e-10, f"{name} {ids(config)} {key}")
-    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, filter_groups=p_f, itemsize=8,
-                              **opts)
-    measured = ledger_bytes(ledger, layer="conv")
-    assert_all_ranks(measured == predicted, f"{name} {ids(config)}: ledger {measured} != predicted {predicted}")
+    check_against_serial(grids[config[0]], config, CASES[name], name)
 
 
 def test_the_halo_moves_what_the_windows_need(grids):
