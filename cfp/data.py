@@ -45,6 +45,114 @@ def load_digits(upsample=1, test_fraction=0.2, seed=0, dtype=np.float32):
     return x[train], labels[train], x[test], labels[test]
 
 
+def _standardised(x_train, x_test, dtype):
+    """Both sets standardised with the training set's per-channel mean and deviation."""
+    mean = x_train.mean(axis=(0, 2, 3), keepdims=True)
+    std = x_train.std(axis=(0, 2, 3), keepdims=True)
+    std[std == 0] = 1.0  # a constant channel stays constant (zero) rather than dividing by 0
+    return ((x_train - mean) / std).astype(dtype), ((x_test - mean) / std).astype(dtype)
+
+
+def _images(x, where):
+    """x as float64 (N, C, H, W): from (N, C, H, W), (N, H, W, C) (a last axis of 1, 3 or 4
+    channels that the second axis does not look like) or (N, H, W); uint8 scaled to [0, 1]."""
+    if x.dtype == object or x.dtype.kind not in "uif":
+        raise ValueError(f"{where}: has dtype {x.dtype}; expected uint8 or floating-point pixels")
+    if x.dtype.kind in "ui" and x.dtype != np.uint8:
+        raise ValueError(f"{where}: has dtype {x.dtype}; expected uint8 (0..255) or floating-point pixels")
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4:
+        raise ValueError(f"{where}: has shape {x.shape}; expected (N, C, H, W), (N, H, W, C) or (N, H, W)")
+    if x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
+        x = x.transpose(0, 3, 1, 2)  # channel-last
+    out = x.astype(np.float64) / (255.0 if x.dtype == np.uint8 else 1.0)
+    if not np.isfinite(out).all():
+        raise ValueError(f"{where}: holds {int(out.size - np.isfinite(out).sum())} NaN or infinite value(s)")
+    return out
+
+
+def _labels(y, n, where):
+    if y.dtype == object or y.dtype.kind not in "ui" or y.ndim != 1:
+        raise ValueError(f"{where}: has dtype {y.dtype} and shape {y.shape}; expected a 1-D array of integer labels")
+    if len(y) != n:
+        raise ValueError(f"{where}: has {len(y)} labels for {n} images")
+    if len(y) and y.min() < 0:
+        raise ValueError(f"{where}: holds a negative label ({int(y.min())}); expected labels 0, 1, 2, ...")
+    return y.astype(np.int64)
+
+
+def load_npz(path, test_fraction=0.2, seed=0, dtype=np.float32):
+    """A dataset of one's own from an .npz file: `x` (N, C, H, W), (N, H, W, C) or (N, H, W),
+    uint8 (scaled to [0, 1]) or floating-point, and `y` integer labels 0..K-1; optionally
+    `x_test` and `y_test`, else a stratified split of `test_fraction` (sklearn's
+    train_test_split with random_state=seed). Standardised per channel with the training set's
+    statistics. Returns (x_train, y_train, x_test, y_test, classes). Every problem is a
+    ValueError naming the file and the array. Read with allow_pickle=False."""
+    where = f"dataset {path!r}"
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise ValueError(f"{where} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where} is not an .npz file of plain arrays: {e}") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise ValueError(f"{where} lacks the array(s) {', '.join(missing)}; it has {', '.join(sorted(arrays)) or 'none'}")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ValueError(f"{where} has only one of x_test and y_test; give both or neither")
+    x = _images(arrays["x"], f"{where} array x")
+    y = _labels(arrays["y"], len(x), f"{where} array y")
+    if "x_test" in arrays:
+        x_test = _images(arrays["x_test"], f"{where} array x_test")
+        y_test = _labels(arrays["y_test"], len(x_test), f"{where} array y_test")
+        if x_test.shape[1:] != x.shape[1:]:
+            raise ValueError(f"{where}: x_test's images are {x_test.shape[1:]}, x's {x.shape[1:]}")
+        x_train, y_train = x, y
+    else:
+        from sklearn.model_selection import train_test_split
+        try:
+            train, test = train_test_split(np.arange(len(y)), test_size=test_fraction, stratify=y,
+                                           random_state=seed)
+        except ValueError as e:
+            raise ValueError(f"{where}: cannot split off a stratified test set ({e}); give x_test and y_test") from None
+        x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
+    classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
+    x_train, x_test = _standardised(x_train, x_test, dtype)
+    return x_train, y_train, x_test, y_test, classes
+
+
+CIFAR_RECORD = 1 + 3 * 32 * 32  # a label byte, then 1024 red, 1024 green and 1024 blue pixels
+
+
+def load_cifar10(directory, dtype=np.float32):
+    """CIFAR-10's binary version from `directory` (data_batch_1.bin ... data_batch_5.bin and
+    test_batch.bin, 3073-byte records), read as bytes (no pickle), standardised per channel
+    with the training set's statistics. Returns (x_train, y_train, x_test, y_test, 10)."""
+    import os
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+    if missing:
+        raise ValueError(f"CIFAR-10 directory {directory!r} lacks {', '.join(missing)}")
+    parts = []
+    for name in names:
+        path = os.path.join(directory, name)
+        raw = np.fromfile(path, dtype=np.uint8)
+        if raw.size == 0 or raw.size % CIFAR_RECORD:
+            raise ValueError(f"CIFAR-10 file {path!r} has {raw.size} bytes, not a whole number of "
+                             f"{CIFAR_RECORD}-byte records")
+        records = raw.reshape(-1, CIFAR_RECORD)
+        labels = records[:, 0].astype(np.int64)
+        if labels.max() > 9:
+            raise ValueError(f"CIFAR-10 file {path!r} holds label {int(labels.max())}; expected 0..9")
+        parts.append((records[:, 1:].reshape(-1, 3, 32, 32).astype(np.float64) / 255.0, labels))
+    x_train = np.concatenate([p[0] for p in parts[:5]])
+    y_train = np.concatenate([p[1] for p in parts[:5]])
+    x_train, x_test = _standardised(x_train, parts[5][0], dtype)
+    return x_train, y_train, x_test, parts[5][1], 10
+
+
 def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32):
     """Random images x (n, channels, height, width) and int64 labels y (n,) that can be learnt.
 

@@ -18,7 +18,7 @@ from . import backend, comm
 from .algorithms import ALGORITHMS
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
-from .data import ShardedLoader, load_digits, synthetic
+from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
 from .grid import Grids, ProcessGrid
 from .io import check_writable, save_json
 from .models import MODELS, build_model, read_plan
@@ -29,7 +29,7 @@ from .tensor import Layout, check_blocks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
 DEFAULT_PROFILE = "cpu-dev"
@@ -77,7 +77,11 @@ class TrainConfig:
         for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS) + ("auto",)),
                                ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
                                ("dataset", DATASETS), ("dtype", ("float32", "float64"))):
-            if getattr(self, field) not in allowed:
+            value = getattr(self, field)
+            if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10") \
+                    and len(value.split(":", 1)) == 2 and value.split(":", 1)[1]:
+                continue
+            if value not in allowed:
                 raise ValueError(f"unknown {field} {getattr(self, field)!r}; expected one of "
                                  f"{', '.join(allowed)}")
         int_options(self, positive=("width", "epochs", "batch_size", "upsample", "depth", "filter_groups",
@@ -98,6 +102,9 @@ class TrainConfig:
         if self.plan is not None and self.algorithm == "auto":
             raise ValueError("--plan and --algorithm auto both choose the layers' grids and algorithms; "
                              "give one of them")
+        if self.upsample != 1 and self.dataset not in ("digits", "synthetic"):
+            raise ValueError(f"--upsample applies to --dataset digits and synthetic only; with --dataset "
+                             f"{self.dataset} it would be ignored")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
 
@@ -122,8 +129,14 @@ class TrainConfig:
 
 
 def _dataset(cfg, dtype):
+    """(x_train, y_train, x_test, y_test, classes) of --dataset."""
+    classes = 10
     if cfg.dataset == "digits":
         x_train, y_train, x_test, y_test = load_digits(upsample=cfg.upsample, seed=cfg.seed, dtype=dtype)
+    elif cfg.dataset.startswith("npz:"):
+        x_train, y_train, x_test, y_test, classes = load_npz(cfg.dataset[4:], seed=cfg.seed, dtype=dtype)
+    elif cfg.dataset.startswith("cifar10:"):
+        x_train, y_train, x_test, y_test, classes = load_cifar10(cfg.dataset[8:], dtype=dtype)
     else:
         side = 8 * cfg.upsample
         x, y = synthetic(1200, 1, side, side, 10, seed=cfg.seed, dtype=dtype)
@@ -133,7 +146,7 @@ def _dataset(cfg, dtype):
             raise ValueError(f"--train-samples {cfg.train_samples} is more than the {len(x_train)} training "
                              f"samples of {cfg.dataset}")
         x_train, y_train = x_train[:cfg.train_samples], y_train[:cfg.train_samples]
-    return x_train, y_train, x_test, y_test
+    return x_train, y_train, x_test, y_test, classes
 
 
 def _optimizer(cfg, params):
@@ -258,11 +271,11 @@ def _diverged(cfg, rank0, step, what, history, epochs_log):
     raise TrainingDiverged(message)
 
 
-def _build(cfg, world, x_train, dtype):
+def _build(cfg, world, x_train, dtype, classes):
     """The model of `cfg` on the ranks of `world`: on --grid, from the plan file, or as the
     planner chooses; the model owns its grids. Also the name of the profile the planner used."""
     config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
-              "in_channels": x_train.shape[1], "classes": 10, "seed": cfg.seed, "dtype": dtype,
+              "in_channels": x_train.shape[1], "classes": classes, "seed": cfg.seed, "dtype": dtype,
               "image": x_train.shape[2]}
     if cfg.model == "wide":
         config["depth"] = cfg.depth or WIDE_DEPTH
@@ -299,8 +312,8 @@ def train_model(cfg, world=None):
     alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
     dtype = np.dtype(cfg.dtype)
-    data = _dataset(cfg, dtype)
-    model, profile_name = _build(cfg, world, data[0], dtype)
+    *data, classes = _dataset(cfg, dtype)  # every rank reads the same files: a bad one fails alike
+    model, profile_name = _build(cfg, world, data[0], dtype, classes)
     try:
         session = _Session(cfg, model, data)
         if session.rank0 and (cfg.algorithm == "auto" or cfg.plan):

@@ -14,7 +14,7 @@ import dataclasses
 import sys
 
 from cfp import cli
-from cfp.train import (DATASETS, DEFAULT_PROFILE, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
+from cfp.train import (DEFAULT_PROFILE, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
                        TrainConfig, train)
 
 
@@ -55,7 +55,9 @@ def parse_args(argv):
                    help="steps of linear warm-up before the schedule")
     p.add_argument("--dtype", default=defaults.dtype, help="float32 or float64")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seeds the weights, the data and the shuffling")
-    p.add_argument("--dataset", default=defaults.dataset, help=", ".join(DATASETS))
+    p.add_argument("--dataset", default=defaults.dataset,
+                   help="digits (scikit-learn's), synthetic, npz:PATH (arrays x, y and optionally x_test, "
+                        "y_test) or cifar10:DIR (CIFAR-10's binary batches)")
     p.add_argument("--upsample", type=int, default=defaults.upsample, help="digits: 2 gives 16x16 images")
     p.add_argument("--train-samples", type=int, default=None, help="use only the first N training samples")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N steps")

@@ -69,6 +69,10 @@ TRAIN_CASES = [
     (["--optimizer", "adam", "--momentum", "0.5"], "--momentum applies to --optimizer sgd only"),
     (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'; expected one of digits, synthetic, npz:PATH, cifar10:DIR"),
+    (["--dataset", "npz:/nonexistent/data.npz"], "dataset '/nonexistent/data.npz' does not exist"),
+    (["--dataset", "cifar10:/nonexistent"], "CIFAR-10 directory '/nonexistent' lacks data_batch_1.bin"),
+    (["--dataset", "npz:x.npz", "--upsample", "2"], "--upsample applies to --dataset digits and synthetic only"),
 ]
 
 
