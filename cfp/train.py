@@ -68,6 +68,7 @@ class TrainConfig:
     log: str = None
     checkpoint_dir: str = None
     resume: bool = False
+    eval_only: bool = False  # with resume: the test loss and accuracy of the checkpoint, no training
     plot: str = None
     progress: bool = True
 
@@ -105,6 +106,8 @@ class TrainConfig:
         if self.upsample != 1 and self.dataset not in ("digits", "synthetic"):
             raise ValueError(f"--upsample applies to --dataset digits and synthetic only; with --dataset "
                              f"{self.dataset} it would be ignored")
+        if self.eval_only and not self.resume:
+            raise ValueError("--eval-only evaluates a checkpoint: it needs --resume and --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
 
@@ -323,8 +326,11 @@ def train_model(cfg, world=None):
                 print(f"predicted {model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
         if cfg.resume:
             session.resume()
-        seconds = session.run()
-        summary = session.summary(seconds, threads)
+        if cfg.eval_only:
+            summary = session.evaluation(threads)
+        else:
+            seconds = session.run()
+            summary = session.summary(seconds, threads)
     except BaseException:
         model.free()
         raise
@@ -432,6 +438,20 @@ class _Session:
                     "model": self.cfg.model_description(), "epoch": epoch + 1 if finished else epoch,
                     "batch": 0 if finished else batch, "schedule": self.schedule.state_dict(),
                     "history": self.history, "epochs": self.epochs_log})
+
+    def evaluation(self, threads):
+        """The test loss and accuracy of the model as loaded (--eval-only), on this grid."""
+        test_loss, test_accuracy = evaluate(self.model, self.loss_fn, self.x_test, self.y_test)
+        summary = {"grid": grids_of(self.model, self.grid), "ranks": self.grid.size, "threads_per_rank": threads,
+                   "steps": self.step, "checkpoint": self.last_checkpoint, "test_loss": test_loss,
+                   "test_accuracy": test_accuracy}
+        if self.rank0:
+            print(f"checkpoint {self.last_checkpoint} (step {self.step}) on {self.grid.size} rank(s), grid "
+                  f"{summary['grid']}: test loss {test_loss:.6f}, test accuracy {test_accuracy:.4f}")
+            if self.cfg.log:
+                save_json(self.cfg.log, {"config": dataclasses.asdict(self.cfg), "evaluation": summary})
+        summary["history"] = self.history
+        return summary
 
     def _diverged(self, step, what):
         _diverged(self.cfg, self.rank0, step, what, self.history, self.epochs_log)

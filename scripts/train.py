@@ -66,6 +66,8 @@ def parse_args(argv):
     p.add_argument("--log", help="JSON log of the per-step losses and the summary")
     p.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--eval-only", action="store_true",
+                   help="with --resume: print the checkpoint's test loss and accuracy (on any grid), no training")
     p.add_argument("--plot", help="PNG of the loss and accuracy curves (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -169,6 +169,31 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(mpi_tmp_
     weights(model)
 
 
+def test_eval_only_gives_the_checkpoints_test_numbers_on_any_grid(mpi_tmp_path):
+    """--eval-only --resume: the test loss and accuracy the training run measured at its last
+    epoch, on another grid and on one rank, without a training step."""
+    directory = str(mpi_tmp_path / "ckpt")
+    spec = grid_specs()[len(grid_specs()) // 2]
+    trained = train(config(epochs=1, grid=spec, algorithm="w", checkpoint_dir=directory, train_samples=4 * BATCH,
+                           max_steps=None))
+    for grid, world in ((grid_specs()[0], None), ("sample=1", MPI.COMM_SELF)):
+        result = train(config(epochs=1, grid=grid, algorithm="y", checkpoint_dir=directory, resume=True,
+                              eval_only=True, train_samples=4 * BATCH, max_steps=None), world=world)
+        assert result["steps"] == trained["steps"] == 4
+        assert_close_all_ranks(np.array([result["test_loss"]]), np.array([_last_test(directory)["test_loss"]]),
+                               1e-9, f"eval-only on {grid}", comm=world or WORLD)
+        assert result["test_accuracy"] == trained["test_accuracy"]
+    raises_on_all_ranks(ValueError, lambda: train(config(eval_only=True)), match="--eval-only evaluates a checkpoint")
+
+
+def _last_test(directory):
+    """The last epoch's test numbers that the checkpoint's meta.json keeps."""
+    import json
+    path = latest_checkpoint(directory)
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)["epochs"][-1]
+
+
 def test_checkpoint_of_another_model_is_refused(mpi_tmp_path):
     directory = str(mpi_tmp_path / "ckpt")
     spec = grid_specs()[0]
