@@ -219,7 +219,7 @@ def test_the_halo_exchange_is_the_adjoint_of_the_halo_add(grids, name):
             continue
         conv._halo = conv.halo_plan((N, Cin, H, W))
         x = rng.standard_normal(conv.input_layout.local_shape((N, Cin, H, W), grid, grid.coords))
-        y = rng.standard_normal(tuple(len(ix) for ix in conv._halo["wanted"]))
+        y = rng.standard_normal(tuple(len(ix) for ix in conv._halo.wanted))
         lhs = WORLD.allreduce(float(np.vdot(conv.halo(x), y)))
         rhs = WORLD.allreduce(float(np.vdot(x, conv.halo_adjoint(y))))
         assert_all_ranks(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"{spec} {name}: {lhs} != {rhs}")

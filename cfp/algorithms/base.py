@@ -82,6 +82,43 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     return {"spans": spans, "wanted": wanted, "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
 
 
+class Halo:
+    """One rank's halo exchange for one global input shape (from halo_plan): its output block
+    (out_rows x out_cols), the zero padding of its local kernel (top, bottom, left, right), and
+    the exchange and its adjoint. `what` names the layer in the refusal of an image too small
+    for the grid (fewer output rows or columns than ranks along that axis). Used by the
+    convolutions and by pooling."""
+
+    def __init__(self, x_shape, layout, grid, kernel_size, options, what):
+        x_shape = tuple(int(n) for n in x_shape)
+        plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
+                         tuple(sorted(options.items())))
+        for axis, name in (("height", "rows"), ("width", "columns")):
+            outs = [span[0] for span in plan["spans"][axis]]
+            if min(outs) == 0:
+                raise ValueError(
+                    f"{what}: an input of {x_shape[2]}x{x_shape[3]} gives {sum(outs)} output {name}, too few "
+                    f"for the {len(outs)} ranks of the {axis} axis of grid {grid.describe()}: the image "
+                    f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
+        self.out_rows, _, top, bottom = plan["spans"]["height"][grid.coord("height")]
+        self.out_cols, _, left, right = plan["spans"]["width"][grid.coord("width")]
+        self.padding = (top, bottom, left, right)
+        self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
+        self.held = layout.indices(x_shape, grid, grid.coords)
+        self.comm = grid.comm
+
+    def exchange(self, x, layer):
+        """x's block extended by the rows and columns the windows read (phase 'halo')."""
+        with comm.tag(layer=layer, phase="halo"):
+            return move(x, self.held, self.pieces, self.wanted, self.comm)
+
+    def adjoint(self, dx_extended, layer):
+        """The gradient of the extended block added back onto the blocks the rows came from."""
+        back = [(d, s, piece) for s, d, piece in self.pieces]
+        with comm.tag(layer=layer, phase="halo"):
+            return move(dx_extended, self.wanted, back, self.held, self.comm)
+
+
 def activation_layout(grid_shape, channel):
     """NCHW split by sample, by `channel` over the channel axis (a Shard, 'channel' or None),
     and by height and width where the grid has those axes."""
@@ -217,46 +254,23 @@ class ConvAlgorithm:
     # -- spatial splits: the halo ---------------------------------------------------------------
 
     def halo_plan(self, x_shape):
-        """This rank's part of the halo exchange for a global input of x_shape (module-level
-        halo_plan, cached per shape): its output block, the padding of its local convolution,
-        the pieces of the exchange, the indices it holds and wants."""
+        """This rank's Halo for a global input of x_shape (cached per shape)."""
         key = tuple(int(n) for n in x_shape)
         if key not in self._halo_plans:
-            plan = halo_plan(key, self.input_layout, tuple(self.grid.shape.items()), self.kernel_size,
-                             tuple(sorted((k, v) for k, v in self.options.items() if k != "groups")))
-            for axis, name in (("height", "rows"), ("width", "columns")):
-                outs = [span[0] for span in plan["spans"][axis]]
-                if min(outs) == 0:
-                    raise ValueError(
-                        f"{self.layer}: an input of {key[2]}x{key[3]} gives {sum(outs)} output {name}, too few "
-                        f"for the {len(outs)} ranks of the {axis} axis of grid {self.grid.describe()}: the image "
-                        f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
-            me, c = self.grid.rank, self.grid.coords
-            out_rows, _, top, bottom = plan["spans"]["height"][c["height"]]
-            out_cols, _, left, right = plan["spans"]["width"][c["width"]]
-            self._halo_plans[key] = {"pieces": plan["pieces"], "wanted": plan["wanted"][me],
-                                     "held": self.input_layout.indices(key, self.grid, c),
-                                     "out_rows": out_rows, "out_cols": out_cols,
-                                     "padding": (top, bottom, left, right)}
+            spatial = {k: v for k, v in self.options.items() if k != "groups"}
+            self._halo_plans[key] = Halo(key, self.input_layout, self.grid, self.kernel_size, spatial, self.layer)
         return self._halo_plans[key]
 
     def halo(self, x):
         """x's block extended by the rows and columns its kernel windows read (phase 'halo')."""
-        if not self.spatial:
-            return x
-        h = self._halo
-        with comm.tag(layer=self.layer, phase="halo"):
-            return move(x, h["held"], h["pieces"], h["wanted"], self.grid.comm)
+        return self._halo.exchange(x, self.layer) if self.spatial else x
 
     def halo_adjoint(self, dx_extended):
         """The adjoint of halo: each rank's gradient of its extended block added back onto the
         blocks of the ranks the rows came from (phase 'halo')."""
         if not self.spatial or dx_extended is None:
             return dx_extended
-        h = self._halo
-        back = [(d, s, piece) for s, d, piece in h["pieces"]]
-        with comm.tag(layer=self.layer, phase="halo"):
-            return move(dx_extended, h["wanted"], back, h["held"], self.grid.comm)
+        return self._halo.adjoint(dx_extended, self.layer)
 
     # -- the local kernels, on this rank's (extended) block ------------------------------------
 
@@ -265,7 +279,7 @@ class ConvAlgorithm:
         of the halo plan on a spatial grid (zero rows only where the block meets the border)."""
         args = dict(self.options)
         if self.spatial:
-            args["padding"] = self._halo["padding"]
+            args["padding"] = self._halo.padding
         return args
 
     def local_forward(self, x, w, b=None):
@@ -307,7 +321,7 @@ class ConvAlgorithm:
         filters = self.F if self.weight_replicated else len(self.b_filters)
         H, W = (shape[2], shape[3]) if self.spatial else x.shape[2:]
         self._halo = self.halo_plan((shape[0] if shape else n, self.C, H, W)) if self.spatial else None
-        rows, cols = (self._halo["out_rows"], self._halo["out_cols"]) if self.spatial else self.output_hw(H, W)
+        rows, cols = (self._halo.out_rows, self._halo.out_cols) if self.spatial else self.output_hw(H, W)
         self._output_shape = (n, filters, rows, cols)
 
     @property

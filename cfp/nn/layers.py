@@ -33,31 +33,18 @@ class _PerPosition(Module):
         return spec
 
     def _halo(self, x):
+        """x extended by its halo (when the image is split) and the local padding to pool with."""
+        self._plan = None
         if getattr(self, "_split", None) is None:
-            self._plan = None
             return x, self.padding
-        from ..algorithms.base import halo_plan
-        from ..tensor import move
-        grid, shape = self._split, tuple(int(n) for n in self.input_shape)
-        options = (("dilation", 1), ("padding", self.padding), ("padding_mode", "zeros"), ("stride", self.stride))
-        plan = halo_plan(shape, self._layout, tuple(grid.shape.items()), (self.kernel, self.kernel), options)
-        spans = [plan["spans"][a][grid.coord(a)] for a in ("height", "width")]
-        if not all(span[0] for span in plan["spans"]["height"] + plan["spans"]["width"]):
-            raise ValueError(f"{self.describe()}: an input of {shape[2]}x{shape[3]} pooled to too few rows or columns "
-                             f"for the ranks of grid {grid.describe()}: the image is too small for the grid")
-        held = self._layout.indices(shape, grid, grid.coords)
-        self._plan = (plan["pieces"], held, plan["wanted"][grid.rank], grid)
-        with comm.tag(layer=self.describe(), phase="halo"):
-            x = move(x, held, plan["pieces"], plan["wanted"][grid.rank], grid.comm)
-        return x, (spans[0][2], spans[0][3], spans[1][2], spans[1][3])
+        from ..algorithms.base import Halo
+        options = {"dilation": 1, "padding": self.padding, "padding_mode": "zeros", "stride": self.stride}
+        self._plan = Halo(self.input_shape, self._layout, self._split, (self.kernel, self.kernel), options,
+                          self.describe())
+        return self._plan.exchange(x, self.describe()), self._plan.padding
 
     def _halo_back(self, dx):
-        if self._plan is None:
-            return dx
-        from ..tensor import move
-        pieces, held, wanted, grid = self._plan
-        with comm.tag(layer=self.describe(), phase="halo"):
-            return move(dx, wanted, [(d, s, p) for s, d, p in pieces], held, grid.comm)
+        return dx if self._plan is None else self._plan.adjoint(dx, self.describe())
 
 
 class ReLU(Module):
