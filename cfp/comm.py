@@ -60,10 +60,15 @@ class CommRecord:
 
 
 class CommLedger:
-    """The collectives one rank took part in, tagged with layer and phase."""
+    """The collectives one rank took part in, tagged with layer and phase.
 
-    def __init__(self):
+    keep_results=True also keeps a copy of what each collective returned (`results`, one per
+    record; an all-to-all's is what tensor.move assembles from it): what cfp.explain's trace
+    shows a rank holds after each step. For small tensors only."""
+
+    def __init__(self, keep_results=False):
         self.records = []
+        self.results = [] if keep_results else None
         self.layer = "-"
         self.phase = "other"
 
@@ -82,14 +87,23 @@ class CommLedger:
         finally:
             self.layer, self.phase = saved
 
-    def record(self, collective, group_size, bytes_sent, bytes_received, seconds):
+    def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None):
         self.records.append(
             CommRecord(self.layer, self.phase, collective, int(group_size),
                        int(bytes_sent), int(bytes_received), float(seconds))
         )
+        if self.results is not None:
+            self.results.append(None if result is None else np.array(result))
+
+    def keep_result(self, result):
+        """The result of the last collective, when the caller assembles it (tensor.move)."""
+        if self.results is not None:
+            self.results[-1] = np.array(backend.to_host(result))
 
     def reset(self):
         self.records.clear()
+        if self.results is not None:
+            self.results.clear()
 
     def totals(self, by=("layer", "phase", "collective")):
         """{key tuple: {'calls', 'bytes_sent', 'bytes_received', 'seconds'}} grouped by `by`."""
@@ -276,7 +290,7 @@ def allgather(comm, x, axis, sizes):
             out = np.concatenate([b.reshape(s) for b, s in zip(blocks, shapes)], axis=axis)
     item = mine.dtype.itemsize
     get_ledger().record("allgather", p, (p - 1) * counts[rank] * item,
-                        (counts.sum() - counts[rank]) * item, t.seconds)
+                        (counts.sum() - counts[rank]) * item, t.seconds, out)
     return backend.from_host(out, xp)
 
 
@@ -314,7 +328,7 @@ def reduce_scatter(comm, x, axis, sizes):
             comm.Reduce_scatter(packed, out, counts, op=MPI.SUM)
     item = host.dtype.itemsize
     get_ledger().record("reduce_scatter", p, (counts.sum() - counts[rank]) * item,
-                        (p - 1) * counts[rank] * item, t.seconds)
+                        (p - 1) * counts[rank] * item, t.seconds, out)
     return backend.from_host(out, xp)
 
 
@@ -341,7 +355,7 @@ def allreduce(comm, x):
     n, item = host.size, host.dtype.itemsize
     own = block_sizes(n, p)[rank]
     moved = ((n - own) + (p - 1) * own) * item
-    get_ledger().record("allreduce", p, moved, moved, t.seconds)
+    get_ledger().record("allreduce", p, moved, moved, t.seconds, out)
     return backend.from_host(out, xp)
 
 

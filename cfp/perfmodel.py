@@ -43,7 +43,8 @@ def _allreduce(count, p, me, itemsize):
 def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0,
                   filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8,
                   dilation=1, groups=1, padding_mode="zeros"):
-    """{phase: (bytes sent, bytes received)} of one forward and backward pass of a convolution.
+    """{phase: (bytes sent, bytes received)} of one forward and backward pass of a convolution:
+    the sums over message_bytes, which takes the same arguments.
 
     x_shape (N, C, H, W) and w_shape (F, C, Kh, Kw) are global; `grid` is a spec or dict of
     axis sizes ('sample=2,channel=2'); `coords` the rank's {'sample': s, 'channel': c}.
@@ -55,6 +56,23 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     so for the network's first layer). w_shape is (F, C/groups, Kh, Kw); a grouped layer under
     channel/filter parallelism moves only its gradient (algorithms/grouped.py).
     """
+    out = {phase: (0, 0) for phase in PHASES}
+    for m, sent, received in message_bytes(algorithm, x_shape, w_shape, grid, coords, stride, padding,
+                                           filter_groups, bias, input_whole, need_dx, itemsize,
+                                           dilation, groups, padding_mode):
+        out[m.phase] = (out[m.phase][0] + sent, out[m.phase][1] + received)
+    return out
+
+
+def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0,
+                  filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8,
+                  dilation=1, groups=1, padding_mode="zeros"):
+    """[(Message, bytes sent, bytes received)]: each collective the rank at `coords` takes
+    part in during one forward and backward pass, in the order the layer runs them
+    (algorithms.base.run_order: the halo exchange on a spatial grid, the algorithm's
+    `messages` that are sent, the halo's adjoint when dx is computed). Arguments as
+    predict_bytes."""
+    from .algorithms.base import HALO, HALO_ADJOINT, run_order
     cls = algorithm_class(algorithm, groups)
     sizes = parse_grid_spec(grid)
     P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
@@ -85,21 +103,23 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     else:
         w_count = (len(union_of_blocks(F, P_c, column)) * len(union_of_blocks(C, P_c, row)) * Kh * Kw
                    + (block_size(F, P_c, c) if bias else 0))
-    out = {phase: (0, 0) for phase in PHASES}
-    if halo is not None:  # the halo exchange, and its adjoint when dx is computed
-        out["halo"] = _halo_bytes(halo, sizes, coords, need_dx, itemsize)
     # the ranks that hold the same shard: the sample and spatial ranks of one channel coordinate
     sharing = P_n * P_h * P_w
     me = (s * P_h + coords.get("height", 0)) * P_w + coords.get("width", 0)
-    for m in cls.messages:
-        if not _sent(m, input_whole, need_dx):
-            continue
-        if m.collective == "allreduce":
-            moved = _allreduce(w_count, sharing, me, itemsize)
-        else:
-            collective = _allgather if m.collective == "allgather" else _reduce_scatter
-            moved = collective(*blocks[m.group])
-        out[m.phase] = tuple(a + b for a, b in zip(out[m.phase], moved))
+    out = []
+    for m in run_order(cls.messages, halo is not None):
+        if m == HALO:
+            out.append((m,) + _halo_bytes(halo, sizes, coords, itemsize))
+        elif m == HALO_ADJOINT:
+            if need_dx:  # the adjoint sends the same pieces back
+                out.append((m,) + _halo_bytes(halo, sizes, coords, itemsize)[::-1])
+        elif _sent(m, input_whole, need_dx):
+            if m.collective == "allreduce":
+                moved = _allreduce(w_count, sharing, me, itemsize)
+            else:
+                collective = _allgather if m.collective == "allgather" else _reduce_scatter
+                moved = collective(*blocks[m.group])
+            out.append((m,) + tuple(moved))
     return out
 
 
@@ -111,16 +131,15 @@ def _halo(cls, x_shape, w_shape, sizes, input_whole, groups, **options):
     return halo_plan(tuple(x_shape), layout, tuple(shape.items()), tuple(w_shape[2:]), tuple(sorted(options.items())))
 
 
-def _halo_bytes(plan, sizes, coords, need_dx, itemsize):
-    """(sent, received) of the halo exchange and, with dx, of its adjoint, which moves the same
-    pieces back."""
+def _halo_bytes(plan, sizes, coords, itemsize):
+    """(sent, received) of the halo exchange (its adjoint moves the same pieces back)."""
     shape = {a: sizes.get(a, 1) for a in AXES}
     rank = 0
     for a in AXES:
         rank = rank * shape[a] + coords.get(a, 0)
     sent = sum(piece_size(p) for s, d, p in plan["pieces"] if s == rank and d != rank) * itemsize
     received = sum(piece_size(p) for s, d, p in plan["pieces"] if d == rank and s != rank) * itemsize
-    return (sent + received, received + sent) if need_dx else (sent, received)
+    return sent, received
 
 
 def _sent(message, input_whole, need_dx):

@@ -139,6 +139,7 @@ def move(local, held, pieces, wanted, comm):
             where = selector([positions(ix, w) for ix, w in zip(piece, wanted)])
             out[where] += chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece))
             offset += size
+    collectives.get_ledger().keep_result(out)
     return backend.from_host(out, xp)
 
 

@@ -41,6 +41,17 @@ of x is not sent when the input is whole (the first layer), nor is anything of b
 when no dx is wanted."""
 
 GRADIENT_SYNC = Message("gradient-sync", "allreduce", "gradient", "w")
+# On a grid that splits the image, a layer's forward begins with the halo exchange of x and its
+# backward ends with the adjoint, which sends the gradient of the same rows back (one
+# all-to-all over the grid each; Halo below).
+HALO = Message("halo", "alltoall", "grid", "x")
+HALO_ADJOINT = Message("halo", "alltoall", "grid", "dx")
+
+
+def run_order(messages, spatial):
+    """The collectives of one forward and backward pass in the order a layer runs them: the
+    halo exchange, `messages` in their order (forward, then backward's), the halo's adjoint."""
+    return ((HALO,) if spatial else ()) + tuple(messages) + ((HALO_ADJOINT,) if spatial else ())
 
 
 @functools.lru_cache(maxsize=256)
@@ -211,17 +222,47 @@ class ConvAlgorithm:
         input is whole (the first layer; sample parallelism)."""
         return None if input_whole or cls.weight_replicated else "channel"
 
+    @classmethod
+    def layouts(cls, image_split, p_f, input_whole=False, groups=1):
+        """{'x', 'y', 'w', 'b'}: the layouts of x, y (and dy), the weight and the bias of this
+        algorithm with p_f filter groups, on a grid splitting the image as `image_split`
+        ({'height': P_h, 'width': P_w}). Pure: the layer reads its layouts from here, and so
+        does cfp.explain, which has no grid.
+
+        x: split by sample, by channel unless every rank holds all of C, and by height and
+        width (balanced blocks of the image's rows and columns). y: by sample, by filter unless
+        w is whole everywhere, by height and width in blocks of the output. w (F, C, Kh, Kw)
+        over the channel axis: whole under sample parallelism; by input channel under
+        stationary-x, by filter under stationary-y; under stationary-w the filters of the
+        column's blocks and the channels of the row's (partition.py). b (F,): added where y's
+        filter block is, so it follows y's filter split."""
+        whole = input_whole or cls.weight_replicated
+        out = {"x": activation_layout(image_split, cls.input_channel(whole, groups)),
+               "y": activation_layout(image_split, None if cls.weight_replicated else "channel"),
+               "b": Layout((None if cls.weight_replicated else "channel",))}
+        if cls.weight_replicated:
+            out["w"] = Layout.replicated(4)
+        elif cls.name == "x":
+            out["w"] = Layout((None, "channel", None, None))
+        elif cls.name == "y":
+            out["w"] = Layout(("channel", None, None, None))
+        else:
+            out["w"] = Layout((Shard("channel", "column", p_f), Shard("channel", "row", p_f), None, None))
+        return out
+
+    @property
+    def _layouts(self):
+        return self.layouts(self.image_split, self.p_f, self.input_whole, self.groups)
+
     @property
     def input_layout(self):
-        """x's layout: split by sample, by channel unless every rank holds all of C, and by
-        height and width on a spatial grid (balanced blocks of the image's rows and columns)."""
-        return activation_layout(self.image_split, self.input_channel(self.input_whole, self.groups))
+        """x's layout (layouts()['x'])."""
+        return self._layouts["x"]
 
     @property
     def output_layout(self):
-        """y's (and dy's) layout: split by sample, by filter unless w is whole everywhere, and
-        by height and width in balanced blocks of the output's rows and columns."""
-        return activation_layout(self.image_split, None if self.weight_replicated else "channel")
+        """y's (and dy's) layout (layouts()['y'])."""
+        return self._layouts["y"]
 
     @property
     def image_split(self):
@@ -230,21 +271,13 @@ class ConvAlgorithm:
 
     @property
     def weight_layout(self):
-        """w (F, C, Kh, Kw) over the channel axis: whole under sample parallelism; by input
-        channel under stationary-x, by filter under stationary-y; under stationary-w the
-        filters of the column's blocks and the channels of the row's (partition.py)."""
-        if self.weight_replicated:
-            return Layout.replicated(4)
-        if self.name == "x":
-            return Layout((None, "channel", None, None))
-        if self.name == "y":
-            return Layout(("channel", None, None, None))
-        return Layout((Shard("channel", "column", self.p_f), Shard("channel", "row", self.p_f), None, None))
+        """w's layout (layouts()['w'])."""
+        return self._layouts["w"]
 
     @property
     def bias_layout(self):
-        """b (F,): added where y's filter block is, so it follows y's filter split."""
-        return Layout((None if self.weight_replicated else "channel",))
+        """b's layout (layouts()['b'])."""
+        return self._layouts["b"]
 
     def output_hw(self, H, W):
         """The output's (H', W') for an input of H x W."""

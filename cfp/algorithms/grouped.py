@@ -42,17 +42,14 @@ class GroupedChannels(ConvAlgorithm):
     def input_channel(cls, input_whole, groups):
         return None if input_whole else Shard("channel", "groups", groups)
 
-    @property
-    def output_layout(self):
-        return activation_layout(self.image_split, self._groups)
-
-    @property
-    def weight_layout(self):
-        return Layout((self._groups, None, None, None))
-
-    @property
-    def bias_layout(self):
-        return Layout((self._groups,))
+    @classmethod
+    def layouts(cls, image_split, p_f, input_whole=False, groups=1):
+        """x, y, w and b all split by whole groups over the channel axis (x whole when the
+        input is, at the first layer)."""
+        by_groups = Shard("channel", "groups", groups)
+        return {"x": activation_layout(image_split, cls.input_channel(input_whole, groups)),
+                "y": activation_layout(image_split, by_groups),
+                "w": Layout((by_groups, None, None, None)), "b": Layout((by_groups,))}
 
     def kernel_args(self):
         return {**super().kernel_args(), "groups": max(1, self.own_groups)}
