@@ -1,8 +1,10 @@
-"""Datasets for training and checking cfp (scikit-learn's digits, synthetic data) and the
-loader that gives each rank its block of every global mini-batch.
+"""Datasets for training and checking cfp (scikit-learn's digits, synthetic data, .npz files
+and CIFAR-10's binary batches), the loader that gives each rank its block of every global
+mini-batch, and the loader's optional augmentation (random crop and horizontal flip).
 
-Every global batch depends only on the data, the batch size, the seed and the epoch, never on
-the grid, which is what lets a run on any grid be compared with a run on one rank.
+Every global batch, augmented or not, depends only on the data, the batch size, the seed and
+the epoch, never on the grid, which is what lets a run on any grid be compared with a run on
+one rank.
 """
 import math
 
@@ -174,6 +176,34 @@ def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32):
 
 
 SAMPLES = Layout(("sample",))  # a batch's samples split over the sample axis
+AUGMENT_PADDING = 4  # random crop: zero-pad by 4 pixels per side, take an H x W window
+AUGMENT_STREAM = 0x617567  # the augmentation's rng stream, apart from the shuffling's (seed, epoch)
+
+
+def augment_batch(x, offsets, flips, padding=AUGMENT_PADDING):
+    """Random crop and horizontal flip of a batch x (n, C, H, W), NumPy or CuPy, keeping its
+    dtype: sample i is zero-padded by `padding` pixels on every side, the H x W window whose
+    top-left corner is offsets[i] = (row, column), each in 0..2 * padding, is taken, and its
+    columns are reversed where flips[i] is true. offsets: (n, 2) integers, flips: (n,) booleans
+    (host arrays). Offsets (padding, padding) and no flip give the sample back unchanged."""
+    xp = get_array_module(x)
+    if x.ndim != 4:
+        raise ValueError(f"augment_batch: x has shape {x.shape}; expected a batch (N, C, H, W)")
+    offsets, flips = np.asarray(offsets), np.asarray(flips, dtype=bool)
+    n, _, height, width = x.shape
+    if offsets.shape != (n, 2) or flips.shape != (n,):
+        raise ValueError(f"augment_batch: offsets {offsets.shape} and flips {flips.shape} for {n} samples; "
+                         f"expected ({n}, 2) and ({n},)")
+    if offsets.size and (offsets.min() < 0 or offsets.max() > 2 * padding):
+        raise ValueError(f"augment_batch: offsets must be in 0..{2 * padding} (padding {padding}), "
+                         f"got {int(offsets.min())}..{int(offsets.max())}")
+    padded = xp.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    rows = offsets[:, :1] + np.arange(height)  # (n, H): the padded rows of each window
+    columns = offsets[:, 1:] + np.arange(width)  # (n, W)
+    columns = np.where(flips[:, None], columns[:, ::-1], columns)
+    samples = xp.arange(n)[:, None, None, None]
+    channels = xp.arange(x.shape[1])[None, :, None, None]
+    return padded[samples, channels, xp.asarray(rows)[:, None, :, None], xp.asarray(columns)[:, None, None, :]]
 
 
 class ShardedLoader:
@@ -189,17 +219,27 @@ class ShardedLoader:
 
     Each `for` loop over the loader is one epoch and advances `epoch` (the epoch the next loop
     will use); set_epoch(e) chooses it, e.g. when resuming.
+
+    augment=True (training only; x must be (n, C, H, W)): every batch goes through
+    augment_batch, with a crop offset and a flip per sample drawn for the whole global batch
+    from (seed, epoch, batch number) on every rank alike, of which each rank applies its rows'.
+    So the augmented global batch is the same on every grid, and a loader that starts at batch
+    b of an epoch (a resumed run) gives the batches an uninterrupted one gave.
     """
 
-    def __init__(self, x, y, batch_size, grid=None, shuffle=True, seed=0, drop_last=False):
+    def __init__(self, x, y, batch_size, grid=None, shuffle=True, seed=0, drop_last=False, augment=False):
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} samples, y has {len(y)}")
         int_at_least(batch_size, "batch size", 1)
+        if augment and x.ndim != 4:
+            raise ValueError(f"augmentation crops and flips images: x has shape {x.shape}; "
+                             f"expected (N, C, H, W)")
         self.x, self.y = x, y
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.augment = augment
         self.epoch = 0
         self.grid = grid
         self.sample_parts = grid.axis_size("sample") if grid is not None else 1
@@ -229,19 +269,31 @@ class ShardedLoader:
             return np.arange(len(self.x))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.x))
 
+    def augmentation(self, epoch, batch, n_global):
+        """(offsets (n_global, 2), flips (n_global,)) of batch number `batch` of epoch `epoch`,
+        for the whole global batch: the same on every rank and grid."""
+        rng = np.random.default_rng([self.seed, epoch, batch, AUGMENT_STREAM])
+        offsets = rng.integers(0, 2 * AUGMENT_PADDING + 1, size=(n_global, 2))
+        flips = rng.random(n_global) < 0.5
+        return offsets, flips
+
     def __iter__(self):
         order = self.order(self.epoch)
         self.epoch += 1
-        return self._batches(order)
+        return self._batches(order, self.epoch - 1)
 
-    def _batches(self, order):
+    def _batches(self, order, epoch):
         for b in range(len(self)):
             batch = order[b * self.batch_size:(b + 1) * self.batch_size]
             n_global = len(batch)
             # Only this rank's block is copied out, never the whole batch.
-            rows = batch[self.block(n_global)]
-            yield _take_rows(self.x, rows), _take_rows(self.y, rows), n_global
-
+            block = self.block(n_global)
+            rows = batch[block]
+            x_local = _take_rows(self.x, rows)
+            if self.augment:  # drawn for the whole batch, applied to this rank's block of it
+                offsets, flips = self.augmentation(epoch, b, n_global)
+                x_local = augment_batch(x_local, offsets[block], flips[block])
+            yield x_local, _take_rows(self.y, rows), n_global
 
     def block(self, n_global):
         """This rank's rows of a batch of n_global samples: the sample layout's block."""

@@ -62,6 +62,7 @@ class TrainConfig:
     seed: int = 0
     dataset: str = "digits"
     upsample: int = 1
+    augment: bool = False  # random crop (padding 4) and horizontal flip of the training batches
     train_samples: int = None  # use only the first n training samples (quick runs, tests)
     max_steps: int = None  # stop after this many steps in all
     threads: int = None  # BLAS threads per rank (default cores // ranks per node)
@@ -106,6 +107,9 @@ class TrainConfig:
         if self.upsample != 1 and self.dataset not in ("digits", "synthetic"):
             raise ValueError(f"--upsample applies to --dataset digits and synthetic only; with --dataset "
                              f"{self.dataset} it would be ignored")
+        if self.augment and self.eval_only:
+            raise ValueError("--augment changes the training batches only; with --eval-only, which does not "
+                             "train, it would be ignored")
         if self.eval_only and not self.resume:
             raise ValueError("--eval-only evaluates a checkpoint: it needs --resume and --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
@@ -347,7 +351,7 @@ class _Session:
         self.grid = model.grid  # where the data enters and the loss is computed
         self.rank0 = self.grid.rank == 0
         self.loader = ShardedLoader(x_train, y_train, cfg.batch_size, self.grid, shuffle=True, seed=cfg.seed,
-                                    drop_last=True)
+                                    drop_last=True, augment=cfg.augment)
         if len(self.loader) == 0:
             raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
         self.loss_fn = SoftmaxCrossEntropy(self.grid)

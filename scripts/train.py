@@ -3,7 +3,8 @@
     mpiexec -n 4 python -m mpi4py scripts/train.py --model resnet --width 1 \\
         --grid sample=2,channel=2 --algorithm y --epochs 10 --batch-size 64 --lr 0.1 \\
         --optimizer sgd --dtype float32 --seed 0 --log run.json \\
-        [--checkpoint-dir DIR] [--resume] [--plot curves.png]
+        [--dataset npz:PATH | cifar10:DIR] [--augment] \\
+        [--checkpoint-dir DIR] [--resume [--eval-only]] [--plot curves.png]
     mpiexec -n 2 python -m mpi4py scripts/train.py --plan plan.json ...   # a grid per layer
     mpiexec -n 2 python -m mpi4py scripts/train.py --algorithm auto ...   # the planner's plan
 
@@ -59,6 +60,9 @@ def parse_args(argv):
                    help="digits (scikit-learn's), synthetic, npz:PATH (arrays x, y and optionally x_test, "
                         "y_test) or cifar10:DIR (CIFAR-10's binary batches)")
     p.add_argument("--upsample", type=int, default=defaults.upsample, help="digits: 2 gives 16x16 images")
+    p.add_argument("--augment", action="store_true",
+                   help="random crop (zero padding of 4 pixels) and horizontal flip of the training batches, "
+                        "seeded: the same batches on every grid; never the test set")
     p.add_argument("--train-samples", type=int, default=None, help="use only the first N training samples")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
     p.add_argument("--threads", type=int, default=None,

@@ -73,6 +73,8 @@ TRAIN_CASES = [
     (["--dataset", "npz:/nonexistent/data.npz"], "dataset '/nonexistent/data.npz' does not exist"),
     (["--dataset", "cifar10:/nonexistent"], "CIFAR-10 directory '/nonexistent' lacks data_batch_1.bin"),
     (["--dataset", "npz:x.npz", "--upsample", "2"], "--upsample applies to --dataset digits and synthetic only"),
+    (["--augment", "--eval-only", "--resume", "--checkpoint-dir", "ckpt"],
+     "--augment changes the training batches only; with --eval-only, which does not train, it would be ignored"),
 ]
 
 

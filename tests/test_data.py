@@ -1,4 +1,4 @@
-"""Datasets and the sample-sharded loader, checked serially with stand-in grids.
+"""Datasets, the sample-sharded loader and its augmentation, checked serially with stand-in grids.
 
 The loader only asks a grid for axis_size and coord, so a tiny stand-in plays every rank of a
 2 x 1, 3 x 1 or 2 x 2 grid in one process.
@@ -6,7 +6,7 @@ The loader only asks a grid for axis_size and coord, so a tiny stand-in plays ev
 import numpy as np
 import pytest
 
-from cfp.data import ShardedLoader, load_digits, synthetic
+from cfp.data import ShardedLoader, augment_batch, load_digits, synthetic
 from cfp.partition import block_sizes
 
 
@@ -187,3 +187,123 @@ def test_batch_smaller_than_sample_axis():
     assert len(ShardedLoader(x, y, batch_size=8, grid=grid, drop_last=True)) == 6
     with pytest.raises(ValueError, match="x has 53 samples, y has 52"):
         ShardedLoader(x, y[:-1], batch_size=8)
+
+
+# ------------------------------------------------------------------ augmentation
+
+
+def test_augment_batch_by_hand():
+    x = np.arange(1, 10, dtype=np.float32).reshape(1, 1, 3, 3)  # [[1 2 3] [4 5 6] [7 8 9]]
+    same = augment_batch(x, [[4, 4]], [False])  # the window where the image lies: itself
+    assert same.dtype == np.float32 and same.shape == x.shape
+    np.testing.assert_array_equal(same, x)
+    np.testing.assert_array_equal(augment_batch(x, [[4, 4]], [True])[0, 0],
+                                  [[3, 2, 1], [6, 5, 4], [9, 8, 7]])
+    # Offset (3, 5): padded rows 3..5 are image rows -1..1, columns 5..7 image columns 1..3;
+    # cropped [[0 0 0] [2 3 0] [5 6 0]], then flipped.
+    np.testing.assert_array_equal(augment_batch(x, [[3, 5]], [True])[0, 0], [[0, 0, 0], [0, 3, 2], [0, 6, 5]])
+    # Offsets 0 and 8 on a 3 x 3 image padded by 4: the window lies in the zero border.
+    np.testing.assert_array_equal(augment_batch(x, [[0, 8]], [False]), np.zeros_like(x))
+    np.testing.assert_array_equal(augment_batch(x, [[8, 0]], [True]), np.zeros_like(x))
+    # Padding 1: offset 0 takes the top (left) zero border, 2 the bottom (right) one.
+    np.testing.assert_array_equal(augment_batch(x, [[0, 2]], [False], padding=1)[0, 0],
+                                  [[0, 0, 0], [2, 3, 0], [5, 6, 0]])
+    np.testing.assert_array_equal(augment_batch(x, [[2, 0]], [True], padding=1)[0, 0],
+                                  [[5, 4, 0], [8, 7, 0], [0, 0, 0]])
+
+
+def test_augment_batch_is_a_crop_then_a_flip_of_each_sample():
+    """A batch of several samples and channels, float64 and float32, against np.pad and slicing
+    sample by sample."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3, 7, 5))
+    offsets = rng.integers(0, 9, (6, 2))
+    flips = np.array([True, False, True, True, False, False])
+    for dtype in (np.float64, np.float32):
+        out = augment_batch(x.astype(dtype), offsets, flips)
+        assert out.shape == x.shape and out.dtype == dtype
+        for i, ((r, c), flip) in enumerate(zip(offsets, flips)):
+            window = np.pad(x[i], ((0, 0), (4, 4), (4, 4)))[:, r:r + 7, c:c + 5]
+            np.testing.assert_array_equal(out[i], (window[..., ::-1] if flip else window).astype(dtype))
+
+
+@pytest.mark.parametrize("x, offsets, flips, message", [
+    (np.zeros((2, 3, 3)), [[0, 0], [0, 0]], [False, False], r"x has shape \(2, 3, 3\); expected a batch"),
+    (np.zeros((2, 1, 3, 3)), [[0, 0]], [False, False], r"offsets \(1, 2\) and flips \(2,\) for 2 samples"),
+    (np.zeros((1, 1, 3, 3)), [[0, 9]], [False], r"offsets must be in 0..8 \(padding 4\), got 0..9"),
+])
+def test_augment_batch_bad_arguments(x, offsets, flips, message):
+    with pytest.raises(ValueError, match=message):
+        augment_batch(x, offsets, flips)
+
+
+def test_augment_batch_on_cupy():
+    cupy = pytest.importorskip("cupy")
+    x = np.random.default_rng(1).standard_normal((4, 2, 5, 5)).astype(np.float32)
+    offsets, flips = np.array([[0, 8], [4, 4], [2, 7], [8, 1]]), np.array([True, False, True, False])
+    out = augment_batch(cupy.asarray(x), offsets, flips)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
+    np.testing.assert_array_equal(cupy.asnumpy(out), augment_batch(x, offsets, flips))
+
+
+def make_images(n=53):
+    x = np.random.default_rng(2).standard_normal((n, 2, 5, 4))
+    return x, np.arange(n, dtype=np.int64)
+
+
+@pytest.mark.parametrize("sample, channel", [(2, 1), (3, 1), (2, 2)])
+def test_augmented_blocks_make_the_augmented_global_batch(sample, channel):
+    """Each rank augments only its rows, yet the blocks of the sample ranks make the batch that
+    one rank augments whole; replicas along the channel axis agree; each sample's transform is
+    that of its position in the global batch."""
+    x, y = make_images()
+    reference = ShardedLoader(x, y, batch_size=8, seed=5, augment=True)
+    plain = ShardedLoader(x, y, batch_size=8, seed=5)
+    ranks = [ShardedLoader(x, y, batch_size=8, grid=g, seed=5, augment=True) for g in every_rank(sample, channel)]
+    for epoch in range(2):
+        for b, (whole, unaugmented, *local) in enumerate(zip(reference, plain, *ranks)):
+            x_global, y_global, n_global = whole
+            np.testing.assert_array_equal(y_global, unaugmented[1])
+            offsets, flips = reference.augmentation(epoch, b, n_global)
+            np.testing.assert_array_equal(x_global, augment_batch(unaugmented[0], offsets, flips))
+            blocks = [local[s * channel] for s in range(sample)]
+            np.testing.assert_array_equal(np.concatenate([blk[0] for blk in blocks]), x_global)
+            np.testing.assert_array_equal(np.concatenate([blk[1] for blk in blocks]), y_global)
+            for s in range(sample):
+                for c in range(1, channel):
+                    np.testing.assert_array_equal(local[s * channel + c][0], blocks[s][0])
+
+
+def test_augmentation_is_seeded_by_epoch_and_batch():
+    x, y = make_images()
+    loader = ShardedLoader(x, y, batch_size=8, seed=1, augment=True)
+    epoch0 = [xb for xb, _, _ in loader]
+    epoch1 = [xb for xb, _, _ in loader]
+    assert epoch0[0].dtype == x.dtype and all(a.shape == b.shape for a, b in zip(epoch0, epoch1))
+    # A loader made anew and set to epoch 1 (a resumed run) gives epoch 1's batches again.
+    again = ShardedLoader(x, y, batch_size=8, seed=1, augment=True)
+    again.set_epoch(1)
+    for a, b in zip(epoch1, (xb for xb, _, _ in again)):
+        np.testing.assert_array_equal(a, b)
+    # Two epochs draw other transforms, not only another order: epoch 1's batches are not
+    # epoch 0's samples transformed as in epoch 0.
+    offsets0, flips0 = loader.augmentation(0, 0, 8)
+    offsets1, flips1 = loader.augmentation(1, 0, 8)
+    assert not (np.array_equal(offsets0, offsets1) and np.array_equal(flips0, flips1))
+    assert not np.array_equal(loader.augmentation(0, 1, 8)[0], offsets0)  # nor two batches
+    assert not np.array_equal(ShardedLoader(x, y, batch_size=8, seed=2).augmentation(0, 0, 8)[0], offsets0)
+    # The draws cover the whole range: offsets 0..8 and both flips.
+    offsets, flips = loader.augmentation(0, 0, 500)
+    assert set(np.unique(offsets)) == set(range(9)) and 0.4 < flips.mean() < 0.6
+    # augment=False leaves the batches as they were.
+    unaugmented = ShardedLoader(x, y, batch_size=8, seed=1)
+    order = unaugmented.order(0)
+    for b, (xb, yb, _) in enumerate(unaugmented):
+        np.testing.assert_array_equal(xb, x[order[b * 8:(b + 1) * 8]])
+        assert not np.array_equal(xb, epoch0[b])
+
+
+def test_augmentation_needs_images():
+    x, y = make_data()
+    with pytest.raises(ValueError, match=r"augmentation crops and flips images: x has shape \(53, 2, 3\); expected \(N, C, H, W\)"):
+        ShardedLoader(x[:, :, :, 0], y, batch_size=8, augment=True)

@@ -1,12 +1,15 @@
 """Training on one's own data: --dataset npz:PATH and cifar10:DIR, the data checks (one clear
-message naming the file and array), and training on them at 1 and 4 ranks from the script."""
+message naming the file and array), and training on them at 1 and 4 ranks from the script;
+--augment, the same augmented batches on every grid and after a resume."""
 import json
 import os
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from cfp.data import CIFAR_RECORD, load_cifar10, load_digits, load_npz
+from cfp.train import TrainConfig, train
 from test_scripts import TRAIN, run
 
 
@@ -104,3 +107,41 @@ def test_train_script_on_an_npz_and_on_cifar_files(tmp_path):
                 losses[nprocs] = [step["loss"] for step in json.load(f)["steps"]]
         assert len(losses[1]) == 3
         np.testing.assert_allclose(losses[4], losses[1], rtol=1e-9, err_msg=name)
+
+
+def test_augmented_training_gives_the_same_losses_on_every_grid(tmp_path):
+    """train.py --augment, float64, 6 steps over two epochs: the same losses on 4 ranks
+    (sample=2,channel=2, stationary-y) and on 3 (sample=3: blocks of 6, 5 and 5 samples) as
+    one rank's (in this process), and other losses than without augmentation."""
+    common = dict(model="resnet", width=1, train_samples=64, batch_size=16, epochs=2, max_steps=6,
+                  dtype="float64", progress=False, threads=1)
+    serial = {augment: np.array([h["loss"] for h in train(TrainConfig(augment=augment, **common),
+                                                              world=MPI.COMM_SELF)["history"]])
+              for augment in (True, False)}
+    assert len(serial[True]) == 6
+    assert np.abs(serial[False] - serial[True]).max() > 1e-3, "augmentation changed nothing"
+    options = ["--model", "resnet", "--width", "1", "--train-samples", "64", "--batch-size", "16", "--epochs", "2",
+               "--max-steps", "6", "--dtype", "float64", "--no-progress", "--augment"]
+    for nprocs, grid, algorithm in ((4, "sample=2,channel=2", "y"), (3, "sample=3", "sample")):
+        log = tmp_path / f"{grid}.json"
+        proc, _ = run(nprocs, options + ["--grid", grid, "--algorithm", algorithm, "--log", str(log)], script=TRAIN)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        with open(log) as f:
+            logged = json.load(f)
+        assert logged["config"]["augment"] is True
+        np.testing.assert_allclose([step["loss"] for step in logged["steps"]], serial[True], rtol=1e-9, err_msg=grid)
+
+
+def test_augmented_training_resumed_mid_epoch_continues_the_same_batches(tmp_path):
+    """A run with augmentation stopped 2 batches into its second epoch and resumed: the steps
+    after the stop have the losses of an uninterrupted run, so the resumed loader draws the
+    same crops and flips for the same (epoch, batch)."""
+    common = dict(model="resnet", width=1, train_samples=64, batch_size=16, epochs=2, dtype="float64",
+                  augment=True, progress=False, seed=1, threads=1)
+    full = [h["loss"] for h in train(TrainConfig(**common), world=MPI.COMM_SELF)["history"]]
+    assert len(full) == 8
+    directory = str(tmp_path / "ckpt")
+    train(TrainConfig(max_steps=6, checkpoint_dir=directory, **common), world=MPI.COMM_SELF)
+    resumed = train(TrainConfig(checkpoint_dir=directory, resume=True, **common), world=MPI.COMM_SELF)
+    assert resumed["steps_this_session"] == 2
+    np.testing.assert_allclose([h["loss"] for h in resumed["history"]], full, rtol=1e-12)
