@@ -70,6 +70,11 @@ def save_npz(path, **arrays):
     _atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
+def save_figure(path, fig, dpi=100):
+    """Write the matplotlib figure `fig` as a PNG to `path` atomically."""
+    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+
+
 def save_json(path, obj, sort_keys=True):
     """Write `obj` as JSON to `path` atomically. NaN and infinity are refused (ValueError):
     they are not JSON, and a number cfp writes is a result, never a placeholder. sort_keys=False

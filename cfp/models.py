@@ -22,6 +22,18 @@ from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 MODELS = ("resnet", "wide", "mobile")
 
 
+def plan_choice(current, entry):
+    """The grid, algorithm and p_f of a layer whose plan entry is `entry` (None: not listed)
+    when the layer before runs as `current`: what the entry gives, the rest kept (p_f only
+    where grid and algorithm stay)."""
+    if entry is None:
+        return dict(current)
+    keeps_p_f = entry.get("grid", current["grid"]) == current["grid"] and \
+        entry.get("algorithm", current["algorithm"]) == current["algorithm"]
+    return {"grid": entry.get("grid", current["grid"]), "algorithm": entry.get("algorithm", current["algorithm"]),
+            "filter_groups": entry.get("filter_groups", current["filter_groups"] if keeps_p_f else None)}
+
+
 class _Builder:
     """Names layers, seeds their weights and puts every convolution (and the classifier) on its
     grid with its algorithm: the layer's entry of `plan` ({layer name: {"grid", "algorithm",
@@ -37,14 +49,7 @@ class _Builder:
         self.last = None  # the last convolution built
 
     def choose(self, name):
-        entry = self.plan.pop(name, None)
-        if entry is not None:
-            keeps_p_f = entry.get("grid", self.current["grid"]) == self.current["grid"] and \
-                entry.get("algorithm", self.current["algorithm"]) == self.current["algorithm"]
-            self.current = {"grid": entry.get("grid", self.current["grid"]),
-                            "algorithm": entry.get("algorithm", self.current["algorithm"]),
-                            "filter_groups": entry.get("filter_groups",
-                                                       self.current["filter_groups"] if keeps_p_f else None)}
+        self.current = plan_choice(self.current, self.plan.pop(name, None))
         spec = dict(self.current)
         try:
             grid = self.grids.get(spec["grid"])

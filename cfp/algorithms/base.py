@@ -93,6 +93,18 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     return {"spans": spans, "wanted": wanted, "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
 
 
+def check_image_fits(plan, x_shape, grid_text, what):
+    """ValueError unless every rank of the height and width axes of halo_plan's `plan` computes
+    at least one output row and column: an image too small for the grid is refused."""
+    for axis, name in (("height", "rows"), ("width", "columns")):
+        outs = [span[0] for span in plan["spans"][axis]]
+        if min(outs) == 0:
+            raise ValueError(
+                f"{what}: an input of {x_shape[2]}x{x_shape[3]} gives {sum(outs)} output {name}, too few "
+                f"for the {len(outs)} ranks of the {axis} axis of grid {grid_text}: the image "
+                f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
+
+
 class Halo:
     """One rank's halo exchange for one global input shape (from halo_plan): its output block
     (out_rows x out_cols), the zero padding of its local kernel (top, bottom, left, right), and
@@ -104,13 +116,7 @@ class Halo:
         x_shape = tuple(int(n) for n in x_shape)
         plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
                          tuple(sorted(options.items())))
-        for axis, name in (("height", "rows"), ("width", "columns")):
-            outs = [span[0] for span in plan["spans"][axis]]
-            if min(outs) == 0:
-                raise ValueError(
-                    f"{what}: an input of {x_shape[2]}x{x_shape[3]} gives {sum(outs)} output {name}, too few "
-                    f"for the {len(outs)} ranks of the {axis} axis of grid {grid.describe()}: the image "
-                    f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
+        check_image_fits(plan, x_shape, grid.describe(), what)
         self.out_rows, _, top, bottom = plan["spans"]["height"][grid.coord("height")]
         self.out_cols, _, left, right = plan["spans"]["width"][grid.coord("width")]
         self.padding = (top, bottom, left, right)

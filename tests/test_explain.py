@@ -1,0 +1,187 @@
+"""cfp.explain and scripts/explain.py: the explanation's index ranges, groups and bytes against
+what the layer holds and does (its shards, its communicators, the ledger of a real run,
+perfmodel.predict_bytes), for every algorithm on every factorization of 1-4 ranks; tables
+worked out by hand; the pictures and the script's errors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp.explain import explain_layer, explain_model, model_table, plot_layer, range_text, trace_layer
+from cfp.grid import AXES, ProcessGrid, factorizations
+from cfp.models import layer_shapes
+from cfp.partition import check_filter_groups
+from cfp.perfmodel import predict_bytes
+from run_suite import ROOT, single_thread_env
+
+EXPLAIN = os.path.join(ROOT, "scripts", "explain.py")
+LAYER = dict(x_shape=(4, 6, 8, 8), out_channels=8, kernel_size=3, padding=1)
+
+
+def grids(ranks):
+    """Every sample x height x width x channel grid of `ranks` ranks."""
+    return [dict(zip(AXES, f)) for f in factorizations(ranks, 4)]
+
+
+def cases(ranks):
+    """(algorithm, grid, p_f, groups) for every algorithm (w with each p_f) on every grid."""
+    out = []
+    for g in grids(ranks):
+        for algorithm in ("sample", "x", "y"):
+            out.append((algorithm, g, None, 1))
+        for p_f in range(1, g["channel"] + 1):
+            if g["channel"] % p_f == 0:
+                out.append(("w", g, p_f, 1))
+        out.append(("y", g, None, 2))  # a grouped layer: only its gradient moves
+    return out
+
+
+def test_range_text():
+    assert range_text(range(0, 4)) == "0:4"
+    assert range_text((0, 1, 4, 5)) == "0:2+4:6"
+    assert range_text(range(0)) == "-"
+
+
+def test_tables_worked_out_by_hand():
+    """Stationary-w, p_f = 2 on 4 channel ranks: rank c at (row, column) = divmod(c, 2)
+    holds channel block c of x and y (C = F = 8: two each), and the filters of its column's
+    blocks {j, j + 2} times the channels of its row's blocks {2i, 2i + 1}."""
+    e = explain_layer((4, 8, 8, 8), 8, 3, "w", "channel=4", filter_groups=2, padding=1)
+    text = e.text()
+    for line in ["0     c0      x[0:4, 0:2, 0:8, 0:8]  w[0:2+4:6, 0:4]  y[0:4, 0:2, 0:8, 0:8]",
+                 "3     c3      x[0:4, 6:8, 0:8, 0:8]  w[2:4+6:8, 4:8]  y[0:4, 6:8, 0:8, 0:8]",
+                 "1. forward: allgather x within each row: groups {0,1} {2,3}",
+                 "2. forward: reduce-scatter y within each column: groups {0,2} {1,3}",
+                 "3. backward-filter: allgather dy within each column: groups {0,2} {1,3}",
+                 "4. backward-data: reduce-scatter dx within each row: groups {0,1} {2,3}",
+                 "   1     4.0 KiB  4.0 KiB   dy of the column: dy[0:4, 2:4+6:8, 0:8, 0:8]"]:
+        assert line in text, line
+    # each block of x is 4 * 2 * 8 * 8 float64 = 4 KiB; in a row of 2 each rank sends its block
+    # once and receives the other's
+    assert [s.sent[0] for s in e.steps] == [4096, 4096, 4096, 4096, 0]
+    # the halo of a 3x3 kernel over 2 row blocks: one row of 4 samples x 8 channels x 8 columns
+    # each way, and back with dx
+    e = explain_layer((4, 8, 8, 8), 8, 3, "sample", "height=2", padding=1)
+    halo = [s for s in e.steps if s.phase == "halo"]
+    assert [(s.sent[0], s.received[0]) for s in halo] == [(4 * 8 * 8 * 8, 4 * 8 * 8 * 8)] * 2
+    assert e.steps[0].result[1][2] == (range(0, 4), range(0, 8), range(3, 8), range(0, 8))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_bytes_are_predict_bytes(ranks):
+    for algorithm, g, p_f, groups in cases(ranks):
+        for first in (False, True):
+            e = explain_layer(LAYER["x_shape"], 8, 3, algorithm, g, p_f, padding=1, groups=groups,
+                              input_whole=first, need_dx=not first)
+            for r in range(e.ranks):
+                predicted = predict_bytes(algorithm, LAYER["x_shape"], e.shapes["w"], g, e.coords[r], padding=1,
+                                          filter_groups=p_f, groups=groups, input_whole=first, need_dx=not first)
+                assert e.bytes(r) == predicted, (algorithm, g, p_f, groups, r)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_trace_matches_explanation_ledger_and_serial():
+    """A real run of every algorithm on every grid of this many ranks: the ledger's collectives,
+    group sizes and bytes are the explanation's step by step (and sum to predict_bytes), the
+    results have the explained index ranges' sizes and hold the serial tensors' values there,
+    and the layer's weight shards are the explained ones (Trace.mismatches lists any
+    difference)."""
+    world = MPI.COMM_WORLD
+    for algorithm, g, p_f, groups in cases(world.Get_size()):
+        for first in (False, True):
+            trace = trace_layer(world, LAYER["x_shape"], 8, 3, algorithm, g, p_f, padding=1, groups=groups,
+                                input_whole=first, need_dx=not first, seed=3)
+            if world.Get_rank() == 0:
+                assert trace.mismatches == [], (algorithm, g, p_f, first, trace.mismatches)
+                e = trace.explanation
+                assert len(trace.steps) == len(e.steps)
+                for r in range(e.ranks):
+                    ledger = {}
+                    for done in (step[r] for step in trace.steps):
+                        sent, received = ledger.get(done["phase"], (0, 0))
+                        ledger[done["phase"]] = (sent + done["sent"], received + done["received"])
+                    predicted = predict_bytes(algorithm, LAYER["x_shape"], e.shapes["w"], g, e.coords[r],
+                                              padding=1, filter_groups=p_f, groups=groups, input_whole=first,
+                                              need_dx=not first)
+                    assert {p: v for p, v in predicted.items() if v != (0, 0)} == \
+                        {p: v for p, v in ledger.items() if v != (0, 0)}, (algorithm, g, r)
+                    assert all(s[r]["serial"] is None or np.isfinite(s[r]["serial"]) for s in trace.steps)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_explained_groups_are_the_grids_communicators():
+    """The ranks the explanation puts in each row, column and gradient group are the members of
+    the communicators grid.ProcessGrid splits for them."""
+    world = MPI.COMM_WORLD
+    for g in grids(world.Get_size()):
+        grid = ProcessGrid(g, world)
+        try:
+            for p_f in range(1, g["channel"] + 1):
+                try:
+                    check_filter_groups(g["channel"], p_f)
+                except ValueError:
+                    continue
+                e = explain_layer(LAYER["x_shape"], 8, 3, "w", g, p_f, padding=1)
+                row, column = grid.row_and_column_comms(p_f)
+                members = {"row": row, "column": column, "gradient": grid.complement_comm("channel")}
+                for step in e.steps:
+                    if step.message.group in members:
+                        actual = sorted(members[step.message.group].allgather(grid.rank))
+                        assert actual == step.groups[grid.rank], (g, p_f, step.title())
+        finally:
+            grid.free()
+
+
+def test_model_table_follows_the_plan():
+    layers = layer_shapes("resnet", 16, 1, image=8)
+    plan = {"stem.conv": {"grid": "sample=4", "algorithm": "sample"},
+            "layer2.conv1": {"grid": "sample=2,channel=2", "algorithm": "w", "filter_groups": 1}}
+    explained = explain_model(layers, plan=plan)
+    choices = {layer.name: (c["grid"], c["algorithm"], c["filter_groups"]) for layer, c, _ in explained}
+    assert choices["layer1.conv2"] == ("sample=4", "sample", None)  # kept from the layer before
+    assert choices["layer2.conv2"] == ("sample=2,channel=2", "w", 1)
+    assert choices["fc"] == ("sample=2,channel=2", "w", 1)
+    table = model_table(explained)
+    assert "layer2.conv1  16x8x8 -> 32x4x4" in table and "w p_f=1" in table
+    with pytest.raises(ValueError, match="layer 'nope'|'nope'"):
+        explain_model(layers, plan={"nope": {"algorithm": "x"}})
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "w.png"
+    plot_layer(explain_layer((4, 8, 8, 8), 8, 3, "w", "sample=1,channel=4", filter_groups=2, padding=1), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20000
+
+
+def _script(*args, ranks=None, timeout=60):
+    cmd = [sys.executable, EXPLAIN, *args]
+    if ranks:
+        from run_suite import mpiexec_path
+        cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", EXPLAIN, *args]
+    return subprocess.run(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=timeout), capture_output=True, text=True,
+                          timeout=timeout + 30, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--grid", "channel=4", "--algorithm", "w", "--filter-groups", "3"], "p_f=3 does not divide"),
+    (["--algorithm", "z"], "unknown algorithm 'z'"),
+    (["--batch", "0"], "--batch"),
+    (["--plan", "p.json"], "--plan applies to --model only"),
+    (["--model", "resnet", "--trace"], "--trace runs one layer"),
+    (["--grid", "height=8", "--image", "4"], "too small for the grid"),
+])
+def test_bad_input_is_one_message(args, message):
+    proc = _script(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+
+
+def test_trace_on_the_wrong_number_of_ranks_is_one_message():
+    proc = _script("--grid", "channel=4", "--trace", ranks=2)
+    assert proc.returncode != 0
+    assert "grid channel=4 needs 4 ranks, the communicator has 2" in proc.stderr
+    assert proc.stderr.count("error:") == 1, proc.stderr
