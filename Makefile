@@ -8,7 +8,7 @@ TEST_TIMEOUT ?= 60
 JOB_TIMEOUT ?= 600
 PYTEST_ARGS ?=
 
-.PHONY: test demo install oracle bench clean
+.PHONY: test demo install oracle bench pictures clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,21 @@ oracle: install
 
 bench: install
 	$(PY) scripts/bench_kernels.py --threads 1
+
+# The pictures of docs/tutorial.md, drawn by scripts/explain.py --plot (committed in docs/pictures).
+PICTURE_GRIDS := sample=1,channel=4 sample=2,channel=2
+pictures: install
+	for grid in $(PICTURE_GRIDS); do for alg in sample x y w; do \
+	  pf=$$(test $$alg = w && test $$grid = sample=1,channel=4 && echo "--filter-groups 2"); \
+	  $(PY) scripts/explain.py --grid $$grid --algorithm $$alg $$pf \
+	    --plot docs/pictures/explain-$$alg-$$(echo $$grid | tr -d = | tr , -).png >/dev/null || exit 1; \
+	done; done
+	$(PY) scripts/explain.py --grid sample=2,height=2 --algorithm sample \
+	  --plot docs/pictures/explain-sample-sample2-height2.png >/dev/null
+	$(PY) scripts/plan.py --model resnet --width 4 --batch 16 --ranks 4 --out .pictures-plan.json >/dev/null
+	$(PY) scripts/explain.py --model resnet --width 4 --batch 16 --plan .pictures-plan.json \
+	  --plot docs/pictures/explain-plan.png >/dev/null
+	rm -f .pictures-plan.json
 
 clean:
 	rm -rf $(VENV) .test-logs *.egg-info

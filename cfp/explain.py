@@ -502,19 +502,19 @@ def _brackets(ax, step, colours):
     size = 0.07
     for group in step.group_sets():
         for r in group:
-            ax.add_patch(Rectangle((x, -0.42), size, size, transform=ax.transAxes, clip_on=False,
+            ax.add_patch(Rectangle((x, -0.30), size, size, transform=ax.transAxes, clip_on=False,
                                    facecolor=colours[r]))
-            ax.text(x + size / 2, -0.42 + size / 2, str(r), transform=ax.transAxes, fontsize=7,
+            ax.text(x + size / 2, -0.30 + size / 2, str(r), transform=ax.transAxes, fontsize=7,
                     ha="center", va="center", color="white", weight="bold")
             x += size + 0.01
-        ax.plot([x - len(group) * (size + 0.01), x - 0.01], [-0.45, -0.45], transform=ax.transAxes,
+        ax.plot([x - len(group) * (size + 0.01), x - 0.01], [-0.33, -0.33], transform=ax.transAxes,
                 clip_on=False, color="black", linewidth=1.2)
         x += 0.05
     moved = sorted({(step.sent[r], step.received[r]) for r in range(len(step.sent))})
     text = ("each rank sends {} and receives {}".format(*map(format_bytes, moved[0])) if len(moved) == 1 else
             "; ".join(f"r{r}: {format_bytes(step.sent[r])}/{format_bytes(step.received[r])}"
                       for r in range(len(step.sent))))
-    ax.text(0, -0.58, text, transform=ax.transAxes, fontsize=7, va="top", wrap=True)
+    ax.text(0, -0.37, text, transform=ax.transAxes, fontsize=7, va="top", wrap=True)
 
 
 def plot_layer(e, path):
