@@ -604,7 +604,11 @@ def model_table(explained):
         rows.append([layer.name, f"{'x'.join(map(str, e.shapes['x'][1:]))} -> {'x'.join(map(str, e.shapes['y'][1:]))}",
                      grid, alg, layout_text(e.layouts["x"], e.grid), layout_text(e.layouts["w"], e.grid),
                      layout_text(e.layouts["y"], e.grid), format_bytes(moved), format_bytes(memory)])
-    return format_table(rows)
+    return format_table(rows) + "\n" + MODEL_NOTE
+
+
+MODEL_NOTE = ("(convolutions only: the redistributions between layers of different grids or layouts, batch "
+              "norm's statistics and the loss appear in train.py's summary)")
 
 
 def layout_text(layout, grid):
