@@ -1,6 +1,9 @@
 """Run the test suite serially and under mpiexec at several rank counts; one report per count.
 
-    python tests/run_suite.py [--ranks 1 2 3 4] [--timeout 60] [-- extra pytest args]
+    python tests/run_suite.py [--ranks 1 2 3 4] [--timeout 60] [pytest args] [-- pytest args]
+
+Arguments this script does not know go to pytest, in their order (`-k comm -x`, a test file),
+as does everything after `--`; that is how `make test PYTEST_ARGS="-k comm -x"` reaches pytest.
 
 Rank 0 of each MPI run prints its pytest report live; the other ranks write theirs to
 .test-logs/np{P}/rank{r}.log, shown only when that rank failed. Every rank writes a JUnit XML
@@ -20,7 +23,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOGS = os.path.join(ROOT, ".test-logs")
+# CFP_TEST_LOGS: where the reports go (a test that runs this script points it elsewhere)
+LOGS = os.environ.get("CFP_TEST_LOGS") or os.path.join(ROOT, ".test-logs")
 
 
 def mpiexec_path():
@@ -175,20 +179,38 @@ def summarize(results):
     return all_ok
 
 
+def parse_args(argv):
+    """(the options of this script, the pytest arguments) from the command line `argv`.
+
+    Unknown arguments are pytest's and keep their order; so is everything after the first
+    `--`. The rank counts after --ranks end at the first argument that is not an integer, so
+    `--ranks 2 tests/test_grid.py` runs that file (serially and at 2 ranks)."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, after = list(argv[:cut]), list(argv[cut + 1:])
+    if "--ranks" in ours:  # argparse's nargs="*" would take a test file as a rank count
+        i = ours.index("--ranks")
+        j = i + 1
+        while j < len(ours) and ours[j].isdigit():
+            j += 1
+        ours = ours[:i] + ours[j:] + ours[i:j]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                     epilog="Other arguments, and all after --, are passed to pytest.")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 3, 4])
+    parser.add_argument("--timeout", type=int, default=60, help="seconds per test")
+    parser.add_argument("--job-timeout", type=int, default=600, help="seconds per rank count")
+    parser.add_argument("--no-serial", action="store_true")
+    args, unknown = parser.parse_known_args(ours)
+    return args, unknown + after
+
+
 def main():
     if "--worker" in sys.argv:
         i = sys.argv.index("--worker")
         logdir = sys.argv[i + 1]
         rest = sys.argv[i + 2:]
         sys.exit(worker(logdir, rest[1:] if rest[:1] == ["--"] else rest))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 3, 4])
-    parser.add_argument("--timeout", type=int, default=60, help="seconds per test")
-    parser.add_argument("--job-timeout", type=int, default=600, help="seconds per rank count")
-    parser.add_argument("--no-serial", action="store_true")
-    parser.add_argument("pytest_args", nargs="*")
-    args = parser.parse_args()
-    extra = ["-p", "no:cacheprovider", "-q", *args.pytest_args]
+    args, pytest_args = parse_args(sys.argv[1:])
+    extra = ["-p", "no:cacheprovider", "-q", *pytest_args]
     results = []
     if not args.no_serial:
         results.append(run_serial(extra, args.timeout))
