@@ -99,6 +99,43 @@ def test_adam_by_hand():
     assert values == pytest.approx([first, first * (1 - 0.005) + 0.01], rel=1e-14)
 
 
+def test_sgd_momentum_with_weight_decay_by_hand():
+    # The decay joins the gradient before the momentum buffer: p = 1, g = 1, lr 0.1, momentum 0.9,
+    # weight decay 0.5. Step 1: g = 1 + 0.5 = 1.5, b = 1.5, p = 1 - 0.15 = 0.85. Step 2:
+    # g = 1 + 0.5 * 0.85 = 1.425, b = 0.9 * 1.5 + 1.425 = 2.775, p = 0.85 - 0.2775 = 0.5725.
+    # (Decay added after the momentum would give 0.85, then 0.6175.)
+    p = one_param(1.0)
+    values = steps_with_constant_gradient(SGD([p], lr=0.1, momentum=0.9, weight_decay=0.5), p, 1.0, 2)
+    assert values == pytest.approx([0.85, 0.5725], rel=1e-14)
+    # Nesterov with decay: step 1 g = 1.5, b = 1.5, step 1.5 + 0.9 * 1.5 = 2.85, p = 0.715;
+    # step 2 g = 1 + 0.3575 = 1.3575, b = 1.35 + 1.3575 = 2.7075, step 1.3575 + 2.43675.
+    p = one_param(1.0)
+    values = steps_with_constant_gradient(SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.5),
+                                          p, 1.0, 2)
+    assert values == pytest.approx([0.715, 0.715 - 0.1 * (1.3575 + 0.9 * 2.7075)], rel=1e-14)
+
+
+def test_adam_bias_correction_with_changing_gradients_by_hand():
+    # Gradients 1 then -2, lr 0.1, betas (0.9, 0.999), eps 0. Step 1: m = 0.1, v = 0.001, corrected
+    # 1 and 1: p = 1 - 0.1. Step 2: m = 0.09 - 0.2 = -0.11, v = 0.000999 + 0.004 = 0.004999,
+    # corrected m / (1 - 0.81) and v / (1 - 0.998001).
+    p = one_param(1.0)
+    optimizer = Adam([p], lr=0.1, eps=0.0)
+    values = []
+    for g in (1.0, -2.0):
+        p.grad = np.array([g])
+        optimizer.step()
+        values.append(float(p.data[0]))
+    m_hat, v_hat = -0.11 / 0.19, 0.004999 / 0.001999
+    assert values == pytest.approx([0.9, 0.9 - 0.1 * m_hat / math.sqrt(v_hat)], rel=1e-13)
+    # Adam's L2 decay joins the gradient (0.5 p with g = 0); AdamW's shrinks p first. p = 1, lr 0.01.
+    p = one_param(1.0)
+    values = steps_with_constant_gradient(Adam([p], lr=0.01, eps=0.0, weight_decay=0.5), p, 0.0, 2)
+    g2 = 0.5 * 0.99
+    m, v = 0.9 * 0.05 + 0.1 * g2, 0.999 * 0.00025 + 0.001 * g2 ** 2
+    assert values == pytest.approx([0.99, 0.99 - 0.01 * (m / 0.19) / math.sqrt(v / 0.001999)], rel=1e-13)
+
+
 def test_update_keeps_dtype_and_array():
     for optimizer_class in (SGD, Adam):
         params = make_params(dtype=np.float32)

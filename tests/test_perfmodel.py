@@ -73,6 +73,40 @@ def test_model_moves_the_bytes_the_ledger_counts(algorithm, P_n, P_c, p_f):
         assert cost["comm"][phase] == pytest.approx(bytes_sent), phase
 
 
+def test_predict_bytes_by_hand():
+    """Three layers whose messages are counted here element by element (float64, 8 bytes), with
+    uneven blocks. An allgather sends the rank's own block to each of the p - 1 others and
+    receives the rest; a reduce-scatter the reverse; an allreduce of m elements is a
+    reduce-scatter of m into p balanced blocks and an allgather of them."""
+    none = (0, 0)
+    # Stationary-y, sample=2 x channel=2, the rank at sample 1, channel 1: x (4, 5, 5, 5), w
+    # (4, 5, 3, 3), padding 1. It holds samples 2-3 and channels 3-4 of 0-4 (2 of 5): forward,
+    # x's allgather over the 2 channel ranks sends its 2 * 2 * 25 = 100 elements, receives the
+    # other's 3 * 2 * 25 = 150; backward-data, dx's reduce-scatter sends 150, receives 100;
+    # gradient-sync, its filters 2-3 with all 5 channels, 2 * 5 * 9 + 2 biases = 92 elements
+    # allreduced over the 2 sample ranks: 46 out and 46 back, each way.
+    assert predict_bytes("y", (4, 5, 5, 5), (4, 5, 3, 3), "sample=2,channel=2", {"sample": 1, "channel": 1},
+                         padding=1) == {
+        "forward": (800, 1200), "backward-data": (1200, 800), "backward-filter": none,
+        "gradient-sync": (736, 736), "halo": none, "redistribute": none}
+    # Stationary-x, channel=2, the rank at channel 0: x (3, 4, 4, 4), w (5, 4, 3, 3), stride 2,
+    # padding 1, so y is (3, 5, 2, 2). Its filters are 0-2 of 0-4: forward, y's reduce-scatter
+    # over the 2 channel ranks sends the other's 2 * 3 * 4 = 24 partial sums and receives 3 * 3 *
+    # 4 = 36 for its own; backward-filter, dy's allgather sends 36 and receives 24. One sample
+    # rank: no gradient allreduce.
+    assert predict_bytes("x", (3, 4, 4, 4), (5, 4, 3, 3), "channel=2", {"channel": 0}, stride=2,
+                         padding=1) == {
+        "forward": (192, 288), "backward-data": none, "backward-filter": (288, 192),
+        "gradient-sync": none, "halo": none, "redistribute": none}
+    # Data parallel, sample=3, the rank at sample 2, w (4, 3, 3, 3) and 4 biases: 112 elements in
+    # blocks of 38, 37, 37; its reduce-scatter sends the 112 - 37 = 75 it does not keep and its
+    # allgather its 37 to 2 ranks: 149 each way, 596 bytes in float32.
+    assert predict_bytes("sample", (6, 3, 5, 5), (4, 3, 3, 3), "sample=3", {"sample": 2}, padding=1,
+                         itemsize=4) == {
+        "forward": none, "backward-data": none, "backward-filter": none, "gradient-sync": (596, 596),
+        "halo": none, "redistribute": none}
+
+
 def test_planner_prefers_channels_when_the_batch_is_small_and_samples_when_it_is_large():
     profile = MachineProfile.load("reference-v100")
     wide_small_batch = [LayerShape("c", 4, 2048, 2048, 8, 8, 3)]
