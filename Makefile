@@ -7,29 +7,35 @@ RANKS ?= 1 2 3 4
 TEST_TIMEOUT ?= 60
 JOB_TIMEOUT ?= 600
 PYTEST_ARGS ?=
+# The launcher of the tests and the demo (default: the mpiexec of mpi4py's MPI, the mpich
+# wheel's when the machine has no MPI), e.g. MPIEXEC=srun MPIEXEC_FLAGS="--mpi=pmix" on a
+# cluster; tests/launcher.py adds what that MPI needs for these runs (root, oversubscription).
+MPIEXEC ?=
+MPIEXEC_FLAGS ?=
+LAUNCH := MPIEXEC="$(MPIEXEC)" MPIEXEC_FLAGS="$(MPIEXEC_FLAGS)"
 
-.PHONY: test demo install oracle bench pictures clean
+.PHONY: test demo install oracle bench pictures test-system-mpi clean
 
 install: $(VENV)/.installed
 
-# The mpich wheel from PyPI supplies MPI (library and mpiexec) when the machine has none.
+# The mpich wheel from PyPI supplies MPI (library and mpiexec) when the machine has none (no
+# mpiexec on the PATH and no MPIEXEC given); otherwise mpi4py loads the machine's MPI.
 $(VENV)/.installed: setup.py setup.cfg
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if ! command -v mpiexec >/dev/null 2>&1; then $(PY) -m pip install -q mpich; fi
+	if [ -z "$(MPIEXEC)" ] && ! command -v mpiexec >/dev/null 2>&1; then $(PY) -m pip install -q mpich; fi
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -c "from mpi4py import MPI; print('MPI:', MPI.Get_library_version().splitlines()[0])"
 	touch $@
 
 test: install
-	$(PY) tests/run_suite.py --ranks $(RANKS) --timeout $(TEST_TIMEOUT) --job-timeout $(JOB_TIMEOUT) $(PYTEST_ARGS)
+	$(LAUNCH) $(PY) tests/run_suite.py --ranks $(RANKS) --timeout $(TEST_TIMEOUT) --job-timeout $(JOB_TIMEOUT) $(PYTEST_ARGS)
 
 # The small ResNet on scikit-learn's digits, on 4 ranks as a 2 x 2 sample x channel grid.
 DEMO_ARGS ?= --model resnet --width 1 --grid sample=2,channel=2 --algorithm y --epochs 10 \
 	--batch-size 64 --lr 0.1 --optimizer sgd --dtype float32 --seed 0 --log demo-run.json
 demo: install
-	@echo "mpiexec -n 4 python -m mpi4py scripts/train.py $(DEMO_ARGS)"
-	@$$(test -x $(VENV)/bin/mpiexec && echo $(VENV)/bin/mpiexec || echo mpiexec) -n 4 $(PY) -m mpi4py scripts/train.py $(DEMO_ARGS)
+	@$(LAUNCH) $(PY) tests/launcher.py -n 4 scripts/train.py $(DEMO_ARGS)
 
 # PyTorch as a test oracle and benchmark baseline (optional; the tests skip without it).
 oracle: install
@@ -53,5 +59,26 @@ pictures: install
 	  --plot docs/pictures/explain-plan.png >/dev/null
 	rm -f .pictures-plan.json
 
+# cfp on the machine's own MPI (not part of CI): Debian's Open MPI (installed with apt when no
+# mpicc is found and this runs as root), mpi4py built from source by its mpicc in
+# $(SYSTEM_VENV), the MPI tests at 2 and 4 ranks and the demo; prints the README's table row.
+SYSTEM_VENV ?= .venv-system-mpi
+SYSTEM_RANKS ?= 2 4
+test-system-mpi:
+	@if ! command -v mpicc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev; \
+	  else echo "test-system-mpi: no mpicc: install an MPI first (apt install openmpi-bin libopenmpi-dev)"; exit 2; fi; fi
+	test -x $(SYSTEM_VENV)/bin/python || $(PYTHON) -m venv $(SYSTEM_VENV)
+	$(SYSTEM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SYSTEM_VENV)/bin/python -m pip install -q --no-binary mpi4py --no-cache-dir --force-reinstall mpi4py
+	$(SYSTEM_VENV)/bin/python -m pip install -q -e '.[test]'
+	MPIEXEC=$$(dirname $$(command -v mpicc))/mpiexec $(SYSTEM_VENV)/bin/python tests/run_suite.py --no-serial \
+	  --ranks $(SYSTEM_RANKS) --timeout $(TEST_TIMEOUT) --job-timeout $(JOB_TIMEOUT) $(PYTEST_ARGS)
+	MPIEXEC=$$(dirname $$(command -v mpicc))/mpiexec $(SYSTEM_VENV)/bin/python tests/launcher.py -n 4 \
+	  scripts/train.py $(subst demo-run.json,.system-mpi-demo.json,$(DEMO_ARGS)) --no-progress
+	MPIEXEC=$$(dirname $$(command -v mpicc))/mpiexec $(SYSTEM_VENV)/bin/python tests/launcher.py \
+	  --verified-row .system-mpi-demo.json "$(SYSTEM_RANKS)"
+
 clean:
-	rm -rf $(VENV) .test-logs *.egg-info
+	rm -rf $(VENV) $(SYSTEM_VENV) .test-logs *.egg-info

@@ -33,9 +33,9 @@ def parse_args(argv):
     p.add_argument("--filters", type=int, default=8, help="F, the output channels")
     p.add_argument("--image", type=int, default=8, help="H = W, the input's height and width")
     p.add_argument("--kernel", type=int, default=3, help="K, the kernel's height and width")
-    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--stride", type=int, default=1, help="the stride of the kernel's windows")
     p.add_argument("--padding", type=int, default=None, help="padding on each side (default: K // 2)")
-    p.add_argument("--dilation", type=int, default=1)
+    p.add_argument("--dilation", type=int, default=1, help="the spacing of the kernel's taps")
     p.add_argument("--groups", type=int, default=1, help="grouped convolution (G = C: depthwise)")
     p.add_argument("--first", action="store_true",
                    help="a network's first layer: its input whole on every channel rank, no dx")

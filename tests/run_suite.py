@@ -22,19 +22,23 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from launcher import check_launcher, launch_env, launcher
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # CFP_TEST_LOGS: where the reports go (a test that runs this script points it elsewhere)
 LOGS = os.environ.get("CFP_TEST_LOGS") or os.path.join(ROOT, ".test-logs")
 
 
-def mpiexec_path():
-    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+def mpiexec(nprocs, *args):
+    """The command line that starts `args` on `nprocs` ranks with the launcher of these runs
+    (tests/launcher.py: $MPIEXEC and $MPIEXEC_FLAGS, or the mpiexec of mpi4py's MPI)."""
+    return launcher().argv(nprocs, *args)
 
 
 def single_thread_env(**extra):
-    env = dict(os.environ)
+    """The environment of a test's child processes: one BLAS thread per rank, cfp importable,
+    and what the launcher's MPI needs for these runs (launcher.launch_env)."""
+    env = launch_env()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = "1"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -118,11 +122,8 @@ def run_mpi(nprocs, pytest_args, timeout, job_timeout):
     logdir = os.path.join(LOGS, f"np{nprocs}")
     shutil.rmtree(logdir, ignore_errors=True)
     os.makedirs(logdir)
-    launcher = mpiexec_path()
-    if launcher is None:
-        sys.exit("no mpiexec found: install an MPI (make test installs the mpich wheel)")
-    cmd = [launcher, "-n", str(nprocs), sys.executable, "-m", "mpi4py", os.path.abspath(__file__),
-           "--worker", logdir, "--", f"--timeout={timeout}", *pytest_args]
+    cmd = mpiexec(nprocs, sys.executable, "-m", "mpi4py", os.path.abspath(__file__),
+                  "--worker", logdir, "--", f"--timeout={timeout}", *pytest_args)
     start = time.time()
     rc = subprocess.call(cmd, cwd=ROOT, env=single_thread_env(MPIEXEC_TIMEOUT=job_timeout))
     wall = time.time() - start
@@ -211,6 +212,11 @@ def main():
         sys.exit(worker(logdir, rest[1:] if rest[:1] == ["--"] else rest))
     args, pytest_args = parse_args(sys.argv[1:])
     extra = ["-p", "no:cacheprovider", "-q", *pytest_args]
+    if args.ranks:
+        problem = check_launcher()
+        if problem:
+            sys.exit(f"run_suite.py: error: {problem}")
+        print(launcher().describe(), flush=True)
     results = []
     if not args.no_serial:
         results.append(run_serial(extra, args.timeout))

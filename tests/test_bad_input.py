@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from run_suite import ROOT, mpiexec_path, single_thread_env
+from run_suite import ROOT, mpiexec, single_thread_env
 from test_scripts import run, write_problem
 
 SCRIPTS = os.path.join(ROOT, "scripts")
@@ -288,9 +288,9 @@ def test_the_message_is_never_lost(nprocs):
 def test_ctrl_c_says_one_line_with_the_last_checkpoint_and_exits_130(tmp_path):
     """SIGINT to mpiexec (what Ctrl-C in a terminal sends; mpiexec passes it to every rank)."""
     directory = tmp_path / "ckpt"
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", os.path.join(SCRIPTS, "train.py"),
-           "--grid", "channel=2", "--train-samples", "128", "--batch-size", "32", "--epochs", "500",
-           "--no-progress", "--checkpoint-dir", str(directory)]
+    cmd = mpiexec(2, sys.executable, "-m", "mpi4py", os.path.join(SCRIPTS, "train.py"),
+                  "--grid", "channel=2", "--train-samples", "128", "--batch-size", "32", "--epochs", "500",
+                  "--no-progress", "--checkpoint-dir", str(directory))
     proc = subprocess.Popen(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=120), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -24,7 +24,7 @@ import cfp.checkpoint as checkpoint
 from cfp.io import save_json
 from cfp.train import TrainConfig, train
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, raises_on_all_ranks
-from run_suite import ROOT, mpiexec_path, single_thread_env
+from run_suite import ROOT, mpiexec, single_thread_env
 
 RANK = WORLD.Get_rank()
 BATCH, PER_EPOCH, EPOCHS = 32, 2, 2  # checkpoints step-2 and step-4
@@ -295,10 +295,10 @@ def _descendants_running(root, script):
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks through /proc")
 def test_a_rank_killed_mid_training_ends_the_whole_job(tmp_path):
     directory = tmp_path / "ckpt"
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", TRAIN, "--model", "resnet",
-           "--grid", "channel=2", "--algorithm", "y", "--train-samples", "256", "--batch-size", "32",
-           "--epochs", "50", "--no-progress", "--checkpoint-dir", str(directory),
-           "--log", str(tmp_path / "run.json")]
+    cmd = mpiexec(2, sys.executable, "-m", "mpi4py", TRAIN, "--model", "resnet",
+                  "--grid", "channel=2", "--algorithm", "y", "--train-samples", "256", "--batch-size", "32",
+                  "--epochs", "50", "--no-progress", "--checkpoint-dir", str(directory),
+                  "--log", str(tmp_path / "run.json"))
     with open(tmp_path / "out.txt", "w") as out:
         proc = subprocess.Popen(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=120), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)

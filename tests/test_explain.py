@@ -15,7 +15,7 @@ from cfp.grid import AXES, ProcessGrid, factorizations
 from cfp.models import layer_shapes
 from cfp.partition import check_filter_groups
 from cfp.perfmodel import predict_bytes
-from run_suite import ROOT, single_thread_env
+from run_suite import ROOT, mpiexec, single_thread_env
 
 EXPLAIN = os.path.join(ROOT, "scripts", "explain.py")
 LAYER = dict(x_shape=(4, 6, 8, 8), out_channels=8, kernel_size=3, padding=1)
@@ -160,8 +160,7 @@ def test_plot_writes_a_png(tmp_path):
 def _script(*args, ranks=None, timeout=60):
     cmd = [sys.executable, EXPLAIN, *args]
     if ranks:
-        from run_suite import mpiexec_path
-        cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", EXPLAIN, *args]
+        cmd = mpiexec(ranks, sys.executable, "-m", "mpi4py", EXPLAIN, *args)
     return subprocess.run(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=timeout), capture_output=True, text=True,
                           timeout=timeout + 30, cwd=ROOT)
 

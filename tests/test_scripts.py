@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from cfp.kernels import conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-from run_suite import ROOT, mpiexec_path, single_thread_env
+from run_suite import ROOT, mpiexec, single_thread_env
 
 RUN_CONV = os.path.join(ROOT, "scripts", "run_conv.py")
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
 
 def run(nprocs, args, timeout=120, script=RUN_CONV):
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "mpi4py", script, *args]
+    cmd = mpiexec(nprocs, sys.executable, "-m", "mpi4py", script, *args)
     start = time.time()
     proc = subprocess.run(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=timeout), capture_output=True,
                           text=True, timeout=timeout + 30)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from run_suite import ROOT, mpiexec_path, single_thread_env
+from run_suite import ROOT, mpiexec, single_thread_env
 
 TUTORIAL = os.path.join(ROOT, "docs", "tutorial.md")
 
@@ -64,9 +64,8 @@ def run(command, folder, timeout=300):
     words = command.split()
     if words[0] == "python":
         words[0] = sys.executable
-    elif words[0] == "mpiexec":
-        words[0] = mpiexec_path()
-        words = [sys.executable if w == "python" else w for w in words]
+    elif words[:2] == ["mpiexec", "-n"]:
+        words = mpiexec(int(words[2]), *[sys.executable if w == "python" else w for w in words[3:]])
     proc = subprocess.run(words, cwd=folder, env=single_thread_env(MPIEXEC_TIMEOUT=timeout, CFP_FAILURE_WAIT=5),
                           capture_output=True, text=True, timeout=timeout + 30)
     return proc
