@@ -1,0 +1,251 @@
+"""cfp's mutation testing (`make mutation`): cosmic-ray over the modules where a wrong number is silent.
+
+Each group of tests/mutation/cosmic-ray.toml is mutated in its own copy of the checkout (the
+tracked and untracked, not ignored files), never in place, so a run cannot leave a mutated file
+in the tree or disturb tests running there. For each group: cosmic-ray init; the mutants outside
+the operator list, the second of each NumberReplacer pair, those listed in
+tests/mutation/equivalent.txt and those the sample leaves out are marked skipped; a baseline run
+of the unmutated copy must pass; cosmic-ray exec runs the group's test command once per mutant.
+The report counts killed, survived, timed-out and skipped mutants and lists every survivor with
+its source line (also in WORKDIR/report.txt).
+
+  python tests/mutation/run.py [--workdir DIR] [--sample F] [--seed S] [--jobs J] [--group NAME]
+"""
+import argparse
+import concurrent.futures
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import toml as tomllib  # cosmic-ray depends on toml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.join(ROOT, "tests", "mutation")
+BIN = os.path.dirname(os.path.abspath(sys.executable))
+
+
+def load_config():
+    path = os.path.join(HERE, "cosmic-ray.toml")
+    if tomllib.__name__ == "toml":
+        return tomllib.load(path)
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def load_equivalents():
+    """{(module, line, col, operator): reason} from equivalent.txt:
+    `module:line:col operator  # reason` (blank lines and lines starting with # are comments)."""
+    out = {}
+    with open(os.path.join(HERE, "equivalent.txt")) as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"(\S+):(\d+):(\d+)\s+(\S+)\s+#\s*(.+)$", line)
+            if not m:
+                raise SystemExit(f"equivalent.txt:{n}: expected 'module:line:col operator  # reason'")
+            out[(m[1], int(m[2]), int(m[3]), m[4])] = m[5]
+    return out
+
+
+def copy_tree(dest):
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in files:
+        if not rel or not (rel.startswith(("cfp/", "tests/", "scripts/")) or rel in ("setup.cfg", "setup.py")):
+            continue
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src):
+            continue  # deleted in the working tree
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, rel))
+
+
+def test_script(group, tree, notorch):
+    """The group's test command as a shell script: each stage with -x, stopping at the first failure."""
+    py = sys.executable
+    mpiexec = os.path.join(BIN, "mpiexec") if os.path.exists(os.path.join(BIN, "mpiexec")) else "mpiexec"
+    common = "-q -x -p no:cacheprovider -p no:randomly"
+    forms = {
+        "serial": f"{py} -m pytest {common}",
+        "np1": f"{py} -m mpi4py -m pytest {common} --with-mpi -m mpi",
+        "np2": f"{mpiexec} -n 2 {py} -m mpi4py -m pytest {common} --with-mpi -m mpi",
+    }
+    lines = ["#!/bin/sh", "set -e", f"cd {tree}", "export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1",
+             f"export PYTHONPATH={tree}:{notorch}", "export MPIEXEC_TIMEOUT=100"]
+    lines += [stage.format(**forms) for stage in group["tests"]]
+    path = os.path.join(os.path.dirname(tree), f"{group['name']}.sh")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def sampled(key, fraction, seed):
+    if fraction >= 1:
+        return True
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64 < fraction
+
+
+def run_group(group, cfg, args, equivalents, log):
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    base = os.path.join(args.workdir, group["name"])
+    shutil.rmtree(base, ignore_errors=True)
+    tree = os.path.join(base, "tree")
+    os.makedirs(tree)
+    copy_tree(tree)
+    notorch = os.path.join(base, "notorch")  # CI has no PyTorch: its tests skip here too
+    os.makedirs(os.path.join(notorch, "torch"))
+    with open(os.path.join(notorch, "torch", "__init__.py"), "w") as f:
+        f.write("raise ModuleNotFoundError('PyTorch is hidden from cfp mutation runs, as in CI', name='torch')\n")
+    script = test_script(group, tree, notorch)
+    toml_path = os.path.join(base, "cosmic-ray.toml")
+    mods = ", ".join(f'"{m}"' for m in group["modules"])
+    with open(toml_path, "w") as f:
+        f.write(f"[cosmic-ray]\nmodule-path = [{mods}]\ntimeout = {float(cfg['cosmic-ray']['timeout'])}\n"
+                f"excluded-modules = []\ntest-command = \"sh {script}\"\n"
+                f"[cosmic-ray.distributor]\nname = \"local\"\n")
+    db = os.path.join(base, "session.sqlite")
+    cr = os.path.join(BIN, "cosmic-ray")
+    subprocess.run([cr, "init", toml_path, db], cwd=tree, check=True)
+
+    keep = re.compile("|".join(f"(?:{p})$" for p in cfg["cfp"]["operators"]))
+    first_only = cfg["cfp"].get("number-replacer-first-only", True)
+    skipped = {"operator": 0, "equivalent": 0, "sample": 0}
+    with use_db(db, WorkDB.Mode.open) as work_db:
+        for item in list(work_db.pending_work_items):
+            (mut,) = item.mutations
+            row, col = mut.start_pos
+            key = (str(mut.module_path), row, col, mut.operator_name)
+            why = None
+            if not keep.match(mut.operator_name) or (
+                    first_only and mut.operator_name == "core/NumberReplacer" and mut.occurrence % 2):
+                why = "operator"
+            elif key in equivalents:
+                why = "equivalent"
+            elif not sampled(f"{key}:{mut.occurrence}", args.sample, args.seed):
+                why = "sample"
+            if why:
+                skipped[why] += 1
+                work_db.set_result(item.job_id, WorkResult(output=f"skipped: {why}",
+                                                           worker_outcome=WorkerOutcome.SKIPPED))
+        pending = len(list(work_db.pending_work_items))
+    log(f"[{group['name']}] {pending} mutants to run ({skipped['operator']} outside the operator list, "
+        f"{skipped['equivalent']} equivalent, {skipped['sample']} left out by the sample)")
+
+    t0 = time.time()
+    base_rc = subprocess.run(["sh", script], capture_output=True, text=True)
+    if base_rc.returncode != 0:
+        log(f"[{group['name']}] the unmutated tests fail")
+        raise SystemExit(f"[{group['name']}] the unmutated tests fail:\n{base_rc.stdout[-3000:]}{base_rc.stderr[-2000:]}")
+    log(f"[{group['name']}] baseline passes in {time.time() - t0:.1f} s")
+    t0 = time.time()
+    subprocess.run([cr, "exec", toml_path, db], cwd=tree, check=True)
+    elapsed = time.time() - t0
+    return collect(group, db, tree, elapsed, skipped)
+
+
+def report_only(group, args):
+    """The counts of a finished (or interrupted) run of GROUP in args.workdir, without running it."""
+    db = os.path.join(args.workdir, group["name"], "session.sqlite")
+    return collect(group, db, os.path.join(args.workdir, group["name"], "tree"), 0.0,
+                   {"operator": 0, "equivalent": 0, "sample": 0})
+
+
+def collect(group, db, tree, elapsed, skipped):
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    counts = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0}
+    survivors = []
+    sources = {}
+    with use_db(db, WorkDB.Mode.open) as work_db:
+        for item, result in work_db.completed_work_items:
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                continue
+            (mut,) = item.mutations
+            if result.test_outcome == TestOutcome.KILLED and (result.output or "").strip() == "timeout":
+                counts["timeout"] += 1
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                counts["survived"] += 1
+                path = str(mut.module_path)
+                if path not in sources:
+                    with open(os.path.join(tree, path)) as f:
+                        sources[path] = f.read().splitlines()
+                row, col = mut.start_pos
+                survivors.append(f"{path}:{row}:{col} {mut.operator_name}  | {sources[path][row - 1].strip()}")
+            elif result.test_outcome == TestOutcome.INCOMPETENT:
+                counts["incompetent"] += 1
+            else:
+                counts["killed"] += 1
+    return {"name": group["name"], "counts": counts, "skipped": skipped, "elapsed": elapsed,
+            "survivors": sorted(survivors, key=lambda s: (s.split(":")[0], int(s.split(":")[1])))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cfp-mutation"))
+    p.add_argument("--sample", type=float, default=1.0, help="fraction of the mutants to run (a fixed hash of each)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="groups run at once, each in its own copy")
+    p.add_argument("--group", action="append", help="run only these groups (default: all)")
+    p.add_argument("--report-only", action="store_true", help="report on the sessions already in --workdir")
+    args = p.parse_args(argv)
+    args.workdir = os.path.abspath(args.workdir)
+    if args.workdir == ROOT or args.workdir.startswith(ROOT + os.sep) and not args.workdir.startswith(
+            os.path.join(ROOT, ".mutation")):
+        raise SystemExit("--workdir must be outside the checkout (or under .mutation/)")
+    cfg = load_config()
+    equivalents = load_equivalents()
+    groups = [g for g in cfg["cfp"]["group"] if not args.group or g["name"] in args.group]
+    os.makedirs(args.workdir, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        work = (lambda g: report_only(g, args)) if args.report_only else (
+            lambda g: run_group(g, cfg, args, equivalents, log))
+        results = list(pool.map(work, groups))
+    total = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0}
+    lines = [f"cfp mutation testing (cosmic-ray), sample {args.sample:g}, seed {args.seed}, "
+             f"{len(equivalents)} listed equivalent", ""]
+    lines.append(f"{'group':<15}{'run':>6}{'killed':>8}{'survived':>10}{'timeout':>9}{'incompetent':>13}"
+                 f"{'equivalent':>12}{'minutes':>9}")
+    for r in results:
+        c = r["counts"]
+        for k in total:
+            total[k] += c[k]
+        lines.append(f"{r['name']:<15}{sum(c.values()):>6}{c['killed']:>8}{c['survived']:>10}{c['timeout']:>9}"
+                     f"{c['incompetent']:>13}{r['skipped']['equivalent']:>12}{r['elapsed'] / 60:>9.1f}")
+    ran = sum(total.values())
+    detected = total["killed"] + total["timeout"]
+    score = 100.0 * detected / max(1, detected + total["survived"])
+    lines.append(f"{'all':<15}{ran:>6}{total['killed']:>8}{total['survived']:>10}{total['timeout']:>9}"
+                 f"{total['incompetent']:>13}{sum(r['skipped']['equivalent'] for r in results):>12}"
+                 f"{(time.time() - t0) / 60:>9.1f}")
+    lines += ["", f"score: {score:.1f}% of the non-equivalent mutants killed (timeouts count as killed; "
+                  "incompetent mutants, which cannot be run, count neither way)", "", "survivors:"]
+    for r in results:
+        lines += [f"  {s}" for s in r["survivors"]]
+    if not any(r["survivors"] for r in results):
+        lines.append("  none")
+    report = "\n".join(lines) + "\n"
+    with open(os.path.join(args.workdir, "report.txt"), "w") as f:
+        f.write(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Tests written for the mutants that `make mutation` (tests/mutation/run.py) found surviving:
+each holds one of cfp's numbers to a value worked out by hand, where the rest of the suite only
+compared cfp with cfp or did not look."""
+import pytest
+
+from cfp.layout import Layout
+from cfp.perfmodel import LayerShape, MachineProfile, layer_cost, predict_bytes, redistribute_bytes
+
+RATE = 1e10
+
+
+def profile(ranks_per_node=4, inter_beta=None, itemsize=4):
+    """alpha 0, beta 1 s/byte inside a node (inter_beta between nodes), one kernel rate."""
+    links = {"intra": {c: [0.0, 1.0] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}}
+    if inter_beta is not None:
+        links["inter"] = {c: [0.0, inter_beta] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}
+    points = {"3": [[1e3, 8, RATE], [1e9, 4096, RATE]]}
+    data = {"name": "test", "ranks_per_node": ranks_per_node, "links": links,
+            "kernels": {p: points for p in ("forward", "backward-data", "backward-filter")}}
+    if itemsize is not None:
+        data["itemsize"] = itemsize
+    return MachineProfile(data)
+
+
+def test_a_profile_without_itemsize_prices_float32():
+    assert profile(itemsize=None).itemsize == 4
+
+
+def test_flops_and_output_size_by_hand():
+    # 9 x 7 input, K 3, stride 2, padding 1, dilation 1: (9 + 2 - 3) // 2 + 1 = 5 rows,
+    # (7 + 2 - 3) // 2 + 1 = 4 columns; flops 2 * 3 * (4 / 2) * 6 * 5 * 4 * 9 = 12960.
+    layer = LayerShape("L", 3, 4, 6, 9, 7, 3, stride=2, padding=1, groups=2)
+    assert layer.out_hw == (5, 4)
+    assert layer.flops() == 12960
+    assert layer.flops(1, 3, 2) == 2 * 1 * 3 * 2 * 5 * 4 * 9
+
+
+def test_layer_cost_of_an_image_split_by_hand():
+    """Data parallel on a 1 x 2 x 2 x 1 grid (sample, height, width, channel) of a 4 x 3 x 10 x 7
+    batch, 5 filters 3 x 3, batch norm after: every number of the model worked out here."""
+    layer = LayerShape("L", 4, 3, 5, 10, 7, 3, normed=True)
+    cost = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=4, inter_beta=2.0), P_h=2, P_w=2)
+    # Output 10 x 7; rank 0's block 5 x 4 (the first block the largest), and the input it reads,
+    # halo included, min(10, 4 + 3) x min(7, 3 + 3) = 7 x 6 of its own 5 x 4.
+    # flops of all 4 samples, 3 channels, 5 filters on its 20 of 70 output pixels: 21600.
+    assert cost["compute"] == {k: pytest.approx(21600 / RATE, rel=1e-12)
+                               for k in ("forward", "backward-filter", "backward-data")}
+    # Gradient allreduce of 5 * 3 * 9 = 135 float32 over the 4 ranks, inside the node (4 <= 4):
+    # 2 * 3 / 4 * 540 bytes = 810 s at 1 s/byte. Halo: 4 samples * 3 channels * (42 - 20)
+    # pixels * 4 bytes = 1056 received in an all-to-all over 4 (3/4 of the 1408 it totals),
+    # and as much again with dx.
+    assert cost["comm"]["gradient-sync"] == pytest.approx(810, rel=1e-12)
+    assert cost["comm"]["halo"] == pytest.approx(2 * 1056, rel=1e-12)
+    assert cost["comm"]["forward"] == cost["comm"]["backward-data"] == cost["comm"]["backward-filter"] == 0
+    # Weights, gradients, one optimizer buffer: 540 each. Activations: x (4 * 3 * 70) and y
+    # (4 * 5 * 20) in float32, 4960, plus batch norm's x-hat and ReLU's mask (4 + 1 bytes per
+    # element of y), 2000. Temporary: the partial y (400) and dx (4 * 3 * 42 = 504) in float32,
+    # 3616, three weight-sized workspaces, 1620, and im2col patches 4 * 20 * 3 * 9 * 4 = 8640.
+    assert cost["memory"] == {"weights": 540, "gradients": 540, "optimizer": 540,
+                              "activations": 6960, "temporary": 13876}
+    assert cost["bytes"] == 22456
+    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112, rel=1e-12)
+    # One more rank than the node holds: the same allreduce between nodes at 2 s/byte.
+    wide = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=3, inter_beta=2.0), P_h=2, P_w=2)
+    assert wide["comm"]["gradient-sync"] == pytest.approx(1620, rel=1e-12)
+
+
+def test_im2col_workspace_is_capped_at_4_mib():
+    # 64 samples, 64 -> 64 channels of 32 x 32, K 3: patches would be 64 * 1024 * 64 * 9 * 4
+    # bytes, capped at 4 MiB = 4194304; partial y and dx 2 * 64 * 64 * 1024 float32 and three
+    # weight-sized buffers of 64 * 64 * 9 float32.
+    layer = LayerShape("L", 64, 64, 64, 32, 32, 3)
+    cost = layer_cost(layer, "sample", 1, 1, profile())
+    assert cost["memory"]["temporary"] == 2 * 64 * 64 * 1024 * 4 + 3 * 64 * 64 * 9 * 4 + 4194304
+
+
+@pytest.mark.parametrize("ranks_per_node,row_factor,column_factor", [(1, 10, 10), (2, 1, 10), (3, 1, 1)])
+def test_row_and_column_groups_inside_or_between_nodes(ranks_per_node, row_factor, column_factor):
+    """Stationary-w on channel=4 with p_f = 2: a row is ranks {0, 1} (inside a node of 2), a
+    column {0, 2} (it spans 3 ranks, inside a node of 3). Between nodes a byte costs 10 s,
+    inside 1 s; predict_bytes gives the bytes (held to the ledger elsewhere)."""
+    layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
+    sent = predict_bytes("w", (8, 16, 6, 6), (32, 16, 3, 3), {"sample": 1, "channel": 4},
+                         {"sample": 0, "channel": 0}, 1, 1, filter_groups=2, bias=False, itemsize=4)
+    cost = layer_cost(layer, "w", 1, 4, profile(ranks_per_node, inter_beta=10.0), 2)
+    assert sent["backward-data"][0] > 0 and sent["backward-filter"][0] > 0
+    assert cost["comm"]["backward-data"] == pytest.approx(row_factor * sent["backward-data"][0], rel=1e-12)
+    assert cost["comm"]["backward-filter"] == pytest.approx(column_factor * sent["backward-filter"][0], rel=1e-12)
+
+
+def test_redistribute_bytes_by_hand():
+    """A 5 x 6 tensor from rows over 2 ranks (rows 0-2, 3-4) to columns over them (0-2, 3-5):
+    rank 0 sends its rows 0-2 of columns 3-5 (9 elements) and receives rows 3-4 of columns 0-2
+    (6); rank 1 the reverse."""
+    grid = {"sample": 2}
+    source, target = (grid, Layout(("sample", None))), (grid, Layout((None, "sample")))
+    assert redistribute_bytes((5, 6), source, target, 0) == (72, 48)
+    assert redistribute_bytes((5, 6), source, target, 1, itemsize=4) == (24, 36)
+
+
+def test_collective_time_adds_the_local_packing():
+    # allgather over 4 ranks of an 800-byte result at alpha 0, beta 1: 3/4 * 800 = 600 s of
+    # messages, plus 0.25 s/byte of packing: 200 s; on one rank the packing alone.
+    p = profile()
+    p.packing = {"allgather": 0.25}
+    assert p.collective_time("allgather", 4, 800) == pytest.approx(800.0, rel=1e-12)
+    assert p.collective_time("allgather", 1, 800) == pytest.approx(200.0, rel=1e-12)
+
+
+def test_grouped_convolution_shards_by_hand():
+    """groups=4 (C 8, F 12: 2 channels and 3 filters a group) on channel=2: rank 0 owns
+    groups 0-1, so 4 channels, 6 filters of 2 channels each: 6 * 2 * 9 = 108 weights."""
+    layer = LayerShape("L", 2, 8, 12, 5, 5, 3, groups=4)
+    cost = layer_cost(layer, "x", 1, 2, profile())
+    assert cost["memory"]["weights"] == 108 * 4
+    # activations: x (2 * 4 * 25) and y (2 * 6 * 25), float32
+    assert cost["memory"]["activations"] == (200 + 300) * 4
+    # flops: 2 samples, 2 channels each, 6 filters, 25 pixels, 9 taps, 2 flops each
+    assert cost["compute"]["forward"] == pytest.approx(2 * 2 * 2 * 6 * 25 * 9 / RATE, rel=1e-12)
+
+
+@pytest.mark.parametrize("channel_parts,expected", [(1, 1), (2, 1), (4, 2), (6, 2), (8, 2), (9, 3),
+                                                    (12, 3), (16, 4)])
+def test_default_filter_groups_by_hand(channel_parts, expected):
+    from cfp.partition import default_filter_groups
+    assert default_filter_groups(channel_parts) == expected
+
+
+def test_filter_group_errors_name_the_divisors():
+    from cfp.partition import check_filter_groups, default_filter_groups
+    assert check_filter_groups(6, 3) == 2 and check_filter_groups(1, 1) == 1
+    with pytest.raises(ValueError, match=r"expected one of \[1, 2, 3, 6\]$"):
+        check_filter_groups(6, 4)
+    with pytest.raises(ValueError, match="channel grid size"):
+        default_filter_groups(0)
+
+
+def test_predict_bytes_default_padding_is_zero():
+    """Stationary-x, channel=2, rank 0, x (2, 4, 5, 5), w (6, 4, 3, 3), padding left out: y is
+    (2, 6, 3, 3); rank 0's filters are 0-2 of 6, so y's reduce-scatter sends the other's 3 * 2 *
+    9 = 54 partial sums and receives 54 for its own, and dy's allgather the same, float64."""
+    none = (0, 0)
+    assert predict_bytes("x", (2, 4, 5, 5), (6, 4, 3, 3), "channel=2", {"channel": 0}) == {
+        "forward": (432, 432), "backward-data": none, "backward-filter": (432, 432),
+        "gradient-sync": none, "halo": none, "redistribute": none}
+
+
+@pytest.mark.parametrize("sample", [0, 1])
+@pytest.mark.parametrize("height", [0, 1])
+def test_halo_bytes_by_hand(sample, height):
+    """Data parallel on sample=2 x height=2, x (2, 1, 4, 4), w (1, 1, 3, 3), padding 1: each
+    rank holds one sample's 2 rows of 4 and needs 1 row of 4 from its neighbour in height,
+    float64: 32 bytes out and 32 in, whichever the rank, and as many again when dx's halo
+    goes back."""
+    for need_dx, expected in ((False, (32, 32)), (True, (64, 64))):
+        sent = predict_bytes("sample", (2, 1, 4, 4), (1, 1, 3, 3), "sample=2,height=2",
+                             {"sample": sample, "height": height}, padding=1, bias=False, need_dx=need_dx)
+        assert sent["halo"] == expected
+
+
+def test_halo_bytes_of_a_grid_split_by_width_only():
+    """width=2 and no height axis: rank 1 holds columns 2-3 of 4 and needs column 1, 4 rows of
+    one sample and channel, float64, forward and back with dx."""
+    sent = predict_bytes("sample", (1, 1, 4, 4), (1, 1, 3, 3), "width=2", {"width": 1}, padding=1,
+                         bias=False)
+    assert sent["halo"] == (64, 64)
+
+
+def test_a_cosine_schedule_of_one_step():
+    """total_steps = 1 is allowed: lr 0.5 at step 0, min_lr 0.1 from step 1 on."""
+    import numpy as np
+
+    from cfp.optim import SGD, CosineLR
+    from cfp.nn.module import Parameter
+    opt = SGD([Parameter("w", np.zeros(2), (2,))], lr=0.5)
+    schedule = CosineLR(opt, total_steps=1, min_lr=0.1)
+    assert schedule.lr_at(0) == pytest.approx(0.5, rel=1e-12)
+    assert schedule.lr_at(1) == pytest.approx(0.1, rel=1e-12)
+    assert schedule.lr_at(5) == pytest.approx(0.1, rel=1e-12)
+
+
+def test_conv_output_shape_default_padding_is_zero():
+    from cfp.kernels import conv2d_output_shape
+    assert tuple(conv2d_output_shape((2, 3, 5, 6), (4, 3, 3, 3))) == (2, 4, 3, 4)
+
+
+def test_pointwise_convolution_against_einsum():
+    """A 1 x 1 convolution (cfp's fast path: x is its own patch matrix) in all three passes,
+    float64, against sums written out with einsum."""
+    import numpy as np
+
+    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 4, 5, 6)), rng.standard_normal((2, 4, 1, 1))
+    dy = rng.standard_normal((3, 2, 5, 6))
+    np.testing.assert_allclose(conv2d_forward(x, w), np.einsum("nchw,fc->nfhw", x, w[:, :, 0, 0]),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(conv2d_backward_data(dy, w, x.shape),
+                               np.einsum("nfhw,fc->nchw", dy, w[:, :, 0, 0]), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(conv2d_backward_filter(x, dy, w.shape),
+                               np.einsum("nchw,nfhw->fc", x, dy)[:, :, None, None], rtol=1e-12, atol=1e-12)
+
+
+def test_max_and_average_pooling_with_padding_by_hand():
+    """2 x 2 windows, stride 2, padding 1 on a 3 x 3 input 1..9: windows of the padded 5 x 5
+    (only 4 x 4 of it is read), so a 2 x 2 output; max pads with -inf, average counts the
+    zeros of the padding."""
+    import numpy as np
+
+    from cfp.kernels.pool import avg_pool2d_forward, max_pool2d_forward
+    x = np.arange(1.0, 10.0).reshape(1, 1, 3, 3)
+    y = max_pool2d_forward(x, 2, 2, 1)
+    y = y[0] if isinstance(y, tuple) else y
+    np.testing.assert_array_equal(y, [[[[1.0, 3.0], [7.0, 9.0]]]])
+    np.testing.assert_allclose(avg_pool2d_forward(x, 2, 2, 1), [[[[0.25, (2 + 3) / 4], [(4 + 7) / 4, 28 / 4]]]],
+                               rtol=1e-12)
