@@ -231,30 +231,33 @@ def _weights_finite(grid, model):
 
 
 class _CtrlC:
-    """Ctrl-C during training, taken at a step boundary by all ranks together.
+    """Ctrl-C (SIGINT) or SIGTERM during training, taken at a step boundary by all ranks together.
 
-    mpiexec passes SIGINT to every rank, but a rank blocked inside a collective cannot raise
-    until the collective returns, which it never does once another rank has left it. So the
-    first SIGINT only sets a flag; at the start of every step the ranks OR their flags (one
-    small allreduce) and, when any is set, all raise KeyboardInterrupt at the same step. A
-    second Ctrl-C interrupts at once, as usual."""
+    MPICH's mpiexec passes SIGINT to every rank; Open MPI's answers it by sending the ranks
+    SIGTERM (then SIGKILL after a few seconds), as batch schedulers do before a job's time runs
+    out. A rank blocked inside a collective cannot raise until the collective returns, which it
+    never does once another rank has left it. So the first signal only sets a flag; at the start
+    of every step the ranks OR their flags (one small allreduce) and, when any is set, all raise
+    KeyboardInterrupt at the same step. A second signal acts at once, as usual."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
     def _handler(self, signum, frame):
         self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
         return False
 
     def check(self, grid):
