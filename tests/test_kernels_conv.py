@@ -33,6 +33,21 @@ def relative_error(actual, expected):
     return float(np.abs(actual - expected).max(initial=0.0)) / scale
 
 
+def numerical_gradient(array, loss_of_array, step=1e-6):
+    """Central differences of the scalar loss_of_array() in each entry of `array` (changed in
+    place and restored)."""
+    grad = np.zeros_like(array)
+    for index in np.ndindex(array.shape):
+        saved = array[index]
+        array[index] = saved + step
+        plus = loss_of_array()
+        array[index] = saved - step
+        minus = loss_of_array()
+        array[index] = saved
+        grad[index] = (plus - minus) / (2 * step)
+    return grad
+
+
 def _pick(rng, values, pair_probability=0.2):
     """One of `values`, or now and then a pair of them (different per dimension)."""
     if rng.random() < pair_probability:
@@ -193,18 +208,6 @@ def test_gradients_match_central_differences(case):
 
     def loss(x, w, b):
         return float(np.sum(conv2d_forward(x, w, b, stride, padding) * g))
-
-    def numerical_gradient(array, loss_of_array, step=1e-6):
-        grad = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            saved = array[index]
-            array[index] = saved + step
-            plus = loss_of_array()
-            array[index] = saved - step
-            minus = loss_of_array()
-            array[index] = saved
-            grad[index] = (plus - minus) / (2 * step)
-        return grad
 
     numerical_dx = numerical_gradient(x, lambda: loss(x, w, b))
     numerical_dw = numerical_gradient(w, lambda: loss(x, w, b))

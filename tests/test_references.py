@@ -23,6 +23,7 @@ from cfp.optim import Optimizer
 from cfp.tensor import DistTensor, Layout
 from cfp.train import TrainConfig, train
 from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs, rel_err
+from test_kernels_conv import numerical_gradient
 
 
 def gathered(p, grid, what="grad"):
@@ -132,18 +133,8 @@ def test_batchnorm_gradients_by_finite_differences():
     def loss():
         return float((bn.forward(x) * dy).sum())
 
-    h = 1e-6
     for name, array in (("x", x), ("gamma", bn.weight.data), ("beta", bn.bias.data)):
-        numeric = np.zeros_like(array)
-        for i in np.ndindex(array.shape):
-            keep = array[i]
-            array[i] = keep + h
-            up = loss()
-            array[i] = keep - h
-            down = loss()
-            array[i] = keep
-            numeric[i] = (up - down) / (2 * h)
-        assert rel_err(analytic[name], numeric) < 1e-7, name
+        assert rel_err(analytic[name], numerical_gradient(array, loss)) < 1e-7, name
     grid.free()
 
 
