@@ -148,7 +148,9 @@ def verified_row(log, ranks):
     L = launcher()
     with open(log) as f:
         accuracy = json.load(f)["summary"]["test_accuracy"]
-    built = "built from source" if mpi4py.get_config() else "binary wheel"
+    import importlib.metadata
+    tags = importlib.metadata.distribution("mpi4py").read_text("WHEEL") or ""
+    built = "binary wheel" if re.search(r"Tag: .*(manylinux|musllinux|macosx|win)", tags) else "built from source"
     user = "root" if os.geteuid() == 0 else f"non-root ({getpass.getuser()})"
     return (f"| {L.library} | {os.path.basename(L.command[0])} ({L.family} {L.version}) | mpi4py {mpi4py.__version__}, "
             f"{built} | {user} | MPI tests at {', '.join(ranks.split())} ranks; demo {100 * accuracy:.1f}% | "
