@@ -1,6 +1,7 @@
 """The test harness itself: a failing assertion on one rank inside a collective must make the
 MPI run fail in bounded time instead of hanging; extra pytest arguments reach pytest in the form
-the README gives (`make test PYTEST_ARGS="-k comm -x"`)."""
+the README gives (`make test PYTEST_ARGS="-k comm -x"`); the launcher knows which MPI it and
+mpi4py belong to, takes MPIEXEC and MPIEXEC_FLAGS, and refuses a launcher of another MPI."""
 import os
 import re
 import shlex
@@ -68,3 +69,69 @@ def test_the_readme_form_of_pytest_args_runs(tmp_path):
             for m in re.finditer(r"^(serial|1 rank)\s+(\d+)\s+(\d+)", proc.stdout, re.M)}
     assert rows == {"serial": (1, 0), "1 rank": (1, 0)}, output
     assert os.path.exists(tmp_path / "logs" / "np1" / "rank0.xml")
+
+
+# -- the launcher (tests/launcher.py) --------------------------------------------------------
+
+VERSIONS = [
+    ("mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n", ("Open MPI", "4.1.4")),
+    ("mpirun (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/\n", ("Open MPI", "5.0.3")),
+    ("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022", ("Open MPI", "4.1.4")),
+    ("HYDRA build details:\n    Version:                                 5.0.2\n", ("MPICH", "5.0.2")),
+    ("MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 2026\n", ("MPICH", "5.0.2")),
+    ("slurm 23.02.7\n", ("Slurm", "23.02.7")),
+    ("something else\n", ("unknown", "")),
+]
+
+
+@pytest.mark.parametrize("text,expected", VERSIONS)
+def test_which_mpi_from_what_it_prints(text, expected):
+    from launcher import family_of
+    assert family_of(text) == expected
+
+
+def _launcher_with(monkeypatch, **env):
+    import launcher
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    launcher.launcher.cache_clear()
+    try:
+        return launcher.launcher(), launcher
+    finally:
+        monkeypatch.undo()
+
+
+def test_mpiexec_and_its_flags_come_from_the_environment(monkeypatch, tmp_path):
+    fake = tmp_path / "my-launcher"
+    fake.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.4'\n")
+    fake.chmod(0o755)
+    L, module = _launcher_with(monkeypatch, MPIEXEC=str(fake), MPIEXEC_FLAGS="--bind-to none")
+    try:
+        assert L.argv(3, "python", "x.py") == [str(fake), "--bind-to", "none", "-n", "3", "python", "x.py"]
+        assert (L.family, L.version) == ("Open MPI", "4.1.4")
+        env = dict(L.env)
+        assert env["OMPI_MCA_rmaps_base_oversubscribe"] == "1"
+        assert ("OMPI_ALLOW_RUN_AS_ROOT" in env) == (os.geteuid() == 0)
+    finally:
+        module.launcher.cache_clear()
+
+
+def test_a_launcher_of_another_mpi_is_refused_with_both_names(monkeypatch, tmp_path):
+    """A launcher that starts the ranks as separate one-rank jobs (what an mpiexec of another
+    MPI than mpi4py's does): the probe sees two jobs of size 1 and says so."""
+    fake = tmp_path / "other-mpiexec"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "mpiexec (OpenRTE) 4.1.4"; exit 0; }\n'
+                    'n=$2; shift 2\nfor i in $(seq $n); do "$@" & done\nwait\n')
+    fake.chmod(0o755)
+    L, module = _launcher_with(monkeypatch, MPIEXEC=str(fake))
+    try:
+        problem = module.check_launcher()
+    finally:
+        module.launcher.cache_clear()
+    assert problem is not None
+    assert "belongs to Open MPI 4.1.4, but mpi4py uses" in problem and "each run alone as rank 0" in problem, problem
+
+
+def test_the_launcher_of_these_runs_starts_two_ranks():
+    from launcher import check_launcher
+    assert check_launcher() is None
