@@ -20,7 +20,7 @@ from .checks import alike_on_all_ranks, finite_number, int_options, option_name 
 from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
 from .grid import Grids, ProcessGrid
-from .io import check_writable, save_json
+from .io import check_writable, save_figure, save_json
 from .models import MODELS, build_model, read_plan
 from .nn import SoftmaxCrossEntropy
 from .perfmodel import MachineProfile
@@ -527,5 +527,5 @@ def _plot(path, history, epochs_log):
     ax_acc.set(xlabel="step", ylabel="accuracy", title="accuracy")
     ax_acc.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(path, fig, dpi=100)
     plt.close(fig)

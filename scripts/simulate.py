@@ -28,7 +28,7 @@ import time
 
 from cfp import cli, planner
 from cfp.checks import int_options
-from cfp.io import check_writable, save_json
+from cfp.io import check_writable, save_figure, save_json
 from cfp.models import wide_cnn_layers, wide_resnet50_layers
 from cfp.perfmodel import MachineProfile
 
@@ -154,7 +154,7 @@ def plot(results, path):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_figure(path, fig, dpi=80)
     plt.close(fig)
 
 
