@@ -93,7 +93,7 @@ class LayerExplanation:
         out = {"x": size(held["x"]), "w": size(held["w"]) + (size(held["b"]) if self.bias else 0),
                "y": size(held["y"])}
         out["dw"] = out["w"]
-        out["largest step result"] = max([size(r[2]) for s in self.steps for r in s.result[rank:rank + 1]
+        out["largest step result"] = max([size(s.result[rank][2]) for s in self.steps
                                           if s.message.collective != "allreduce"] or [0])
         return out
 
@@ -459,7 +459,8 @@ def _drawn_dims(e, family):
     return tuple(sorted((split + [d for d in (0, 1, 2, 3) if d not in split])[:2]))
 
 
-def _family(tensor, what):
+def _family(tensor):
+    """Which of x, y, w a step's result is drawn like."""
     if tensor == "dwdb":
         return "w"
     return "y" if tensor in ("y0", "dy") else "x"
@@ -534,7 +535,7 @@ def plot_layer(e, path):
     for k, step in enumerate(e.steps, 1):
         what, tensor, _ = step.result[0]
         ixs = [s[2][0] if s[1] == "dwdb" else s[2] for s in step.result]
-        family = _family(tensor, what)
+        family = _family(tensor)
         panels.append((family, step, ixs, f"{k}. {step.title()}\nthen: {what}"))
     columns = 3
     rows = math.ceil(len(panels) / columns)
