@@ -99,6 +99,16 @@ def test_broadcast_sum_reduce(grid_and_groups, root_choice):
                        inner(x_dom, C.sum_reduce(comm, y, root)), f"broadcast over {name}")
 
 
+def test_broadcast_and_sum_reduce_default_to_root_0():
+    r, p = WORLD.Get_rank(), WORLD.Get_size()
+    x = np.full((2, 3), 10.0 + r)  # rank r holds 10 + r: rank 0's 10 everywhere after broadcast
+    assert_close_all_ranks(C.broadcast(WORLD, x), np.full((2, 3), 10.0), 1e-300, "broadcast, default root")
+    # the sum of 10 + r over the ranks, 10 p + p (p - 1) / 2, on rank 0, zeros elsewhere
+    total = 10.0 * p + p * (p - 1) / 2
+    assert_close_all_ranks(C.sum_reduce(WORLD, x), np.full((2, 3), total if r == 0 else 0.0), 1e-300,
+                           "sum_reduce, default root")
+
+
 @pytest.mark.parametrize("split,concat", [((7, 1), (5, 0)), ((2, 0), (7, 3)), ((1, 3), (2, 2))])
 def test_alltoall(grid_and_groups, split, concat):
     rng = np.random.default_rng(4000 + WORLD.Get_rank())

@@ -1,6 +1,7 @@
 """Tests written for the mutants that `make mutation` (tests/mutation/run.py) found surviving:
 each holds one of cfp's numbers to a value worked out by hand, where the rest of the suite only
 compared cfp with cfp or did not look."""
+import numpy as np
 import pytest
 
 from cfp.layout import Layout
@@ -214,3 +215,107 @@ def test_max_and_average_pooling_with_padding_by_hand():
     np.testing.assert_array_equal(y, [[[[1.0, 3.0], [7.0, 9.0]]]])
     np.testing.assert_allclose(avg_pool2d_forward(x, 2, 2, 1), [[[[0.25, (2 + 3) / 4], [(4 + 7) / 4, 28 / 4]]]],
                                rtol=1e-12)
+
+
+def test_backward_data_of_an_input_zero_columns_wide():
+    # x (2, 3, 4, 0) padded by 1 and 2: the output (2, 5, 4, 2) is not empty, but no input
+    # position exists, so dx is (2, 3, 4, 0) (the early return, not a division by W = 0).
+    from cfp.kernels import conv2d_backward_data
+    dy = np.ones((2, 5, 4, 2))
+    dx = conv2d_backward_data(dy, np.ones((5, 3, 3, 3)), (2, 3, 4, 0), padding=(1, 2))
+    assert dx.shape == (2, 3, 4, 0) and dx.dtype == np.float64
+
+
+def test_ledger_keeps_the_last_result_and_totals_by_hand():
+    from cfp.comm import CommLedger
+    ledger = CommLedger(keep_results=True)
+    a, b, c = np.array([1.0]), np.array([2.0]), np.array([3.0])
+    ledger.record("allgather", 2, 10, 20, 0.5, a)
+    ledger.record("allgather", 2, 30, 40, 0.25, b)
+    ledger.record("alltoall", 4, 7, 0, 1.0, None)
+    ledger.keep_result(c)  # replaces the last record's result only
+    assert [None if r is None else float(r[0]) for r in ledger.results] == [1.0, 2.0, 3.0]
+    totals = ledger.totals(by=("collective",))
+    assert totals == {("allgather",): {"calls": 2, "bytes_sent": 40, "bytes_received": 60, "seconds": 0.75},
+                      ("alltoall",): {"calls": 1, "bytes_sent": 7, "bytes_received": 0, "seconds": 1.0}}
+
+
+def test_gather_shapes_takes_eight_dimensions_and_describes_them():
+    from mpi4py import MPI
+
+    from cfp.comm import MAX_NDIM, describe_shapes, gather_shapes
+    assert MAX_NDIM == 8
+    row = gather_shapes(MPI.COMM_SELF, np.zeros((1, 2, 1, 1, 1, 1, 1, 3), dtype=np.float32))
+    assert row.tolist() == [[8, np.dtype(np.float32).num, 1, 2, 1, 1, 1, 1, 1, 3]]
+    with pytest.raises(ValueError, match="more than 8 dimensions"):
+        gather_shapes(MPI.COMM_SELF, np.zeros((1,) * 9))
+    rows = np.full((2, 10), -1, dtype=np.int64)
+    rows[0, :4] = [2, np.dtype(np.float64).num, 2, 3]
+    rows[1, :3] = [1, np.dtype(np.float32).num, 4]
+    assert describe_shapes(rows) == "rank 0: (2, 3) float64; rank 1: (4,) float32"
+
+
+def _self_grid(spec="sample=1,channel=1"):
+    from mpi4py import MPI
+
+    from cfp.grid import ProcessGrid
+    return ProcessGrid(spec, comm=MPI.COMM_SELF)
+
+
+def test_halo_plan_of_an_empty_output_block_by_hand():
+    # 3x3 input, 3x3 kernel, padding 1: 3 output rows over 4 height ranks, 1, 1, 1 and 0.
+    # Rank c computes row c and reads input rows c-1..c+1, clipped to 0..2, the rest padding.
+    from cfp.algorithms.base import halo_plan
+    plan = halo_plan((1, 1, 3, 3), Layout(("sample", None, "height", "width")),
+                     (("sample", 1), ("height", 4), ("width", 1)), (3, 3), (("padding", 1),))
+    assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0), (1, range(0, 3), 0, 0),
+                                       (1, range(1, 3), 0, 1), (0, range(0), 0, 0)]
+    assert plan["spans"]["width"] == [(3, range(0, 3), 1, 1)]
+
+
+def test_which_messages_a_first_layer_sends():
+    # stationary-y's first layer (input whole, no dx): no allgather of x, no reduce-scatter of
+    # dx, the gradient allreduce only; a later layer sends all three.
+    from cfp.algorithms import make_conv
+    grid = _self_grid()
+    first = make_conv("y", grid, 4, 6, 3, input_whole=True, need_dx=False)
+    later = make_conv("y", grid, 4, 6, 3)
+    assert [(m.phase, m.collective) for m in first.messages] == [
+        ("forward", "allgather"), ("backward-data", "reduce_scatter"), ("gradient-sync", "allreduce")]
+    assert [first.sends(m) for m in first.messages] == [False, False, True]
+    assert [later.sends(m) for m in later.messages] == [True, True, True]
+    grid.free()
+
+
+def test_batch_norm_default_eps_is_1e_5():
+    # channel 0 holds 0.00, 0.01, 0.02, 0.03 (mean 0.015, biased variance 1.25e-4), channel 1
+    # 1, 1, 3, 3 (mean 2, variance 1): y = (x - mean) / sqrt(variance + 1e-5).
+    from cfp.nn import BatchNorm2d
+    grid = _self_grid()
+    bn = BatchNorm2d(grid, 2, dtype=np.float64)
+    x = np.array([[[[0.00, 0.01]], [[1.0, 1.0]]], [[[0.02, 0.03]], [[3.0, 3.0]]]])  # (2, 2, 1, 2)
+    y = bn.forward(x)
+    d0 = np.array([-0.015, -0.005, 0.005, 0.015]) / np.sqrt(1.25e-4 + 1e-5)
+    d1 = np.array([-1.0, -1.0, 1.0, 1.0]) / np.sqrt(1.0 + 1e-5)
+    np.testing.assert_allclose(y[:, 0].reshape(-1), d0, rtol=1e-12)
+    np.testing.assert_allclose(y[:, 1].reshape(-1), d1, rtol=1e-12)
+    grid.free()
+
+
+def test_a_network_of_flatten_and_a_layer_named_loss():
+    # Flatten's output is 2-D (n, C*H*W), and place() drops only its own 'loss' Redistribute,
+    # not a layer of the model that happens to bear the name: logits = x.reshape(2, 12) @ W^T + b.
+    from cfp.nn import Flatten, Linear, Network
+    grid = _self_grid("sample=1")
+    flat, linear = Flatten(), Linear(grid, 12, 3, algorithm="sample", name="loss", dtype=np.float64)
+    spec = (grid, Layout(("sample", None, None, None)))
+    assert flat.output_spec(spec) == (grid, Layout(("sample", None)))
+    net = Network([flat, linear], grids=None, layers={})
+    net.place(net.input_spec)  # placing again changes nothing
+    assert net.modules == [flat, linear]
+    x = np.arange(24.0).reshape(2, 3, 2, 2) / 10
+    W = linear.weight.data.reshape(3, 12)
+    b = linear.bias.data
+    expected = np.array([[sum(x.reshape(2, 12)[n, k] * W[f, k] for k in range(12)) + b[f] for f in range(3)]
+                         for n in range(2)])
+    np.testing.assert_allclose(net.forward(x), expected, rtol=1e-12)

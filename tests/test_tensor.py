@@ -139,6 +139,37 @@ def test_bad_input(grids):
         other.free()
 
 
+@pytest.mark.mpi
+def test_blocks_that_do_not_form_one_tensor_are_named():
+    """check_blocks' diagnosis, one problem at a time, on sample=SIZE with (sample, None)."""
+    from cfp.tensor import check_blocks
+    grid = ProcessGrid(f"sample={SIZE}")
+    r, last = WORLD.Get_rank(), SIZE - 1
+    lay = Layout(("sample", None))
+    assert check_blocks(np.zeros((2, 3)), lay, grid, "x") == (2 * SIZE, 3)
+    raises_on_all_ranks(ValueError, lambda: _gather_to_a_rank_outside(grid),
+                        match=rf"root {SIZE} outside 0\.\.{last}")
+    if SIZE > 1:
+        # the last rank's block is 3-D: the numbers of dimensions differ, the dtypes do not
+        local = np.zeros((2, 3, 1) if r == last else (2, 3))
+        raises_on_all_ranks(ValueError, lambda: check_blocks(local, lay, grid, "x"),
+                            match=r"\(their numbers of dimensions differ\)")
+        # the dtypes differ, the shapes do not
+        local = np.zeros((2, 3), dtype=np.float32 if r == last else np.float64)
+        raises_on_all_ranks(ValueError, lambda: check_blocks(local, lay, grid, "x"),
+                            match=r"\(their dtypes differ\)")
+        # the replicated dimension is 5 on the last rank, 3 (rank 0's) elsewhere
+        local = np.zeros((2, 5) if r == last else (2, 3))
+        raises_on_all_ranks(ValueError, lambda: check_blocks(local, lay, grid, "x"),
+                            match=rf"\(rank {last} holds \(2, 5\) where a tensor of global shape "
+                                  rf"\({2 * SIZE}, 3\) has a block of \(2, 3\)\)")
+    grid.free()
+
+
+def _gather_to_a_rank_outside(grid):
+    DistTensor.from_global(np.zeros((SIZE, 2)), Layout(("sample", None)), grid).gather(root=SIZE)
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
