@@ -197,3 +197,46 @@ def test_local_layers_against_numpy(grids):
     gap = GlobalAvgPool2d()
     assert np.allclose(gap.forward(x), x.mean(axis=(2, 3)))
     assert np.allclose(gap.backward(np.ones((2, 3))), np.full(x.shape, 1 / 20))
+
+
+def test_network_predicts_each_convolutions_bytes():
+    """Network.predicted_bytes holds each convolution's phases, equal to what the ledger
+    measures: for the data-parallel c1 (w 2x1x3x3 and b 2: 20 float64), the gradient allreduce
+    at 2 ranks moves each rank's 20 - 10 values out in the reduce-scatter and 10 in the
+    allgather, 160 bytes each way; at 1 rank nothing."""
+    from cfp import comm as C
+    from cfp.nn import Network
+    from cfp.partition import block_range
+    size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    grid = ProcessGrid(f"sample={size}")
+    net = Network([Conv2d(grid, 1, 2, 3, padding=1, algorithm="sample", input_whole=True, need_dx=False,
+                          name="c1", dtype=np.float64),
+                   GlobalAvgPool2d(), Linear(grid, 2, 3, algorithm="sample", name="fc", dtype=np.float64)],
+                  grids=None, layers={})
+    lo, hi = block_range(4, size, rank)
+    x = np.random.default_rng(0).standard_normal((4, 1, 5, 5))[lo:hi]
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        logits = net.forward(x, 4)
+        net.backward(np.ones_like(logits))
+    predicted = net.predicted_bytes(itemsize=8)
+    measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
+    assert_all_ranks(("c1", "gradient-sync") in predicted and ("fc", "gradient-sync") in predicted,
+                     f"the convolutions' phases are predicted: {sorted(predicted)}")
+    if size <= 2:
+        assert_all_ranks(predicted[("c1", "gradient-sync")] == ((160, 160) if size == 2 else (0, 0)),
+                         f"c1's gradient allreduce by hand: {predicted[('c1', 'gradient-sync')]}")
+    assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items())
+                     and all(k in predicted for k, v in measured.items() if v != (0, 0)),
+                     f"measured {measured}, predicted {predicted}")
+    grid.free()
+
+
+def test_flatten_refuses_a_split_image():
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("needs 2 ranks to split the image")
+    grid = ProcessGrid(f"sample=1,height={MPI.COMM_WORLD.Get_size()}")
+    spec = (grid, Layout(("sample", None, "height", None)))
+    with pytest.raises(ValueError, match=r"splits the image over height; this layer needs whole images"):
+        Flatten().output_spec(spec)
+    grid.free()
