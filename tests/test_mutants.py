@@ -319,3 +319,48 @@ def test_a_network_of_flatten_and_a_layer_named_loss():
     expected = np.array([[sum(x.reshape(2, 12)[n, k] * W[f, k] for k in range(12)) + b[f] for f in range(3)]
                          for n in range(2)])
     np.testing.assert_allclose(net.forward(x), expected, rtol=1e-12)
+
+
+def test_conv_padding_as_four_sides_and_its_refusals():
+    from cfp.kernels import conv2d_forward, conv2d_output_shape
+    # (top, bottom, left, right) = (0, 0, 1, 1): a 3x3 input, 3x3 kernel gives 1 x 3
+    assert conv2d_output_shape((1, 1, 3, 3), (1, 1, 3, 3), padding=(0, 0, 1, 1)) == (1, 1, 1, 3)
+    # all ones: the three windows cover 6, 9 and 6 ones
+    y = conv2d_forward(np.ones((1, 1, 3, 3)), np.ones((1, 1, 3, 3)), padding=(0, 0, 1, 1))
+    np.testing.assert_array_equal(y, [[[[6.0, 9.0, 6.0]]]])
+    # replicate padding of an input of no columns has nothing to replicate, with rows or not
+    with pytest.raises(ValueError, match="'replicate' cannot pad an empty 3x0 input"):
+        conv2d_output_shape((1, 1, 3, 0), (1, 1, 1, 1), padding=1, padding_mode="replicate")
+    # a dilated kernel too large for the input is reported with its dilation and extent
+    with pytest.raises(ValueError, match=r"kernel 3x3 with dilation \(1, 2\) \(extent 3x5\) does not fit"):
+        conv2d_output_shape((1, 1, 4, 4), (1, 1, 3, 3), dilation=(1, 2))
+
+
+def test_reference_loop_defaults_to_stride_1():
+    from cfp.kernels.conv_reference import conv2d_forward_loop
+    # all ones, 3x3 input, 2x2 kernel, stride 1: four windows of four ones
+    np.testing.assert_array_equal(conv2d_forward_loop(np.ones((1, 1, 3, 3)), np.ones((1, 1, 2, 2))),
+                                  np.full((1, 1, 2, 2), 4.0))
+
+
+def test_max_pool_ties_go_to_the_first_maximum():
+    from cfp.kernels.pool import max_pool2d_backward, max_pool2d_forward
+    # one 2x2 window of equal values: the maximum at (0, 0) gets the gradient (PyTorch's choice)
+    x = np.full((1, 1, 2, 2), 5.0)
+    y, argmax = max_pool2d_forward(x, 2, 2)
+    assert y.tolist() == [[[[5.0]]]] and argmax.tolist() == [[[[0]]]]
+    dx = max_pool2d_backward(np.array([[[[1.0]]]]), argmax, x.shape, 2, 2)
+    np.testing.assert_array_equal(dx, [[[[1.0, 0.0], [0.0, 0.0]]]])
+
+
+def test_parameter_full_index_and_batch_norm_layouts():
+    from cfp.nn import BatchNorm2d
+    from cfp.nn.module import Parameter
+    grid = _self_grid()
+    p = Parameter("p", np.zeros((3, 4)), (3, 4), None, grid)
+    assert p.full_index() == (range(3), range(4))
+    p.index = (None, [1, 2])  # a shard of columns 1 and 2
+    assert p.full_index() == (range(3), [1, 2])
+    with pytest.raises(ValueError, match="batch norm takes NCHW activations split by sample"):
+        BatchNorm2d(grid, 2, layout=Layout((None, "channel", None, None)))
+    grid.free()
