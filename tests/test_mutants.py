@@ -364,3 +364,55 @@ def test_parameter_full_index_and_batch_norm_layouts():
     with pytest.raises(ValueError, match="batch norm takes NCHW activations split by sample"):
         BatchNorm2d(grid, 2, layout=Layout((None, "channel", None, None)))
     grid.free()
+
+
+def test_first_layer_exchanges_its_halo_once():
+    # as test_layer_cost_of_an_image_split_by_hand, but the network's first layer: no dx, so
+    # the halo's 1056 bytes are received once, not again with dx
+    layer = LayerShape("L", 4, 3, 5, 10, 7, 3, normed=True, first=True)
+    cost = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=4, inter_beta=2.0), P_h=2, P_w=2)
+    assert cost["comm"]["halo"] == pytest.approx(1056, rel=1e-12)
+
+
+def test_pooling_padding_and_defaults_by_hand():
+    from cfp.kernels.pool import avg_pool2d_forward, max_pool2d_forward
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    # default padding 0: the four 2x2 windows' means
+    np.testing.assert_array_equal(avg_pool2d_forward(x, 2, 2), [[[[2.5, 4.5], [10.5, 12.5]]]])
+    # a 3x3 window over a 1x1 input padded by 1 fits exactly: its maximum is the input
+    np.testing.assert_array_equal(max_pool2d_forward(np.full((1, 1, 1, 1), 7.0), 3, 1, padding=1)[0],
+                                  [[[[7.0]]]])
+    # padding the top only, (1, 0, 0, 0), with a 2x2 window of stride 2: rows (pad, 0), (1, 2)
+    y, _ = max_pool2d_forward(x, 2, 2, padding=(1, 0, 0, 0))
+    np.testing.assert_array_equal(y, [[[[1.0, 3.0], [9.0, 11.0]]]])
+
+
+def test_inputs_checked_restores_checking_and_layers_still_check_blocks():
+    from cfp import comm
+    from cfp.tensor import check_blocks
+    assert comm.checking()
+    with comm.inputs_checked():
+        assert not comm.checking()
+    assert comm.checking()
+    grid = _self_grid("sample=1")
+    with comm.tag(layer="L"):  # collectives trust a layer's inputs; check_blocks does not
+        with pytest.raises(ValueError, match="they are 2-D, the layout is 3-D"):
+            check_blocks(np.zeros((2, 3)), Layout(("sample", None, None)), grid, "x")
+    grid.free()
+
+
+def test_replicate_padding_and_winograd_with_a_short_last_block():
+    from cfp.kernels import conv2d_forward
+    from cfp.kernels.conv import winograd
+    # replicate padding of all ones is all ones: every 3x3 window sums 9 ones
+    y = conv2d_forward(np.ones((1, 1, 3, 3)), np.ones((1, 1, 3, 3)), padding=1, padding_mode="replicate")
+    np.testing.assert_array_equal(y, np.full((1, 1, 3, 3), 9.0))
+    # Winograd on 32x32 images takes 1024 // 256 = 4 samples a block: 5 samples make a short last
+    # block; 3x3 all-ones filters on all-ones images give 9 inside, 6 on edges, 4 at corners
+    x = np.ones((5, 1, 32, 32))
+    expected = np.full((32, 32), 9.0)
+    expected[0, :] = expected[-1, :] = expected[:, 0] = expected[:, -1] = 6.0
+    expected[0, 0] = expected[0, -1] = expected[-1, 0] = expected[-1, -1] = 4.0
+    with winograd():
+        y = conv2d_forward(x, np.ones((1, 1, 3, 3)), padding=1)
+    np.testing.assert_allclose(y, np.broadcast_to(expected, (5, 1, 32, 32)), rtol=1e-12)
