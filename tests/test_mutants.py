@@ -416,3 +416,18 @@ def test_replicate_padding_and_winograd_with_a_short_last_block():
     with winograd():
         y = conv2d_forward(x, np.ones((1, 1, 3, 3)), padding=1)
     np.testing.assert_allclose(y, np.broadcast_to(expected, (5, 1, 32, 32)), rtol=1e-12)
+
+
+def test_alltoall_and_bias_refusals_name_the_shapes():
+    from mpi4py import MPI
+
+    from cfp import comm
+    from cfp.algorithms import make_conv
+    # 3 rows where the split sizes sum to 2 (the concatenation extent, 2, is right)
+    with pytest.raises(ValueError, match=r"alltoall: rank 0 holds shape \(3, 2\); expected extent 2 along axis 0"):
+        comm.alltoall(MPI.COMM_SELF, np.zeros((3, 2)), 0, 1, [2], [2])
+    grid = _self_grid()
+    conv = make_conv("sample", grid, 1, 5, 3)
+    with pytest.raises(ValueError, match=r"bias shard has shape \(3,\), expected \(5,\)"):
+        conv.check_input(np.zeros((2, 1, 4, 4)), np.zeros((5, 1, 3, 3)), np.zeros(3))
+    grid.free()
