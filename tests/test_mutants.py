@@ -431,3 +431,17 @@ def test_alltoall_and_bias_refusals_name_the_shapes():
     with pytest.raises(ValueError, match=r"bias shard has shape \(3,\), expected \(5,\)"):
         conv.check_input(np.zeros((2, 1, 4, 4)), np.zeros((5, 1, 3, 3)), np.zeros(3))
     grid.free()
+
+
+def test_winograd_takes_3x3_kernels_only():
+    # with Winograd on, 4x3 and 3x4 kernels still go by im2col: against the loop reference
+    from cfp.kernels import conv2d_forward
+    from cfp.kernels.conv import winograd
+    from cfp.kernels.conv_reference import conv2d_forward_loop
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 2, 6, 6))
+    for kernel in ((4, 3), (3, 4), (3, 3)):
+        w = rng.standard_normal((3, 2) + kernel)
+        with winograd():
+            y = conv2d_forward(x, w, padding=1)
+        np.testing.assert_allclose(y, conv2d_forward_loop(x, w, padding=1), rtol=1e-10, atol=1e-12)
