@@ -24,7 +24,7 @@ import numpy as np
 from .algorithms import algorithm_class
 from .algorithms.base import HALO, HALO_ADJOINT, check_image_fits, halo_plan, run_order
 from .checks import int_pair
-from .grid import AXES, ProcessGrid, coords_of
+from .grid import AXES, ProcessGrid, coords_of, rank_of
 from .kernels import conv2d_output_shape, conv_options
 from .layout import Layout, Shard
 from .partition import filter_groups_of, gather_group, scatter_group
@@ -247,10 +247,9 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
 def _group(e, m, r):
     """The ranks rank r runs message m with (r included), in rank order."""
     c, P_c = e.coords[r], e.grid["channel"]
-    rank_of = lambda coords: ProcessGrid._index([coords[a] for a in AXES], [e.grid[a] for a in AXES])  # noqa: E731
     if m.group in ("row", "column"):
         members = (gather_group if m.group == "row" else scatter_group)(c["channel"], P_c, e.p_f)
-        return sorted(rank_of({**c, "channel": k}) for k in members)
+        return sorted(rank_of({**c, "channel": k}, e.grid) for k in members)
     if m.group == "gradient":  # the sample and spatial ranks of one channel coordinate
         return [q for q in range(e.ranks) if e.coords[q]["channel"] == c["channel"]]
     # the halo: the ranks r exchanges pieces with
@@ -428,10 +427,10 @@ def _mismatches(e, every, bias):
             else:
                 size = math.prod(len(i) for i in ix)
             checks = [(done["phase"], m.phase, "phase"), (done["collective"], m.collective, "collective"),
-                      (done["group_size"], len(step.groups[r]) if m.phase != "halo" else done["group_size"],
-                       "group size"),
                       (done["sent"], step.sent[r], "bytes sent"), (done["received"], step.received[r], "bytes received"),
                       (math.prod(done["shape"]), size, "result size")]
+            if m.phase != "halo":  # the halo's all-to-all spans the grid; its group is the ranks it trades with
+                checks.append((done["group_size"], len(step.groups[r]), "group size"))
             for got, explained, name in checks:
                 if got != explained:
                     out.append(f"rank {r}, step {k} ({step.title()}): {name} {got}, explained {explained}")

@@ -80,6 +80,15 @@ def coords_of(rank, shape):
     return {axis: coords[axis] for axis in AXES}
 
 
+def rank_of(coords, shape):
+    """The rank at {axis: coordinate} on a grid of {axis: size} `shape` (axes left out: 0 and
+    1): the inverse of coords_of, usable without MPI."""
+    rank = 0
+    for axis in AXES:
+        rank = rank * int(shape.get(axis, 1)) + int(coords.get(axis, 0))
+    return rank
+
+
 def factorizations(size, naxes=2):
     """Every ordered tuple of `naxes` positive integers whose product is `size`."""
     return list(_factorizations(size, naxes))
@@ -142,7 +151,7 @@ class ProcessGrid:
 
     def rank_of(self, coords):
         """The rank at {axis: coordinate}; axes left out are at coordinate 0."""
-        return self._index([coords.get(a, 0) for a in AXES], [self.shape[a] for a in AXES])
+        return rank_of(coords, self.shape)
 
     def axis_size(self, axis):
         return self.shape[self._check_axis(axis)]

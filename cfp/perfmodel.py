@@ -12,7 +12,7 @@ import os
 
 from .algorithms import algorithm_class
 from .comm import PHASES as LEDGER_PHASES
-from .grid import AXES, parse_grid_spec
+from .grid import AXES, parse_grid_spec, rank_of
 from .io import load_json
 from .layout import piece_size
 from .kernels import conv2d_output_shape
@@ -133,10 +133,7 @@ def _halo(cls, x_shape, w_shape, sizes, input_whole, groups, **options):
 
 def _halo_bytes(plan, sizes, coords, itemsize):
     """(sent, received) of the halo exchange (its adjoint moves the same pieces back)."""
-    shape = {a: sizes.get(a, 1) for a in AXES}
-    rank = 0
-    for a in AXES:
-        rank = rank * shape[a] + coords.get(a, 0)
+    rank = rank_of(coords, sizes)
     sent = sum(piece_size(p) for s, d, p in plan["pieces"] if s == rank and d != rank) * itemsize
     received = sum(piece_size(p) for s, d, p in plan["pieces"] if d == rank and s != rank) * itemsize
     return sent, received
