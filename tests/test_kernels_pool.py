@@ -32,19 +32,24 @@ def loops(x, dy, kernel, stride, padding, kind):
     return y, dxp[:, :, padding:padding + H, padding:padding + W]
 
 
+def pool_pass(kind, x, kernel, stride, padding, rng):
+    """(y, dy, dx) of one serial forward and backward pass of max or average pooling, dy drawn
+    from rng."""
+    if kind == "max":
+        y, argmax = max_pool2d_forward(x, kernel, stride, padding)
+        dy = rng.standard_normal(y.shape)
+        return y, dy, max_pool2d_backward(dy, argmax, x.shape, kernel, stride, padding)
+    y = avg_pool2d_forward(x, kernel, stride, padding)
+    dy = rng.standard_normal(y.shape)
+    return y, dy, avg_pool2d_backward(dy, x.shape, kernel, stride, padding)
+
+
 @pytest.mark.parametrize("kernel,stride,padding", CASES)
 @pytest.mark.parametrize("kind", ["max", "avg"])
 def test_against_loops(kind, kernel, stride, padding):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 7, 6))
-    if kind == "max":
-        y, argmax = max_pool2d_forward(x, kernel, stride, padding)
-        dy = rng.standard_normal(y.shape)
-        dx = max_pool2d_backward(dy, argmax, x.shape, kernel, stride, padding)
-    else:
-        y = avg_pool2d_forward(x, kernel, stride, padding)
-        dy = rng.standard_normal(y.shape)
-        dx = avg_pool2d_backward(dy, x.shape, kernel, stride, padding)
+    y, dy, dx = pool_pass(kind, x, kernel, stride, padding, rng)
     y_ref, dx_ref = loops(x, dy, kernel, stride, padding, kind)
     assert np.allclose(y, y_ref, rtol=1e-13, atol=1e-14)
     assert np.allclose(dx, dx_ref, rtol=1e-13, atol=1e-14)

@@ -178,19 +178,12 @@ def test_pooling_on_split_images(grids, pool, kernel, stride, padding):
     """Max and average pooling of a 7x9 image split over height and width: the blocks' halos
     (also where stride = kernel: 7 rows in blocks of 4 and 3 pool to 2 and 1 output rows, whose
     windows cross the blocks' boundary), forward and backward, against one rank."""
-    from cfp.kernels.pool import avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward
     from cfp.nn import AvgPool2d, MaxPool2d, Sequential
     from cfp.tensor import Layout
+    from test_kernels_pool import pool_pass
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 3, 7, 9))
-    if pool == "max":
-        y, arg = max_pool2d_forward(x, kernel, stride, padding)
-        dy = rng.standard_normal(y.shape)
-        dx = max_pool2d_backward(dy, arg, x.shape, kernel, stride, padding)
-    else:
-        y = avg_pool2d_forward(x, kernel, stride, padding)
-        dy = rng.standard_normal(y.shape)
-        dx = avg_pool2d_backward(dy, x.shape, kernel, stride, padding)
+    y, dy, dx = pool_pass(pool, x, kernel, stride, padding, rng)
     for spec in SPECS:
         grid = grids[spec]
         if (y.shape[2] < grid.axis_size("height")) or (y.shape[3] < grid.axis_size("width")):

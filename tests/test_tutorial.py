@@ -12,8 +12,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from run_suite import ROOT, mpiexec, single_thread_env
 
 TUTORIAL = os.path.join(ROOT, "docs", "tutorial.md")
