@@ -1,6 +1,8 @@
 """Tests written for the mutants that `make mutation` (tests/mutation/run.py) found surviving:
 each holds one of cfp's numbers to a value worked out by hand, where the rest of the suite only
 compared cfp with cfp or did not look."""
+import math
+
 import numpy as np
 import pytest
 
@@ -445,3 +447,103 @@ def test_winograd_takes_3x3_kernels_only():
         with winograd():
             y = conv2d_forward(x, w, padding=1)
         np.testing.assert_allclose(y, conv2d_forward_loop(x, w, padding=1), rtol=1e-10, atol=1e-12)
+
+
+def test_a_profile_without_measured_points_is_refused():
+    for kernels in ({}, {"3": []}):
+        data = profile().data
+        data = dict(data, kernels={p: kernels for p in ("forward", "backward-data", "backward-filter")})
+        with pytest.raises(ValueError, match=r"missing or malformed 'kernels.forward \(no measured points\)'"):
+            MachineProfile(data)
+
+
+def test_a_missing_profile_names_the_builtin_ones():
+    with pytest.raises(ValueError, match=r"\(built-in profiles: cpu-dev, reference-v100\)$"):
+        MachineProfile.load("no-such-profile")
+
+
+def _rates(points):
+    return MachineProfile(dict(profile().data, kernels={
+        p: {"3": points} for p in ("forward", "backward-data", "backward-filter")}))
+
+
+def test_kernel_rate_between_points_by_hand():
+    """Inverse-distance weights 1 / d^2 over the 3 nearest points in (log flops, log pixels):
+    at 1e7 flops over 256 pixels, the points at 1e6 and 1e8 flops (256 pixels) are ln 10 away,
+    1e10 is 3 ln 10 away and 1e12 (the fourth) is left out. Weights 1, 1, 1/9 of the log rates
+    9, 11 and 12 (in ln 10): the rate is 10 ** ((9 + 11 + 12 / 9) / (2 + 1 / 9)) = 10 ** (192 / 19)."""
+    p = _rates([[1e6, 256, 1e9], [1e8, 256, 1e11], [1e10, 256, 1e12], [1e12, 256, 1e6]])
+    assert p.kernel_time("forward", 3, 1e7, 256) == pytest.approx(1e7 / 10 ** (192 / 19), rel=1e-12)
+
+
+def test_kernel_rate_at_the_largest_measured_flops_interpolates_over_pixels():
+    """At exactly the largest measured flops (1e8) but 16x its pixels the shape is inside the
+    measured range: the two points weigh 1 / d^2, d = ln 16 (pixels only) and 2 ln 10 (flops only)."""
+    p = _rates([[1e6, 256, 1e9], [1e8, 16, 1e11]])
+    d_near, d_far = math.log(16), 2 * math.log(10)
+    w_near, w_far = 1 / d_near ** 2, 1 / d_far ** 2
+    log_rate = (w_near * math.log(1e11) + w_far * math.log(1e9)) / (w_near + w_far)
+    assert p.kernel_time("forward", 3, 1e8, 256) == pytest.approx(1e8 / math.exp(log_rate), rel=1e-12)
+    # beyond the range the nearest point's rate holds
+    assert p.kernel_time("forward", 3, 1e9, 256) == pytest.approx(1e9 / 1e11, rel=1e-12)
+
+
+def test_halo_of_a_strided_layer_by_hand():
+    """Stride 2, padding 1, a 12 x 12 image over 2 x 2 ranks: the output is 6 x 6, rank 0's
+    block 3 x 3, whose windows read min(12, (3 - 1) * 2 + 3) = 7 rows and 7 columns of the
+    input, of which it holds 6 x 6. 2 samples x 3 channels x 13 halo pixels x 4 bytes = 312
+    received at 1 s/byte, and as much again with dx."""
+    layer = LayerShape("L", 2, 3, 4, 12, 12, 3, stride=2, padding=1)
+    cost = layer_cost(layer, "sample", 1, 1, profile(), P_h=2, P_w=2)
+    assert cost["comm"]["halo"] == pytest.approx(2 * 312, rel=1e-12)
+
+
+def test_conv_options_keeps_four_sided_padding():
+    from cfp.kernels.conv import conv_options
+    assert conv_options(padding=(1, 2, 0, 3))["padding"] == (1, 2, 0, 3)
+    assert conv_options(padding=(1, 2))["padding"] == (1, 2)
+
+
+def test_padding_modes_at_the_edge_pytorch_accepts():
+    """Reflection up to one less than the input, wrap-around up to the whole input, replication
+    of any size: the output shapes by hand (a 5 x 4 input, a 3 x 3 kernel)."""
+    from cfp.kernels import conv2d_output_shape
+    assert conv2d_output_shape((1, 1, 5, 4), (1, 1, 3, 3), padding=(4, 3), padding_mode="reflect") == (1, 1, 11, 8)
+    assert conv2d_output_shape((1, 1, 5, 4), (1, 1, 3, 3), padding=(1, 0), padding_mode="reflect") == (1, 1, 5, 2)
+    assert conv2d_output_shape((1, 1, 5, 4), (1, 1, 3, 3), padding=(5, 4), padding_mode="circular") == (1, 1, 13, 10)
+    assert conv2d_output_shape((1, 1, 5, 4), (1, 1, 3, 3), padding=7, padding_mode="replicate") == (1, 1, 17, 16)
+
+
+def test_alltoallv_inside_inputs_checked_sends_no_count_check():
+    """Trusted (inside comm.inputs_checked) a 2-rank alltoallv is one Alltoallv; checked, the
+    counts are agreed first (an Alltoall and an Allgather)."""
+    from cfp import comm as C
+
+    class TwoRanks:
+        calls = []
+
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 2
+
+        def Alltoall(self, send, recv):
+            self.calls.append("Alltoall")
+            recv[...] = send
+
+        def Allgather(self, send, recv):
+            self.calls.append("Allgather")
+            recv[...] = send
+
+        def Alltoallv(self, send, recv):
+            self.calls.append("Alltoallv")
+            recv[0][...] = send[0]
+
+    chunks = [np.arange(2.0), np.arange(3.0)]
+    with C.inputs_checked():
+        out = C.alltoallv(TwoRanks(), chunks, [2, 3], np.float64)
+    assert TwoRanks.calls == ["Alltoallv"] and [o.tolist() for o in out] == [[0, 1], [0, 1, 2]]
+    TwoRanks.calls.clear()
+    C.alltoallv(TwoRanks(), chunks, [2, 3], np.float64)
+    assert TwoRanks.calls == ["Alltoall", "Allgather", "Alltoallv"]

@@ -5,6 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from cfp import backend
+from cfp import comm as C
 from cfp.grid import ProcessGrid
 from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Linear, MaxPool2d, ReLU,
                     Redistribute, Residual, Sequential, SoftmaxCrossEntropy)
@@ -175,10 +176,24 @@ def test_head_linear_gather_and_loss(grids, case):
         loss_fn = SoftmaxCrossEntropy(grid)
         x_dist = DistTensor.from_global(x, layout(4, s), grid)
         sample_box = DistTensor.from_global(labels[:, None], Layout(("sample", None)), grid).local[:, 0]
-        logits = head.forward(x_dist)
-        loss, correct = loss_fn.forward(logits.local, sample_box)
-        dx = head.backward(DistTensor(loss_fn.backward(), logits.global_shape, logits.layout, grid))
+        ledger = C.CommLedger()
+        with C.use_ledger(ledger):
+            logits = head.forward(x_dist)
+            loss, correct = loss_fn.forward(logits.local, sample_box)
+            dx = head.backward(DistTensor(loss_fn.backward(), logits.global_shape, logits.layout, grid))
         out[which] = (loss, correct, dx.gather(), gather_parameter(head.modules[1].weight, grid))
+        # the ledger holds the Linear's phases and the redistribution of the logits to their
+        # prediction, forward and back (what Network.predicted_bytes reads)
+        fc, moves = head.modules[1], [m for m in head.modules if isinstance(m, Redistribute)]
+        predicted = {("fc", phase): v for phase, v in fc.predicted_bytes(8).items()}
+        predicted.update({("loss", "redistribute"): m.predicted_bytes(grid.rank, 8) for m in moves})
+        measured = {k: (t["bytes_sent"], t["bytes_received"])
+                    for k, t in ledger.totals(by=("layer", "phase")).items()}
+        assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items()),
+                         f"{which}: measured {measured}, predicted {predicted}")
+        if s and grid.shape["channel"] > 1:  # the check has something to see
+            assert_all_ranks(bool(moves) and predicted[("loss", "redistribute")] != (0, 0)
+                             and predicted[("fc", "forward")] != (0, 0), f"nothing moves: {predicted}")
     (l0, c0, dx0, dw0), (l1, c1, dx1, dw1) = out["serial"], out[spec]
     assert_close_all_ranks(np.array([l1]), np.array([l0]), 1e-12, "loss")
     assert c0 == c1
@@ -204,7 +219,6 @@ def test_network_predicts_each_convolutions_bytes():
     measures: for the data-parallel c1 (w 2x1x3x3 and b 2: 20 float64), the gradient allreduce
     at 2 ranks moves each rank's 20 - 10 values out in the reduce-scatter and 10 in the
     allgather, 160 bytes each way; at 1 rank nothing."""
-    from cfp import comm as C
     from cfp.nn import Network
     from cfp.partition import block_range
     size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
@@ -239,4 +253,29 @@ def test_flatten_refuses_a_split_image():
     spec = (grid, Layout(("sample", None, "height", None)))
     with pytest.raises(ValueError, match=r"splits the image over height; this layer needs whole images"):
         Flatten().output_spec(spec)
+    grid.free()
+
+
+def test_redistribute_predicts_what_it_moves_both_ways():
+    """A (4, 6, 2, 2) float64 activation from samples over the ranks to channels over them, and
+    its gradient back: the ledger holds both exchanges, as Redistribute.predicted_bytes says.
+    At 2 ranks by hand: rank 0 keeps samples 0-1 of channels 0-2 and sends samples 0-1 of
+    channels 3-5 (2 * 3 * 4 values, 192 bytes), receives samples 2-3 of channels 0-2 (192);
+    the gradient goes the other way: 384 bytes each way in all."""
+    size = MPI.COMM_WORLD.Get_size()
+    grid = ProcessGrid(f"sample={size}")
+    by_sample, by_channel = Layout(("sample", None, None, None)), Layout((None, "sample", None, None))
+    step = Redistribute((grid, by_sample), (grid, by_channel), name="move")
+    x = data((4, 6, 2, 2), 3)
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        y = step.forward(DistTensor.from_global(x, by_sample, grid))
+        dx = step.backward(y)
+    totals = ledger.totals(by=("layer", "phase")).get(("move", "redistribute"), {"bytes_sent": 0, "bytes_received": 0})
+    measured = (totals["bytes_sent"], totals["bytes_received"])
+    predicted = step.predicted_bytes(grid.rank, 8)
+    assert_all_ranks(measured == predicted, f"measured {measured}, predicted {predicted}")
+    if size == 2:
+        assert_all_ranks(predicted == (384, 384), f"by hand 384 each way, predicted {predicted}")
+    assert_close_all_ranks(dx.gather(), x, 1e-15, "the gradient moved back")
     grid.free()
