@@ -10,6 +10,10 @@ The report counts killed, survived, timed-out and skipped mutants and lists ever
 its source line (also in WORKDIR/report.txt).
 
   python tests/mutation/run.py [--workdir DIR] [--sample F] [--seed S] [--jobs J] [--group NAME]
+                               [--rerun REPORT]
+
+--rerun runs only the survivors a previous report lists (after tests were written for them),
+matched by module, line, column and operator; the sample does not apply to them.
 """
 import argparse
 import concurrent.futures
@@ -52,6 +56,17 @@ def load_equivalents():
             if not m:
                 raise SystemExit(f"equivalent.txt:{n}: expected 'module:line:col operator  # reason'")
             out[(m[1], int(m[2]), int(m[3]), m[4])] = m[5]
+    return out
+
+
+def load_survivors(path):
+    """{(module, line, col, operator)} of the survivors a report.txt lists."""
+    out = set()
+    with open(path) as f:
+        for raw in f:
+            m = re.match(r"\s+(\S+):(\d+):(\d+) (\S+)\s+\|", raw)
+            if m:
+                out.add((m[1], int(m[2]), int(m[3]), m[4]))
     return out
 
 
@@ -120,7 +135,7 @@ def run_group(group, cfg, args, equivalents, log):
 
     keep = re.compile("|".join(f"(?:{p})$" for p in cfg["cfp"]["operators"]))
     first_only = cfg["cfp"].get("number-replacer-first-only", True)
-    skipped = {"operator": 0, "equivalent": 0, "sample": 0}
+    skipped = {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0}
     with use_db(db, WorkDB.Mode.open) as work_db:
         for item in list(work_db.pending_work_items):
             (mut,) = item.mutations
@@ -132,6 +147,8 @@ def run_group(group, cfg, args, equivalents, log):
                 why = "operator"
             elif key in equivalents:
                 why = "equivalent"
+            elif args.rerun is not None:
+                why = None if key in args.rerun else "not a survivor"
             elif not sampled(f"{key}:{mut.occurrence}", args.sample, args.seed):
                 why = "sample"
             if why:
@@ -140,7 +157,8 @@ def run_group(group, cfg, args, equivalents, log):
                                                            worker_outcome=WorkerOutcome.SKIPPED))
         pending = len(list(work_db.pending_work_items))
     log(f"[{group['name']}] {pending} mutants to run ({skipped['operator']} outside the operator list, "
-        f"{skipped['equivalent']} equivalent, {skipped['sample']} left out by the sample)")
+        f"{skipped['equivalent']} equivalent, {skipped['sample'] + skipped['not a survivor']} left out by the "
+        f"{'sample' if args.rerun is None else 'rerun'})")
 
     t0 = time.time()
     base_rc = subprocess.run(["sh", script], capture_output=True, text=True)
@@ -158,7 +176,7 @@ def report_only(group, args):
     """The counts of a finished (or interrupted) run of GROUP in args.workdir, without running it."""
     db = os.path.join(args.workdir, group["name"], "session.sqlite")
     return collect(group, db, os.path.join(args.workdir, group["name"], "tree"), 0.0,
-                   {"operator": 0, "equivalent": 0, "sample": 0})
+                   {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0})
 
 
 def collect(group, db, tree, elapsed, skipped):
@@ -199,7 +217,12 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="groups run at once, each in its own copy")
     p.add_argument("--group", action="append", help="run only these groups (default: all)")
     p.add_argument("--report-only", action="store_true", help="report on the sessions already in --workdir")
+    p.add_argument("--rerun", metavar="REPORT", help="run only the survivors listed in this report.txt")
     args = p.parse_args(argv)
+    if args.rerun is not None:
+        args.rerun = load_survivors(args.rerun)
+        if not args.rerun:
+            raise SystemExit("--rerun: the report lists no survivors")
     args.workdir = os.path.abspath(args.workdir)
     if args.workdir == ROOT or args.workdir.startswith(ROOT + os.sep) and not args.workdir.startswith(
             os.path.join(ROOT, ".mutation")):
@@ -218,7 +241,9 @@ def main(argv=None):
             lambda g: run_group(g, cfg, args, equivalents, log))
         results = list(pool.map(work, groups))
     total = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0}
-    lines = [f"cfp mutation testing (cosmic-ray), sample {args.sample:g}, seed {args.seed}, "
+    what = f"sample {args.sample:g}, seed {args.seed}" if args.rerun is None else \
+        f"rerun of {len(args.rerun)} survivors"
+    lines = [f"cfp mutation testing (cosmic-ray), {what}, "
              f"{len(equivalents)} listed equivalent", ""]
     lines.append(f"{'group':<15}{'run':>6}{'killed':>8}{'survived':>10}{'timeout':>9}{'incompetent':>13}"
                  f"{'equivalent':>12}{'minutes':>9}")

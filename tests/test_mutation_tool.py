@@ -1,0 +1,37 @@
+"""tests/mutation/run.py, the runner behind `make mutation` (not part of CI itself): its list of
+equivalent mutants parses and points into cfp's sources, and --rerun reads a report's survivors."""
+import importlib.util
+import os
+
+_SPEC = importlib.util.spec_from_file_location(
+    "cfp_mutation_run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "mutation", "run.py"))
+run = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(run)
+
+
+def test_every_listed_equivalent_names_a_line_of_a_mutated_module():
+    equivalents = run.load_equivalents()
+    assert equivalents
+    modules = [m for g in run.load_config()["cfp"]["group"] for m in g["modules"]]
+    for (module, line, col, operator), reason in equivalents.items():
+        assert any(module == m or module.startswith(m.rstrip("/") + "/") for m in modules), module
+        with open(os.path.join(run.ROOT, module)) as f:
+            source = f.read().splitlines()
+        assert 1 <= line <= len(source) and col < len(source[line - 1]), (module, line, col)
+        assert operator.startswith("core/") and reason.strip()
+
+
+def test_rerun_reads_the_survivors_of_a_report(tmp_path):
+    report = tmp_path / "report.txt"
+    report.write_text("score: 99.0% ...\n\nsurvivors:\n"
+                      "  cfp/comm.py:416:13 core/ReplaceAndWithOr  | if p > 1 and checking():\n"
+                      "  cfp/nn/conv.py:77:45 core/NumberReplacer  | x_shape = tuple(...) | more\n")
+    assert run.load_survivors(str(report)) == {("cfp/comm.py", 416, 13, "core/ReplaceAndWithOr"),
+                                               ("cfp/nn/conv.py", 77, 45, "core/NumberReplacer")}
+
+
+def test_the_sample_is_a_fixed_fraction_of_the_mutants():
+    keys = [f"m{i}" for i in range(4000)]
+    chosen = [k for k in keys if run.sampled(k, 0.1, 0)]
+    assert 300 < len(chosen) < 500 and chosen == [k for k in keys if run.sampled(k, 0.1, 0)]
+    assert chosen != [k for k in keys if run.sampled(k, 0.1, 1)] and all(run.sampled(k, 1.0, 0) for k in keys)
