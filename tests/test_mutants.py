@@ -547,3 +547,112 @@ def test_alltoallv_inside_inputs_checked_sends_no_count_check():
     TwoRanks.calls.clear()
     C.alltoallv(TwoRanks(), chunks, [2, 3], np.float64)
     assert TwoRanks.calls == ["Alltoall", "Allgather", "Alltoallv"]
+
+
+def test_filter_groups_of_each_algorithm():
+    from cfp.partition import filter_groups_of
+    assert filter_groups_of("w", 4, 4) == 4 and filter_groups_of("w", 4, 1) == 1 and filter_groups_of("w", 4) == 2
+    assert filter_groups_of("y", 4, 2) == 4 and filter_groups_of("x", 4) == 1 and filter_groups_of("sample", 4) == 1
+    with pytest.raises(ValueError, match=r"p_f=3 does not divide the channel grid size P_c=4; expected one of \[1, 2, 4\]"):
+        filter_groups_of("w", 4, 3)
+
+
+def test_message_bytes_counts_the_backward_data_by_default():
+    """message_bytes' need_dx defaults to True, like predict_bytes': the stationary-y rank of
+    test_predict_bytes_by_hand reduce-scatters dx (1200 bytes out, 800 in)."""
+    from cfp.perfmodel import message_bytes
+    moved = {m.phase: (s, r) for m, s, r in message_bytes(
+        "y", (4, 5, 5, 5), (4, 5, 3, 3), "sample=2,channel=2", {"sample": 1, "channel": 1}, padding=1)}
+    assert moved["backward-data"] == (1200, 800) and moved["forward"] == (800, 1200)
+
+
+def test_a_grid_without_a_channel_axis_splits_no_channels():
+    """Stationary-y on 'sample=2' (no channel axis: one channel rank) gathers nothing; its
+    gradient, 4 * 5 * 9 + 4 = 184 float64, is allreduced over the 2 sample ranks: 92 values
+    out in the reduce-scatter and 92 in the allgather, 1472 bytes each way."""
+    moved = predict_bytes("y", (4, 5, 5, 5), (4, 5, 3, 3), "sample=2", {"sample": 0}, padding=1)
+    assert moved["forward"] == moved["backward-data"] == (0, 0)
+    assert moved["gradient-sync"] == (1472, 1472)
+
+
+def test_gradient_allreduce_of_a_rank_below_the_top_of_the_image():
+    """Data parallel on height=4, the rank at height 1: the 2 * 2 * 9 + 2 = 38 weights in
+    blocks of 10, 10, 9 and 9; it keeps block 1 (10), sends the other 28 in the reduce-scatter
+    and its 10 to 3 ranks in the allgather: 58 float32 each way, 232 bytes."""
+    moved = predict_bytes("sample", (2, 2, 12, 5), (2, 2, 3, 3), "height=4", {"height": 1}, padding=1, itemsize=4)
+    assert moved["gradient-sync"] == (232, 232)
+
+
+def test_redistribute_bytes_of_uneven_pieces_by_hand():
+    """A 5 x 7 tensor from rows over 2 ranks (0-2, 3-4) to columns (0-3, 4-6): rank 0 keeps rows
+    0-2 of columns 0-3 (12), sends rows 0-2 of columns 4-6 (9), receives rows 3-4 of 0-3 (8)."""
+    grid = {"sample": 2}
+    source, target = (grid, Layout(("sample", None))), (grid, Layout((None, "sample")))
+    assert redistribute_bytes((5, 7), source, target, 0) == (72, 64)
+    assert redistribute_bytes((5, 7), source, target, 1) == (64, 72)
+
+
+def test_ledger_bytes_of_every_layer_and_of_one():
+    from cfp import comm as C
+    from cfp.perfmodel import ledger_bytes
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        with C.tag(layer="c1", phase="forward"):
+            C.get_ledger().record("allgather", 2, 100, 200, 0.0)
+        with C.tag(layer="c2", phase="forward"):
+            C.get_ledger().record("allgather", 2, 10, 20, 0.0)
+        with C.tag(layer="c2", phase="gradient-sync"):
+            C.get_ledger().record("allreduce", 2, 5, 5, 0.0)
+    every = ledger_bytes(ledger)
+    assert every["forward"] == (110, 220) and every["gradient-sync"] == (5, 5) and every["halo"] == (0, 0)
+    assert ledger_bytes(ledger, "c1")["forward"] == (100, 200) and ledger_bytes(ledger, "c1")["gradient-sync"] == (0, 0)
+
+
+def test_layer_shapes_are_immutable():
+    import dataclasses
+    layer = LayerShape("L", 2, 3, 4, 5, 5, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layer.N = 4
+    assert {layer: 1}[LayerShape("L", 2, 3, 4, 5, 5, 3)] == 1
+
+
+def test_grouped_filter_parallel_activations_by_hand():
+    """groups=4 (C 8, F 12) on channel=2 under stationary-y: rank 0's 2 groups are 4 input
+    channels (2 * 4 * 25) and 6 filters (2 * 6 * 25) of activations, float32."""
+    layer = LayerShape("L", 2, 8, 12, 5, 5, 3, groups=4)
+    assert layer_cost(layer, "y", 1, 2, profile())["memory"]["activations"] == (200 + 300) * 4
+
+
+def test_gradient_group_inside_or_between_nodes():
+    """sample=2 x channel=2 on nodes of 2 ranks: the grid spans 2 nodes, so the gradient
+    allreduce (over the 2 sample ranks) is priced between nodes, at 3 s/byte against 1."""
+    layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
+    inside = layer_cost(layer, "x", 2, 2, profile(ranks_per_node=4, inter_beta=3.0))
+    between = layer_cost(layer, "x", 2, 2, profile(ranks_per_node=2, inter_beta=3.0))
+    assert inside["comm"]["gradient-sync"] > 0
+    assert between["comm"]["gradient-sync"] == pytest.approx(3 * inside["comm"]["gradient-sync"], rel=1e-12)
+
+
+def test_adam_weight_decay_of_one_by_hand():
+    """One step from p = -2 with gradient 1, lr 0.1. Adam with weight decay 1: the gradient
+    becomes 1 + 1 * (-2) = -1, and the first bias-corrected step moves p by lr * g / (|g| + eps):
+    -2 + 0.1 / (1 + 1e-8). AdamW decays p by 1 - lr * 1 first: -1.8, then steps with g = 1."""
+    from cfp.nn.module import Parameter
+    from cfp.optim import Adam, AdamW
+    for make, expected in ((lambda ps: Adam(ps, lr=0.1, weight_decay=1.0), -2 + 0.1 / (1 + 1e-8)),
+                           (lambda ps: AdamW(ps, lr=0.1, weight_decay=1.0), -1.8 - 0.1 / (1 + 1e-8))):
+        p = Parameter("p", np.array([-2.0]), (1,))
+        opt = make([p])
+        p.grad = np.array([1.0])
+        opt.step()
+        assert p.data[0] == pytest.approx(expected, rel=1e-14, abs=0)
+
+
+def test_adamw_decays_by_1e_2_by_default():
+    from cfp.nn.module import Parameter
+    from cfp.optim import AdamW
+    p = Parameter("p", np.array([-2.0]), (1,))
+    opt = AdamW([p], lr=0.1)
+    p.grad = np.array([1.0])
+    opt.step()
+    assert p.data[0] == pytest.approx(-2 * (1 - 0.1 * 1e-2) - 0.1 / (1 + 1e-8), rel=1e-14, abs=0)
