@@ -656,3 +656,133 @@ def test_adamw_decays_by_1e_2_by_default():
     p.grad = np.array([1.0])
     opt.step()
     assert p.data[0] == pytest.approx(-2 * (1 - 0.1 * 1e-2) - 0.1 / (1 + 1e-8), rel=1e-14, abs=0)
+
+
+def test_message_bytes_defaults_to_stride_1_no_padding_no_dilation_one_group():
+    """Stationary-x on channel=2, rank 0, x (3, 4, 4, 4), w (5, 4, 3, 3) with every option left
+    out: y is (3, 5, 2, 2); y's reduce-scatter sends the other's 2 filters (2 * 3 * 4 = 24
+    values) and receives 3 * 3 * 4 = 36 for its own, float64."""
+    from cfp.perfmodel import message_bytes
+    moved = {m.phase: (s, r) for m, s, r in message_bytes("x", (3, 4, 4, 4), (5, 4, 3, 3), "channel=2",
+                                                          {"channel": 0})}
+    assert moved["forward"] == (192, 288) and moved["backward-filter"] == (288, 192)
+
+
+def test_grouped_gradient_without_bias_by_hand():
+    """groups=2, w (4, 2, 3, 3) on sample=2 x channel=2 under stationary-x, no bias: each channel
+    rank owns one group, 2 filters * 2 * 9 = 36 weights, allreduced over the 2 sample ranks:
+    18 out in the reduce-scatter and 18 in the allgather, 288 bytes each way."""
+    moved = predict_bytes("x", (4, 4, 5, 5), (4, 2, 3, 3), "sample=2,channel=2", {"sample": 0, "channel": 0},
+                          padding=1, groups=2, bias=False)
+    assert moved["gradient-sync"] == (288, 288)
+
+
+def test_halo_of_an_even_kernel_goes_one_way_and_comes_back():
+    """A 2x2 kernel without padding on height=2: x (1, 1, 4, 3), output rows 0-2 in blocks 0-1
+    and 2. Rank 0's outputs read input rows 0-2, so it receives row 2 (3 values) from rank 1 and,
+    with dx, sends it back; rank 1 needs nothing: (24, 24) bytes and (24, 24)."""
+    for height, expected in ((0, (24, 24)), (1, (24, 24))):
+        moved = predict_bytes("sample", (1, 1, 4, 3), (1, 1, 2, 2), "height=2", {"height": height})
+        assert moved["halo"] == expected, height
+
+
+def test_layer_shape_pads_half_the_kernel_by_default():
+    assert LayerShape("L", 1, 1, 1, 7, 7, 5).out_hw == (7, 7)
+    assert LayerShape("L", 1, 1, 1, 7, 7, 3, dilation=2).out_hw == (7, 7)
+
+
+def test_kernel_time_of_no_work_and_of_two_number_points():
+    p = profile()
+    assert p.kernel_time("forward", 3, 0, 64) == 0.0
+    data = dict(profile().data, kernels={k: {"3": [[1e6, 1e9], [1e8, 1e11]]}
+                                         for k in ("forward", "backward-data", "backward-filter")})
+    two = MachineProfile(data)  # [flops, rate] points: no pixel count
+    assert two.kernel_time("forward", 3, 1e6, 999) == pytest.approx(1e6 / 1e9, rel=1e-12)
+    assert two.kernel_time("forward", 3, 1e8) == pytest.approx(1e8 / 1e11, rel=1e-12)
+
+
+def test_kernel_rate_at_the_smallest_measured_flops_interpolates_over_pixels():
+    """As at the largest: at exactly the smallest measured flops (1e6) but 1/16 of its pixels
+    the two points weigh 1 / (ln 16)^2 and 1 / (2 ln 10)^2."""
+    p = _rates([[1e6, 256, 1e9], [1e8, 16, 1e11]])
+    w_near, w_far = 1 / math.log(16) ** 2, 1 / (2 * math.log(10)) ** 2
+    log_rate = (w_near * math.log(1e9) + w_far * math.log(1e11)) / (w_near + w_far)
+    assert p.kernel_time("forward", 3, 1e6, 16) == pytest.approx(1e6 / math.exp(log_rate), rel=1e-12)
+
+
+def test_the_model_reads_the_kernel_rate_at_the_layers_pixels():
+    """A 2 x 3 x 5 x 5 batch, 4 filters 3x3: 10800 flops a pass over 2 * 5 * 5 = 50 output
+    pixels, exactly a measured point, so its rate (1e9) holds; the other points, at 1e6 pixels,
+    would pull any other pixel count towards 1e12."""
+    data = dict(profile().data, kernels={k: {"3": [[10800, 50, 1e9], [1e3, 1e6, 1e12], [1e9, 1e6, 1e12]]}
+                                         for k in ("forward", "backward-data", "backward-filter")})
+    cost = layer_cost(LayerShape("L", 2, 3, 4, 5, 5, 3), "sample", 1, 1, MachineProfile(data))
+    assert cost["compute"] == {k: pytest.approx(10800 / 1e9, rel=1e-12)
+                               for k in ("forward", "backward-filter", "backward-data")}
+
+
+def test_two_groups_on_two_channel_ranks_by_hand():
+    """groups=2 (C 4, F 6) on channel=2 under stationary-x: rank 0 owns group 0, 3 filters of 2
+    channels (3 * 2 * 9 = 54 weights); activations x 2 * 2 * 25 and y 2 * 3 * 25, float32."""
+    cost = layer_cost(LayerShape("L", 2, 4, 6, 5, 5, 3, groups=2), "x", 1, 2, profile())
+    assert cost["memory"]["weights"] == 54 * 4 and cost["memory"]["activations"] == (100 + 150) * 4
+
+
+def test_halo_of_a_height_split_with_a_strided_kernel_by_hand():
+    """A 1 x 1 x 8 x 6 image, K 3, stride 2, no padding, over height=2: the output is 3 x 2, rank
+    0's block 2 rows, whose windows read (2 - 1) * 2 + 3 = 5 rows of all 6 columns; it holds 4
+    rows: 6 halo values, 24 bytes in, and as much again with dx."""
+    layer = LayerShape("L", 1, 1, 1, 8, 6, 3, stride=2, padding=0)
+    cost = layer_cost(layer, "sample", 1, 1, profile(), P_h=2, P_w=1)
+    assert cost["comm"]["halo"] == pytest.approx(2 * 24, rel=1e-12)
+
+
+def test_a_first_layer_computes_no_dx_and_keeps_no_input_copy():
+    """The first layer (no dx): no backward-data time, and its temporary memory is the partial
+    y (2 * 4 * 25 float32) and three weight-sized buffers (3 * 108 * 4) and the patches
+    (2 * 25 * 3 * 9 * 4), without a dx."""
+    layer = LayerShape("L", 2, 3, 4, 5, 5, 3, first=True)
+    cost = layer_cost(layer, "sample", 1, 1, profile())
+    assert cost["compute"]["backward-data"] == 0.0 and cost["compute"]["forward"] > 0
+    assert cost["memory"]["temporary"] == 2 * 4 * 25 * 4 + 3 * 108 * 4 + 2 * 25 * 3 * 9 * 4
+
+
+def test_reflect_padding_as_wide_as_the_input_is_refused():
+    from cfp.kernels import conv2d_output_shape
+    with pytest.raises(ValueError, match=r"padding \(0, 0, 2, 2\) .* with padding_mode 'reflect' must be smaller than the input 5x2"):
+        conv2d_output_shape((1, 1, 5, 2), (1, 1, 3, 3), padding=(0, 2), padding_mode="reflect")
+
+
+def test_sgd_without_momentum_has_no_buffers_to_restore():
+    from cfp.nn.module import Parameter
+    from cfp.optim import SGD
+    p = Parameter("p", np.array([1.0]), (1,))
+    opt = SGD([p], lr=0.5)
+    p.grad = np.array([2.0])
+    opt.step()
+    assert p.data[0] == 0.0
+    again = SGD([Parameter("p", np.array([0.0]), (1,))], lr=0.5)
+    again.load_state_dict(opt.state_dict())
+
+
+def test_sgd_weight_decay_of_one_by_hand():
+    """p = 1, gradient 2, weight decay 1, lr 0.5: the step uses 2 + 1 * 1 = 3, so p = -0.5."""
+    from cfp.nn.module import Parameter
+    from cfp.optim import SGD
+    p = Parameter("p", np.array([1.0]), (1,))
+    opt = SGD([p], lr=0.5, weight_decay=1.0)
+    p.grad = np.array([2.0])
+    opt.step()
+    assert p.data[0] == -0.5
+
+
+def test_adam_defaults_and_a_zero_first_beta():
+    """Adam's default lr is 1e-3 (as torch); beta1 = 0 is allowed (m is the last gradient)."""
+    from cfp.nn.module import Parameter
+    from cfp.optim import Adam
+    p = Parameter("p", np.array([1.0]), (1,))
+    assert Adam([p]).lr == 1e-3
+    opt = Adam([p], lr=0.1, betas=(0.0, 0.999))
+    p.grad = np.array([2.0])
+    opt.step()
+    assert p.data[0] == pytest.approx(1 - 0.1 * 2 / (2 + 1e-8), rel=1e-14, abs=0)
