@@ -786,3 +786,116 @@ def test_adam_defaults_and_a_zero_first_beta():
     p.grad = np.array([2.0])
     opt.step()
     assert p.data[0] == pytest.approx(1 - 0.1 * 2 / (2 + 1e-8), rel=1e-14, abs=0)
+
+
+def test_three_groups_on_two_channel_ranks_by_hand():
+    """groups=3 (C 6, F 6) on channel=2: the busiest rank, 0, owns groups 0-1, 4 filters of 2
+    channels: 4 * 2 * 9 = 72 weights, float32."""
+    cost = layer_cost(LayerShape("L", 2, 6, 6, 5, 5, 3, groups=3), "x", 1, 2, profile())
+    assert cost["memory"]["weights"] == 72 * 4
+
+
+def test_stationary_w_column_filters_of_the_busiest_rank_by_hand():
+    """Stationary-w on channel=4, p_f=2, C 8 and F 7: rank 0 gathers the channels of its row
+    {0, 1} (4 of 8) and computes the filters of its column {0, 2}, blocks 0 and 2 of
+    [2, 2, 2, 1]: 4. Forward flops 2 * 2 * 4 * 4 * 25 * 9."""
+    cost = layer_cost(LayerShape("L", 2, 8, 7, 5, 5, 3), "w", 1, 4, profile(), p_f=2)
+    assert cost["compute"]["forward"] == pytest.approx(2 * 2 * 4 * 4 * 25 * 9 / RATE, rel=1e-12)
+
+
+def test_halo_of_a_width_split_with_a_strided_kernel_by_hand():
+    """test_halo_of_a_height_split_with_a_strided_kernel_by_hand turned on its side: 6 x 8 over
+    width=2, 5 of 8 columns read by rank 0's 2 output columns, of all 6 rows; it holds 4."""
+    layer = LayerShape("L", 1, 1, 1, 6, 8, 3, stride=2, padding=0)
+    cost = layer_cost(layer, "sample", 1, 1, profile(), P_h=1, P_w=2)
+    assert cost["comm"]["halo"] == pytest.approx(2 * 24, rel=1e-12)
+
+
+def test_conv_flops_default_to_no_padding():
+    from cfp.kernels import conv2d_flops
+    assert conv2d_flops((1, 1, 5, 5), (1, 1, 3, 3)) == 2 * 9 * 9
+
+
+def test_the_winograd_switch_runs_winograd(monkeypatch):
+    """with winograd(): a 3x3 stride-1 zero-padded layer goes by _winograd_forward, and an
+    exception inside the block still propagates (and the switch is restored)."""
+    from cfp.kernels import conv2d_forward
+    from cfp.kernels import conv as conv_module
+    calls = []
+    real = conv_module._winograd_forward
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+    monkeypatch.setattr(conv_module, "_winograd_forward", spy)
+    x, w = np.ones((1, 2, 4, 4)), np.ones((3, 2, 3, 3))
+    with conv_module.winograd():
+        conv2d_forward(x, w, padding=1)
+    assert calls == [1]
+    conv2d_forward(x, w, padding=1, padding_mode="circular")
+    assert calls == [1]
+    before = conv_module.WINOGRAD
+    with pytest.raises(KeyError):
+        with conv_module.winograd(not before):
+            raise KeyError("inside")
+    assert conv_module.WINOGRAD == before
+
+
+def test_convolutions_of_no_channels_are_zeros():
+    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+    x, w, dy = np.zeros((2, 0, 4, 4)), np.zeros((3, 0, 3, 3)), np.ones((2, 3, 4, 4))
+    np.testing.assert_array_equal(conv2d_forward(x, w, np.ones(3), padding=1), np.ones((2, 3, 4, 4)))
+    assert conv2d_backward_data(dy, w, x.shape, padding=1).shape == (2, 0, 4, 4)
+    assert conv2d_backward_filter(x, dy, w.shape, padding=1).shape == (3, 0, 3, 3)
+
+
+def test_pooling_padded_on_one_side_by_hand():
+    """(top, bottom, left, right) = (1, 0, 0, 0): max pooling of 2x2 windows, stride 2, of a 3x4
+    input gets a -inf row on top; a refusal names the padded size (with a row at the bottom)."""
+    from cfp.kernels.pool import avg_pool2d_backward, max_pool2d_forward
+    x = np.arange(12.0).reshape(1, 1, 3, 4)
+    y, _ = max_pool2d_forward(x, 2, 2, (1, 0, 0, 0))
+    np.testing.assert_array_equal(y, [[[[1.0, 3.0], [9.0, 11.0]]]])
+    with pytest.raises(ValueError, match="pooling window 5 is larger than the padded input 4x4"):
+        max_pool2d_forward(x, 5, 1, (0, 1, 0, 0))
+    # average pooling's backward defaults to no padding: each of the 4 values of a 2x2 window
+    # gets a quarter of its dy
+    np.testing.assert_array_equal(avg_pool2d_backward(np.ones((1, 1, 1, 2)), (1, 1, 2, 4), 2, 2),
+                                  np.full((1, 1, 2, 4), 0.25))
+
+
+def test_ledger_records_are_frozen_and_results_kept_only_on_request():
+    import dataclasses
+    from cfp import comm as C
+    ledger = C.CommLedger()
+    assert ledger.results is None and C.CommLedger(keep_results=True).results == []
+    with C.use_ledger(ledger):
+        C.get_ledger().record("allgather", 2, 1, 2, 0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ledger.records[0].bytes_sent = 5
+
+
+def test_agreement_ignores_only_the_free_axis():
+    """Two ranks with (3, 4) and (5, 4) blocks agree along axis 0 (the free axis) and not along
+    axis 1; (3, 4) and (3, 5) the other way round."""
+    from cfp import comm as C
+
+    class TwoRanks:
+        def __init__(self, other):
+            self.other = other
+
+        def Get_size(self):
+            return 2
+
+        def Allgather(self, mine, every):
+            every[0] = mine
+            every[1] = mine
+            every[1, 2:4] = self.other
+
+    x = np.zeros((3, 4))
+    C._agree(TwoRanks((5, 4)), x, "allgather", free_axis=0)
+    with pytest.raises(ValueError, match=r"allgather: the ranks' arrays differ in dtype or shape \(except along axis 1\)"):
+        C._agree(TwoRanks((5, 4)), x, "allgather", free_axis=1)
+    C._agree(TwoRanks((3, 5)), x, "allgather", free_axis=1)
+    with pytest.raises(ValueError, match="rank 0: \\(3, 4\\) float64; rank 1: \\(3, 5\\) float64"):
+        C._agree(TwoRanks((3, 5)), x, "allgather", free_axis=0)
