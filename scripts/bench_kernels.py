@@ -1,6 +1,8 @@
 """Time cfp's local convolution kernels (forward, backward-data, backward-filter) against PyTorch.
 
 Single process, no mpiexec: `python scripts/bench_kernels.py --threads 1 --repeats 5 [--json out.json]`.
+`--winograd 4` (or 2, or off) picks the path of the 3x3 layers; the "error" column is the largest
+difference of each pass from the float64 im2col result, relative to its largest value.
 """
 import argparse
 import platform
@@ -15,6 +17,7 @@ from cfp import cli
 from cfp.backend import blas_info, set_blas_threads
 from cfp.checks import int_options
 from cfp.io import check_writable, save_json
+from cfp.kernels import conv as conv_module
 from cfp.kernels import (
     conv2d_backward_data,
     conv2d_backward_filter,
@@ -104,6 +107,15 @@ def torch_runs(x, w, dy, padding, groups, dilation):
     }
 
 
+def largest_error(x, w, dy, padding, groups, dilation):
+    """The largest of the three passes' max |cfp - float64 im2col| / max |float64 im2col|."""
+    ours = {p: run() for p, run in cfp_runs(x, w, dy, padding, groups, dilation).items()}
+    with conv_module.winograd(False):
+        exact = {p: run() for p, run in cfp_runs(*(a.astype(np.float64) for a in (x, w, dy)),
+                                                 padding, groups, dilation).items()}
+    return max(float(np.abs(ours[p] - exact[p]).max() / np.abs(exact[p]).max()) for p in PASSES)
+
+
 def bench_shape(shape, dtype, repeats, rng):
     N, C, F, H, W, K, G, D = shape
     padding = D * (K // 2)
@@ -112,7 +124,8 @@ def bench_shape(shape, dtype, repeats, rng):
     extent = D * (K - 1) + 1
     dy = rng.standard_normal((N, F, H + 2 * padding - extent + 1, W + 2 * padding - extent + 1)).astype(dtype)
     flops = conv2d_flops(x.shape, w.shape, 1, padding, D, G)
-    row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops}
+    row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops,
+           "cfp_error": largest_error(x, w, dy, padding, G, D)}
     implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D)}
     if torch is not None:
         implementations["torch"] = torch_runs(x, w, dy, padding, G, D)
@@ -133,6 +146,7 @@ def markdown_table(rows):
     for name in names:
         header += [f"{name} fwd ms (GF/s)", f"{name} bwd-data ms (GF/s)",
                    f"{name} bwd-filter ms (GF/s)", f"{name} total ms"]
+    header.append("cfp error")
     if torch is not None:
         header.append("torch/cfp total")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -142,6 +156,7 @@ def markdown_table(rows):
             for p in PASSES:
                 cells.append(f"{row[f'{name}_{p}_s'] * 1e3:.3g} ({row[f'{name}_{p}_gflops']:.0f})")
             cells.append(f"{row[f'{name}_total_s'] * 1e3:.3g}")
+        cells.append(f"{row['cfp_error']:.1e}")
         if torch is not None:
             cells.append(f"{row['torch_over_cfp']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -157,6 +172,9 @@ def parse_args(argv):
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
                         help="N x C x F x H x W x K[gG][dD], stride 1, padding D * (K // 2) "
                              f"(default: {' '.join(DEFAULT_SHAPES)})")
+    parser.add_argument("--winograd", choices=("off", "2", "4"), default=None,
+                        help="3x3 stride-1 layers by im2col (off) or Winograd F(2x2) / F(4x4) "
+                             "(default: cfp's default, CFP_WINOGRAD)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     int_options(args, positive=("repeats", "threads"))
@@ -169,6 +187,11 @@ def main(argv=None):
         check_writable(args.json, "--json")
     shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
 
+    if args.winograd is not None:
+        conv_module.WINOGRAD = args.winograd != "off"
+        conv_module.WINOGRAD_TILE = conv_module.WINOGRAD_TILE if args.winograd == "off" else int(args.winograd)
+    path = f"Winograd F({conv_module.WINOGRAD_TILE}x{conv_module.WINOGRAD_TILE}, 3x3)" if conv_module.WINOGRAD \
+        else "im2col"
     threads = set_blas_threads(args.threads)
     if torch is not None:
         torch.set_num_threads(threads)
@@ -181,9 +204,10 @@ def main(argv=None):
         "blas": blas,
         "torch": torch.__version__ if torch is not None else None,
         "cpu": cpu_name(),
+        "3x3 path": path,
     }
     print(f"# cfp local conv kernels: threads={threads}, dtype={args.dtype}, "
-          f"median of {args.repeats} after 1 warm-up, stride 1")
+          f"median of {args.repeats} after 1 warm-up, stride 1, 3x3 layers by {path}")
     print(f"# numpy {np.__version__}, BLAS: {blas}; torch {context['torch'] or 'not installed'}; "
           f"CPU: {context['cpu']}")
     print()

@@ -90,11 +90,11 @@ def test_cases_cover_every_option():
                for c in CASES)  # asymmetric padding in a non-zero mode
 
 
-@pytest.fixture(params=[False, True], ids=["im2col", "winograd"])
+@pytest.fixture(params=[None, 2, 4], ids=["im2col", "winograd2", "winograd4"])
 def fast_path(request):
-    """Every check of the fast kernels runs on the im2col path and with Winograd F(2x2, 3x3)
-    for the 3x3 stride-1 layers."""
-    with conv_module.winograd(request.param):
+    """Every check of the fast kernels runs on the im2col path and with Winograd F(2x2, 3x3) and
+    F(4x4, 3x3) for the 3x3 stride-1 layers."""
+    with conv_module.winograd(request.param is not None, tile=request.param):
         yield request.param
 
 
@@ -236,18 +236,28 @@ def test_refuses_what_torch_refuses(torch):
     assert 50 < refused < 350  # both outcomes were tried
 
 
-def test_winograd_is_exact_in_float64_and_close_in_float32():
-    """On the benchmark's 3x3 shapes (scaled down), Winograd F(2x2, 3x3) against im2col:
-    float64 to 1e-12, float32 to 1e-5 relative."""
+@pytest.mark.parametrize("tile", [2, 4])
+def test_winograd_is_exact_in_float64_and_close_in_float32(tile):
+    """On the benchmark's 3x3 shapes (scaled down), Winograd F(2x2, 3x3) and F(4x4, 3x3)
+    against im2col, all three passes: float64 to 1e-12, float32 to 1e-5 relative."""
     rng = np.random.default_rng(9)
     for N, C, F, H in ((4, 64, 64, 32), (2, 256, 256, 16)):
         x, w = rng.standard_normal((N, C, H, H)), rng.standard_normal((F, C, 3, 3))
         dy = rng.standard_normal((N, F, H, H))
+
+        def passes(dtype):
+            a, b, d = (v.astype(dtype) for v in (x, w, dy))
+            return (conv2d_forward(a, b, padding=1), conv2d_backward_data(d, b, x.shape, padding=1),
+                    conv2d_backward_filter(a, d, w.shape, padding=1))
         with conv_module.winograd(False):
-            plain = (conv2d_forward(x, w, padding=1), conv2d_backward_data(dy, w, x.shape, padding=1))
+            plain = passes(np.float64)
         for dtype, tolerance in ((np.float64, 1e-12), (np.float32, 1e-5)):
-            with conv_module.winograd(True):
-                fast = (conv2d_forward(x.astype(dtype), w.astype(dtype), padding=1),
-                        conv2d_backward_data(dy.astype(dtype), w.astype(dtype), x.shape, padding=1))
+            with conv_module.winograd(True, tile=tile):
+                fast = passes(dtype)
             for a, b in zip(fast, plain):
                 assert a.dtype == dtype and relative_error(a.astype(np.float64), b) < tolerance
+
+
+def test_winograd_refuses_an_unknown_tile():
+    with pytest.raises(ValueError, match=r"Winograd tile 3 is not one of \[2, 4\]"):
+        conv_module.winograd(True, tile=3)

@@ -369,18 +369,27 @@ def _forward(x, w, b, g, xp):
 
 
 # ---------------------------------------------------------------------------------------------
-# Winograd F(2x2, 3x3) (Lavin and Gray, 2016): a 3x3 stride-1 convolution computed on 4x4 input
-# tiles, each giving a 2x2 output tile, with 16 multiplications per tile and channel pair where
-# direct convolution needs 36. The tiles' transforms are additions only; the 16 products are
-# batched GEMMs (tiles x C) @ (C x F), the same BLAS calls im2col makes, 2.25 times smaller. In
-# float64 the result equals direct convolution to about 1e-15 (relative); in float32 to about
-# 1e-6. Off by default: measured with NumPy and OpenBLAS on cfp's machine (BENCHMARKS.md) it is
-# 18% faster than im2col on 32x32 images with 64 channels but no faster, or slower, on 16x16
-# ones, because its transforms move four times the input through memory. Turn it on with
-# WINOGRAD = True, with winograd(), or with the environment variable CFP_WINOGRAD=1.
+# Winograd F(m x m, 3 x 3) (Lavin and Gray, 2016): a 3x3 stride-1 convolution computed on
+# (m + 2) x (m + 2) input tiles, each giving an m x m output tile, with (m + 2)^2 products per
+# tile and channel pair where direct convolution needs 9 m^2: 2.25 times fewer for m = 2, 4
+# times fewer for m = 4 (the default). Each of the three transforms (of the input tiles, of the
+# filters, of the products back to outputs) is linear in a tile's values, so each is one GEMM
+# with a small Kronecker-product matrix, (m + 2)^2 x (m + 2)^2 for the input: BLAS speed instead
+# of one pass of NumPy over memory per addition. The products are (m + 2)^2 batched GEMMs
+# (tiles x C) @ (C x F), the ones im2col makes, 4 times smaller. Backward-filter runs the same
+# tiles: dU_k = V_k^T dM_k with dM the adjoint of the output transform applied to dy's tiles,
+# and dw = G^T dU G. F(4x4) uses the points 0, 1, -1, 2, -1/2 (and infinity), whose float32
+# error is half that of 0, +-1, +-2 (measured: 4e-6 of the largest output, against 1e-5, with
+# 256 channels); float64 equals direct convolution to about 1e-14. Turn it on or off with
+# WINOGRAD, `with winograd(...)`, or CFP_WINOGRAD=1 / 0 in the environment; the plain GEMM path
+# stays one switch away.
 
 WINOGRAD = os.environ.get("CFP_WINOGRAD", "0") == "1"
-_WINOGRAD_ROWS = 1024  # tiles per block: rows of the 16 GEMMs
+WINOGRAD_TILE = 4  # m: the output tile's side, 2 or 4
+_WINOGRAD_ROWS = 256  # tiles per block: rows of the (m + 2)^2 GEMMs
+# Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
+# transform, G (m+2 x 3) the filter transform, B^T (m+2 x m+2) the input transform.
+_WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
 
 
 def _winograd_applies(g):
@@ -389,86 +398,146 @@ def _winograd_applies(g):
 
 
 class winograd:
-    """with winograd(): ... runs 3x3 stride-1 convolutions by Winograd F(2x2, 3x3);
-    winograd(False) by im2col + GEMM."""
+    """with winograd(): ... runs 3x3 stride-1 convolutions by Winograd F(m x m, 3 x 3)
+    (tile=2 or 4, default WINOGRAD_TILE); winograd(False) by im2col + GEMM."""
 
-    def __init__(self, enabled=True):
+    def __init__(self, enabled=True, tile=None):
         self.enabled = bool(enabled)
+        self.tile = WINOGRAD_TILE if tile is None else tile
+        if self.tile not in _WINOGRAD_POINTS:
+            raise ValueError(f"Winograd tile {tile!r} is not one of {sorted(_WINOGRAD_POINTS)}")
 
     def __enter__(self):
-        global WINOGRAD
-        self._before, WINOGRAD = WINOGRAD, self.enabled
+        global WINOGRAD, WINOGRAD_TILE
+        self._before = WINOGRAD, WINOGRAD_TILE
+        WINOGRAD, WINOGRAD_TILE = self.enabled, self.tile
         return self
 
     def __exit__(self, *exc):
-        global WINOGRAD
-        WINOGRAD = self._before
+        global WINOGRAD, WINOGRAD_TILE
+        WINOGRAD, WINOGRAD_TILE = self._before
         return False
 
 
-def _winograd_filters(w, xp):
-    """U = G w G^T for each filter and channel, as 16 matrices (16, C, F): one GEMM of the
-    (16, 9) Kronecker product G (x) G with the (9, F C) taps (BLAS reads w transposed)."""
-    G = xp.asarray([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]], dtype=w.dtype)
+def winograd_matrices(m):
+    """(A^T, G, B^T) of F(m, 3) as float64 NumPy arrays, built from its points (Toom-Cook): A^T
+    evaluates at the points (and keeps the leading coefficient for the point at infinity), G
+    evaluates the filter divided by the Lagrange denominators, B^T's rows are the coefficients
+    of the products of (x - p) over the other points (and of all of them), with signs that make
+    y = A^T [(G g) * (B^T d)] the correlation of d with g."""
+    import numpy as np
+    points = _WINOGRAD_POINTS[m]
+    n = m + 2
+    AT, G = np.zeros((m, n)), np.zeros((n, 3))
+    BT = np.zeros((n, n))
+    for j, p in enumerate(points):
+        AT[:, j] = [p ** i for i in range(m)]
+        others = [q for q in points if q != p]
+        G[j] = [p ** k / np.prod([p - q for q in others]) for k in range(3)]
+        # M_j(x) = prod over the other finite points of (x - q): B^T row j holds its
+        # coefficients (lowest power first), read as the correlation's input weights
+        BT[j, :n - 1] = np.polynomial.polynomial.polyfromroots(others)
+    AT[m - 1, n - 1] = G[n - 1, 2] = 1.0
+    BT[n - 1] = np.polynomial.polynomial.polyfromroots(points)
+    return AT, G, BT
+
+
+def _winograd_transforms(m, dtype, xp):
+    """The Kronecker products that transform whole tiles: B^T (x) B^T ((m+2)^2 x (m+2)^2) and
+    A^T (x) A^T (m^2 x (m+2)^2) in `dtype`, G (x) G ((m+2)^2 x 9) in float64."""
+    import numpy as np
+    AT, G, BT = winograd_matrices(m)
+    return (xp.asarray(np.kron(BT, BT), dtype=dtype), xp.asarray(np.kron(AT, AT), dtype=dtype),
+            xp.asarray(np.kron(G, G)))
+
+
+def _winograd_filters(w, G2, xp):
+    """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C, F) matrices: one GEMM
+    of G (x) G with the (9, F C) taps, in float64, then w's dtype."""
     F, C = w.shape[:2]
-    taps = xp.ascontiguousarray(w).reshape(F * C, 9)
-    U = xp.matmul(xp.kron(G, G), taps.T).reshape(16, F, C)
-    return xp.ascontiguousarray(U.transpose(0, 2, 1))  # contiguous, so that matmul calls BLAS
+    taps = xp.ascontiguousarray(w, dtype=G2.dtype).reshape(F * C, 9)
+    U = xp.matmul(G2, taps.T).reshape(-1, F, C)
+    return xp.ascontiguousarray(U.transpose(0, 2, 1), dtype=w.dtype)
 
 
-def _input_transform(rows, out):
-    """B^T d along the 4 slices `rows` (a tile's rows, or its columns), into out[0..3]."""
-    xp = get_array_module(rows[0])
-    d0, d1, d2, d3 = rows
-    xp.subtract(d0, d2, out=out[0])
-    xp.add(d1, d2, out=out[1])
-    xp.subtract(d2, d1, out=out[2])
-    xp.subtract(d1, d3, out=out[3])
+class _WinogradTiles:
+    """The input side shared by forward and backward-filter: blocks of samples of x, zero
+    padded, channel-last, cut into overlapping (m+2) x (m+2) tiles (m apart) and transformed:
+    V ((m+2)^2, tiles, C) = (B^T (x) B^T) @ d."""
+
+    def __init__(self, x, g, xp):
+        self.m = m = WINOGRAD_TILE
+        self.a = a = m + 2
+        self.x, self.g, self.xp = x, g, xp
+        self.th, self.tw = -(-g.Ho // m), -(-g.Wo // m)
+        self.Hp, self.Wp = m * self.th + 2, m * self.tw + 2  # padded so that every tile is whole
+        self.B2, self.A2, self.G2 = _winograd_transforms(m, x.dtype, xp)
+        self.step = max(1, min(g.N, _WINOGRAD_ROWS // (self.th * self.tw)))
+        tiles = self.step * self.th * self.tw
+        self.padded = _spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
+        self.channel_last = xp.empty((self.step, self.Hp, self.Wp, g.C), x.dtype)
+        self._d = xp.empty(a * a * tiles * g.C, x.dtype)
+        self._v = xp.empty(a * a * tiles * g.C, x.dtype)
+
+    def blocks(self):
+        """(start, n, V) for each block of n samples: V ((m+2)^2, n * th * tw, C)."""
+        g, xp, m, a, th, tw = self.g, self.xp, self.m, self.a, self.th, self.tw
+        for start in range(0, g.N, self.step):
+            n = min(self.step, g.N - start)
+            P = n * th * tw
+            self.padded[:n, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = self.x[start:start + n]
+            source = self.channel_last[:n]
+            source[...] = self.padded[:n].transpose(0, 2, 3, 1)
+            d = self._d[:a * a * P * g.C].reshape(a, a, n, th, tw, g.C)
+            for i in range(a):
+                for j in range(a):
+                    d[i, j] = source[:, i:i + m * (th - 1) + 1:m, j:j + m * (tw - 1) + 1:m]
+            v = self._v[:a * a * P * g.C].reshape(a * a, P * g.C)
+            xp.matmul(self.B2, d.reshape(a * a, P * g.C), out=v)
+            yield start, n, v.reshape(a * a, P, g.C)
 
 
 def _winograd_forward(x, w, g, xp, y):
-    """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(2x2, 3x3)
-    over blocks of samples. Pixel-major like im2col: channel-last tiles, so the transforms run
-    over contiguous C, and the 16 GEMMs are (tiles x C) @ (C x F)."""
-    th, tw = -(-g.Ho // 2), -(-g.Wo // 2)
-    Hp, Wp = 2 * th + 2, 2 * tw + 2  # padded so that every tile is whole
-    U = _winograd_filters(w, xp)
-    step = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw)))
-    dtype = x.dtype
-    padded = _spread_planes(xp, (step, g.C, Hp, Wp), dtype)  # the border stays zero
-    channel_last = xp.empty((step, Hp, Wp, g.C), dtype)
-    by_rows = xp.empty((4, step, th, Wp, g.C), dtype)
-    V = xp.empty((16, step * th * tw, g.C), dtype)
-    M = xp.empty((16, step * th * tw, g.F), dtype)
-    half = xp.empty((2, 4, step, th, tw, g.F), dtype)
-    tiles_out = xp.empty((step, th, 2, tw, 2, g.F), dtype)  # the output pixel-major, tile by tile
-    for start in range(0, g.N, step):
-        n = min(step, g.N - start)
+    """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(m x m,
+    3 x 3) over blocks of samples: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
+    then the outputs (A^T (x) A^T) @ M, m x m per tile."""
+    tiles = _WinogradTiles(x, g, xp)
+    m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
+    U = _winograd_filters(w, tiles.G2, xp)
+    rows = tiles.step * th * tw
+    M, Y = xp.empty(a * a * rows * g.F, x.dtype), xp.empty(m * m * rows * g.F, x.dtype)
+    for start, n, V in tiles.blocks():
         P = n * th * tw
-        padded[:n, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x[start:start + n]
-        channel_last[:n] = padded[:n].transpose(0, 2, 3, 1)
-        r = by_rows[:, :n]
-        _input_transform([channel_last[:n, i:i + 2 * th:2] for i in range(4)], r)
-        v = V[:, :P].reshape(4, 4, n, th, tw, g.C)
-        for a in range(4):
-            _input_transform([r[a][:, :, j:j + 2 * tw:2] for j in range(4)], v[a])
-        m = M[:, :P]
-        xp.matmul(V[:, :P], U, out=m)
-        m = m.reshape(4, 4, n, th, tw, g.F)
-        # Y = A^T m A with A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]: over the rows, then the columns
-        h = half[:, :, :n]
-        xp.add(m[0], m[1], out=h[0])
-        h[0] += m[2]
-        xp.subtract(m[1], m[2], out=h[1])
-        h[1] -= m[3]
-        o = tiles_out[:n]
-        for a in range(2):
-            xp.add(h[a][0], h[a][1], out=o[:, :, a, :, 0])
-            o[:, :, a, :, 0] += h[a][2]
-            xp.subtract(h[a][1], h[a][2], out=o[:, :, a, :, 1])
-            o[:, :, a, :, 1] -= h[a][3]
-        pixels = o.reshape(n, 2 * th, 2 * tw, g.F)[:, :g.Ho, :g.Wo]
-        y[start:start + n] = pixels.transpose(0, 3, 1, 2)
+        products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
+        xp.matmul(V, U, out=products)
+        out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
+        xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
+        pixels = out.reshape(m, m, n, th, tw, g.F).transpose(2, 5, 3, 0, 4, 1).reshape(n, g.F, m * th, m * tw)
+        y[start:start + n] = pixels[:, :, :g.Ho, :g.Wo]
+
+
+def _winograd_backward_filter(x, dy, g, xp):
+    """dw (F, C, 3, 3) by the forward's tiles: dy's m x m tiles (zero beyond Ho x Wo) taken back
+    through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k = V_k^T @ dM_k summed
+    over the blocks, and dw = (G (x) G)^T @ dU in float64."""
+    tiles = _WinogradTiles(x, g, xp)
+    m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
+    rows = tiles.step * th * tw
+    dy_padded = xp.zeros((tiles.step, g.F, m * th, m * tw), x.dtype)
+    dy_tiles = xp.empty(m * m * rows * g.F, x.dtype)
+    dM = xp.empty(a * a * rows * g.F, x.dtype)
+    dU, product = xp.zeros((a * a, g.C, g.F), x.dtype), xp.empty((a * a, g.C, g.F), x.dtype)
+    for start, n, V in tiles.blocks():
+        P = n * th * tw
+        dy_padded[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
+        t = dy_tiles[:m * m * P * g.F].reshape(m, m, n, th, tw, g.F)
+        t[...] = dy_padded[:n].reshape(n, g.F, th, m, tw, m).transpose(3, 5, 0, 2, 4, 1)
+        back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
+        xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
+        xp.matmul(V.transpose(0, 2, 1), back, out=product)
+        dU += product
+    dw = xp.matmul(tiles.G2.T, dU.reshape(a * a, g.C * g.F).astype(tiles.G2.dtype))  # (9, C F)
+    return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1), dtype=x.dtype)
 
 
 def _zero_padded(x, g, xp):
@@ -643,6 +712,8 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
     if g.mode != "zeros":
         x, g = _pad_input(x, g, xp)
     G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
+    if _winograd_applies(g):
+        return _winograd_backward_filter(x, dy, g, xp)
     if _is_depthwise(g):
         return _depthwise_backward_filter(x, dy, g, xp)
     if _is_pointwise(g):
