@@ -899,3 +899,137 @@ def test_agreement_ignores_only_the_free_axis():
     C._agree(TwoRanks((3, 5)), x, "allgather", free_axis=1)
     with pytest.raises(ValueError, match="rank 0: \\(3, 4\\) float64; rank 1: \\(3, 5\\) float64"):
         C._agree(TwoRanks((3, 5)), x, "allgather", free_axis=0)
+
+
+@pytest.mark.parametrize("padding,mode,message", [
+    ((5, 0), "reflect", "with padding_mode 'reflect' must be smaller than the input 5x5"),
+    ((0, 5), "reflect", "with padding_mode 'reflect' must be smaller than the input 5x5"),
+    ((6, 0), "circular", "wraps around the input 5x5 more than once"),
+    ((0, 6), "circular", "wraps around the input 5x5 more than once"),
+])
+def test_padding_too_wide_along_one_axis_is_refused(padding, mode, message):
+    from cfp.kernels import conv2d_output_shape
+    with pytest.raises(ValueError, match=message):
+        conv2d_output_shape((1, 1, 5, 5), (1, 1, 3, 3), padding=padding, padding_mode=mode)
+
+
+def test_replicate_pads_an_input_of_one_row():
+    from cfp.kernels import conv2d_forward, conv2d_output_shape
+    assert conv2d_output_shape((1, 1, 1, 4), (1, 1, 3, 3), padding=1, padding_mode="replicate") == (1, 1, 1, 4)
+    # one row 0 1 2 3, replicated above and below: each 3x3 window of ones sums 3 columns 3 times
+    y = conv2d_forward(np.arange(4.0).reshape(1, 1, 1, 4), np.ones((1, 1, 3, 3)), padding=1, padding_mode="replicate")
+    np.testing.assert_array_equal(y, [[[[3 * (0 + 0 + 1), 3 * 3, 3 * 6, 3 * (2 + 3 + 3)]]]])
+
+
+def test_ledger_reset_clears_records_and_kept_results():
+    from cfp import comm as C
+    for keep in (False, True):
+        ledger = C.CommLedger(keep_results=keep)
+        with C.use_ledger(ledger):
+            C.get_ledger().record("allgather", 2, 1, 2, 0.0, np.ones(3))
+        assert len(ledger.records) == 1 and (ledger.results is None or len(ledger.results) == 1)
+        ledger.reset()
+        assert ledger.records == [] and ledger.results == ([] if keep else None)
+
+
+def test_checking_trusts_layers_unless_asked_not_to():
+    from cfp import comm as C
+    assert C.checking() and C.checking(layer_trusted=False)
+    with C.tag(layer="c1", phase="forward"):
+        assert not C.checking() and C.checking(layer_trusted=False)
+
+
+class _Ranks:
+    """A stand-in for a communicator of `size` ranks, seen from `rank`: what each collective
+    receives from the others is scripted, and the calls are recorded."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank, self.calls = size, rank, []
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Allgather(self, mine, every):  # every rank passes what this one does
+        every[...] = mine
+
+
+def test_agreement_is_skipped_inside_inputs_checked():
+    from cfp import comm as C
+
+    class Counting(_Ranks):
+        def Allgather(self, mine, every):
+            self.calls.append("Allgather")
+            every[...] = mine
+    two = Counting(2)
+    with C.inputs_checked():
+        C._agree(two, np.zeros(3), "allgather")
+    assert two.calls == []
+    C._agree(two, np.zeros(3), "allgather")
+    assert two.calls == ["Allgather"]
+
+
+def test_displacements_of_three_blocks():
+    from cfp import comm as C
+    assert C._displacements(np.array([2, 3, 4])).tolist() == [0, 2, 5]
+
+
+def test_timer_measures_the_time_inside():
+    import time
+    from cfp import comm as C
+    with C._Timer() as t:
+        time.sleep(0.01)
+    assert 0.005 < t.seconds < 5
+
+
+def test_allgather_of_three_ranks_interleaves_the_blocks():
+    """A (2, 1) block on each of 3 ranks along axis 1 (a sample axis before it): the result is
+    (2, 3), column r from rank r, though the ranks' blocks arrive end to end."""
+    from cfp import comm as C
+
+    class Three(_Ranks):
+        def Allgatherv(self, mine, spec):
+            flat, (counts, displs) = spec
+            for r in range(3):
+                flat[displs[r]:displs[r] + counts[r]] = mine.ravel() + 10 * r
+    out = C.allgather(Three(3), np.array([[1.0], [2.0]]), axis=1, sizes=[1, 1, 1])
+    np.testing.assert_array_equal(out, [[1, 11, 21], [2, 12, 22]])
+
+
+def test_reduce_scatter_of_three_ranks_packs_each_ranks_block():
+    """Rank 1 of 3 keeps column 1 of a (2, 3) sum: its Reduce_scatter receives the packed
+    blocks' second part, which must be column 1 (2 values), not columns 1-2."""
+    from cfp import comm as C
+
+    class Three(_Ranks):
+        def Reduce_scatter(self, packed, out, counts, op=None):
+            start = int(counts[0])
+            out[...] = packed[start:start + int(counts[1])].reshape(out.shape) * 3
+    x = np.arange(6.0).reshape(2, 3)
+    out = C.reduce_scatter(Three(3, rank=1), x, axis=1, sizes=[1, 1, 1])
+    np.testing.assert_array_equal(out, 3 * x[:, 1:2])
+
+
+def test_alltoallv_needs_a_chunk_and_a_count_per_rank():
+    from cfp import comm as C
+    with pytest.raises(ValueError, match="alltoallv needs one chunk and one count per rank of a group of 2"):
+        C.alltoallv(_Ranks(2), [np.zeros(1), np.zeros(1)], [1, 1, 1], np.float64)
+    with pytest.raises(ValueError, match="alltoallv needs one chunk and one count per rank of a group of 2"):
+        C.alltoallv(_Ranks(2), [np.zeros(1)], [1, 1], np.float64)
+
+
+def test_alltoall_names_the_ranks_dtypes():
+    from cfp import comm as C
+
+    class OtherDtype(_Ranks):
+        def Alltoall(self, send, recv):
+            recv[...] = send
+
+        def Allgather(self, mine, every):
+            every[0] = mine
+            every[1] = mine
+            every[1, 0] = np.dtype(np.float32).num
+    with pytest.raises(ValueError, match="alltoall: the ranks exchange different dtypes: rank 0 float64, rank 1 float32$"):
+        C.alltoallv(OtherDtype(2), [np.zeros(1), np.zeros(1)], [1, 1], np.float64)
