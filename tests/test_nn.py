@@ -279,3 +279,18 @@ def test_redistribute_predicts_what_it_moves_both_ways():
         assert_all_ranks(predicted == (384, 384), f"by hand 384 each way, predicted {predicted}")
     assert_close_all_ranks(dx.gather(), x, 1e-15, "the gradient moved back")
     grid.free()
+
+
+def test_place_names_both_specs_when_the_input_comes_elsewhere():
+    """A layer on channel=P placed after one on sample=P: the refusal names the grid and layout
+    the input comes on and those the layer expects."""
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        pytest.skip("needs 2 ranks for two different grids")
+    by_channel, by_sample = ProcessGrid(f"channel={size}"), ProcessGrid(f"sample={size}")
+    conv = Conv2d(by_channel, 4, 4, 3, padding=1, algorithm="y", name="c2", dtype=np.float64)
+    with pytest.raises(ValueError, match=rf"c2: input on grid sample={size} with layout Layout\(sample, -, -, -\), "
+                                         rf"expected grid channel={size} with layout Layout\(sample, channel, -, -\)$"):
+        conv.place((by_sample, Layout(("sample", None, None, None))))
+    by_channel.free()
+    by_sample.free()
