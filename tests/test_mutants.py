@@ -1033,3 +1033,27 @@ def test_alltoall_names_the_ranks_dtypes():
             every[1, 0] = np.dtype(np.float32).num
     with pytest.raises(ValueError, match="alltoall: the ranks exchange different dtypes: rank 0 float64, rank 1 float32$"):
         C.alltoallv(OtherDtype(2), [np.zeros(1), np.zeros(1)], [1, 1], np.float64)
+
+
+def test_kept_bytes_before_and_after_forward():
+    from cfp.algorithms import make_conv
+    grid = _self_grid()
+    conv = make_conv("sample", grid, 2, 3, 3, padding=1)
+    assert conv.kept_bytes == 0
+    conv.forward(np.zeros((4, 2, 5, 5)), np.zeros((3, 2, 3, 3)), np.zeros(3))
+    assert conv.kept_bytes == 4 * 2 * 5 * 5 * 8
+    grid.free()
+
+
+def test_flat_shards_of_three_channel_ranks_split_back():
+    """_gather_flat's allgather of 2, 3 and 1 values (rank 0's [1, 2], the others scripted)
+    comes back as three pieces of those sizes."""
+    import types
+    from cfp.algorithms.base import ConvAlgorithm
+
+    class Three(_Ranks):
+        def Allgatherv(self, mine, spec):
+            out, (counts, displs) = spec
+            out[...] = np.arange(1.0, 7.0)
+    pieces = ConvAlgorithm._gather_flat(types.SimpleNamespace(channel_comm=Three(3)), np.array([1.0, 2.0]), [2, 3, 1])
+    assert [p.tolist() for p in pieces] == [[1, 2], [3, 4, 5], [6]]

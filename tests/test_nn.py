@@ -294,3 +294,40 @@ def test_place_names_both_specs_when_the_input_comes_elsewhere():
         conv.place((by_sample, Layout(("sample", None, None, None))))
     by_channel.free()
     by_sample.free()
+
+
+@pytest.mark.parametrize("split_image", [True, False], ids=["split", "copies"])
+def test_a_layer_on_a_height_split_grid_predicts_its_bytes(split_image):
+    """On height=P, a layer that splits the image exchanges halos and allreduces its gradient
+    over the P image ranks; one that does not (split_image=False) holds copies of the image and
+    moves what it would on one rank. Either way Conv2d.predicted_bytes is what the ledger holds."""
+    from cfp.nn import Sequential
+    size = MPI.COMM_WORLD.Get_size()
+    grid = ProcessGrid(f"height={size}")
+    conv = Conv2d(grid, 2, 3, 3, padding=1, algorithm="sample", name="c", dtype=np.float64,
+                  split_image=split_image)
+    net = Sequential(conv)
+    x = DistTensor.from_global(data((2, 2, 8, 5), 4), conv.input_spec[1], grid)
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        y = net.forward(x)
+        net.backward(DistTensor(np.ones_like(y.local), y.global_shape, y.layout, grid))
+    predicted = {("c", phase): v for phase, v in conv.predicted_bytes(8).items()}
+    measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
+    assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items()),
+                     f"measured {measured}, predicted {predicted}")
+    if size > 1:
+        moved = predicted[("c", "halo")] != (0, 0)
+        assert_all_ranks(moved == split_image, f"halo {predicted[('c', 'halo')]} with split_image={split_image}")
+    grid.free()
+
+
+def test_zero_grad_clears_every_gradient():
+    grid = ProcessGrid(f"sample={MPI.COMM_WORLD.Get_size()}")
+    conv = Conv2d(grid, 2, 3, 3, name="c", dtype=np.float64)
+    for p in conv.parameters():
+        p.grad = np.ones_like(p.data)
+    conv.zero_grad()
+    assert_all_ranks(all(p.grad is None for p in conv.parameters()) and len(conv.parameters()) == 2,
+                     "zero_grad leaves a gradient")
+    grid.free()
