@@ -1057,3 +1057,38 @@ def test_flat_shards_of_three_channel_ranks_split_back():
             out[...] = np.arange(1.0, 7.0)
     pieces = ConvAlgorithm._gather_flat(types.SimpleNamespace(channel_comm=Three(3)), np.array([1.0, 2.0]), [2, 3, 1])
     assert [p.tolist() for p in pieces] == [[1, 2], [3, 4, 5], [6]]
+
+
+def test_conv_options_defaults():
+    from cfp.kernels.conv import conv_options
+    assert conv_options() == {"stride": (1, 1), "padding": (0, 0), "dilation": (1, 1), "groups": 1,
+                              "padding_mode": "zeros"}
+
+
+@pytest.mark.parametrize("tile", [None, 2, 4])
+def test_empty_convolutions_under_every_path(tile):
+    """No channels, samples or filters, with Winograd on or off: zeros (the bias where there are
+    filters and no channels) of the right shapes."""
+    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+    from cfp.kernels import conv as conv_module
+    with conv_module.winograd(tile is not None, tile=tile):
+        for N, C, F in ((2, 0, 3), (0, 2, 3), (2, 2, 0)):
+            x, w, dy = np.ones((N, C, 4, 4)), np.ones((F, C, 3, 3)), np.ones((N, F, 4, 4))
+            np.testing.assert_array_equal(conv2d_forward(x, w, np.ones(F), padding=1),
+                                          np.ones((N, F, 4, 4)) * (C == 0))
+            np.testing.assert_array_equal(conv2d_backward_data(dy, w, x.shape, padding=1), np.zeros((N, C, 4, 4)))
+            np.testing.assert_array_equal(conv2d_backward_filter(x, dy, w.shape, padding=1), np.zeros((F, C, 3, 3)))
+
+
+def test_reference_backward_filter_defaults_to_no_padding():
+    from cfp.kernels.conv_reference import conv2d_backward_filter_loop
+    # a 3x3 kernel over a 3x3 input of ones has one output; its gradient 1 reaches every tap
+    np.testing.assert_array_equal(conv2d_backward_filter_loop(np.ones((1, 1, 3, 3)), np.ones((1, 1, 1, 1)),
+                                                              (1, 1, 3, 3)), np.ones((1, 1, 3, 3)))
+
+
+def test_max_pooling_padded_at_the_bottom_only_by_hand():
+    from cfp.kernels.pool import max_pool2d_forward
+    # rows 11..8, 7..4, 3..0 and a -inf row below: windows of rows 0-1 and of row 2 with the padding
+    y, _ = max_pool2d_forward(np.arange(12.0)[::-1].reshape(1, 1, 3, 4), 2, 2, (0, 1, 0, 0))
+    np.testing.assert_array_equal(y, [[[[11.0, 9.0], [3.0, 1.0]]]])

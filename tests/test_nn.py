@@ -331,3 +331,27 @@ def test_zero_grad_clears_every_gradient():
     assert_all_ranks(all(p.grad is None for p in conv.parameters()) and len(conv.parameters()) == 2,
                      "zero_grad leaves a gradient")
     grid.free()
+
+
+def test_residual_adds_its_body_to_the_input_by_hand():
+    """Residual(ReLU) on a (4, 3, 2, 2) tensor split by sample: y = relu(x) + x, and the
+    gradient of sum(y * dy) is dy * (x > 0) + dy."""
+    size = MPI.COMM_WORLD.Get_size()
+    grid = ProcessGrid(f"sample={size}")
+    layout = Layout(("sample", None, None, None))
+    x, dy = data((4, 3, 2, 2), 5), data((4, 3, 2, 2), 6)
+    block = Residual(Sequential(ReLU()))
+    y = block.forward(DistTensor.from_global(x, layout, grid))
+    dx = block.backward(DistTensor.from_global(dy, layout, grid))
+    assert_close_all_ranks(y.gather(), np.maximum(x, 0) + x, 1e-15, "y = relu(x) + x")
+    assert_close_all_ranks(dx.gather(), dy * (x > 0) + dy, 1e-15, "dx = dy (x > 0) + dy")
+    grid.free()
+
+
+def test_a_container_holds_its_childrens_buffers():
+    grid = ProcessGrid(f"sample={MPI.COMM_WORLD.Get_size()}")
+    net = Sequential(Conv2d(grid, 2, 3, 3, name="c", dtype=np.float64),
+                     Sequential(BatchNorm2d(grid, 3, name="bn", dtype=np.float64)))
+    names = sorted(net.buffers())
+    assert_all_ranks(len(names) == 2 and all(n.startswith("bn") for n in names), f"buffers {names}")
+    grid.free()
