@@ -1092,3 +1092,24 @@ def test_max_pooling_padded_at_the_bottom_only_by_hand():
     # rows 11..8, 7..4, 3..0 and a -inf row below: windows of rows 0-1 and of row 2 with the padding
     y, _ = max_pool2d_forward(np.arange(12.0)[::-1].reshape(1, 1, 3, 4), 2, 2, (0, 1, 0, 0))
     np.testing.assert_array_equal(y, [[[[11.0, 9.0], [3.0, 1.0]]]])
+
+
+def test_batch_norm_running_variance_of_two_values_by_hand():
+    """Two values per channel, 1 and 3: mean 2, biased variance 1, unbiased 2 (n - 1 = 1); the
+    running variance moves from 1 by momentum 0.1 towards 2: 1.1; the running mean to 0.2."""
+    from cfp.nn import BatchNorm2d
+    grid = _self_grid()
+    bn = BatchNorm2d(grid, 1, name="bn", dtype=np.float64)
+    bn.forward(np.array([1.0, 3.0]).reshape(2, 1, 1, 1))
+    assert bn.running_var.data[0] == pytest.approx(1.1, rel=1e-15)
+    assert bn.running_mean.data[0] == pytest.approx(0.2, rel=1e-15)
+    grid.free()
+
+
+def test_max_pooling_padded_on_the_right_only_by_hand():
+    from cfp.kernels.pool import max_pool2d_forward
+    # one row 3, 2, 1 and a -inf column on the right: 1x2 windows need 2 rows, so 2 rows of
+    # 5, 4, 3 over 3, 2, 1: windows of columns 0-1 and of column 2 with the padding
+    x = np.array([[[[5.0, 4.0, 3.0], [3.0, 2.0, 1.0]]]])
+    y, _ = max_pool2d_forward(x, 2, 2, (0, 0, 0, 1))
+    np.testing.assert_array_equal(y, [[[[5.0, 3.0]]]])
