@@ -244,17 +244,11 @@ def _pixel_patches(x, g, xp):
     order, so that patches @ _filter_matrices(w) is the convolution. With OpenBLAS, GEMMs on
     these pixel rows run near peak even for F = 64, where the classic (C*Kh*Kw, Ho*Wo) columns
     lose 15-25%. The buffers are reused from block to block: consume each block before asking
-    for the next. x is zero-padded here (other padding modes are applied before).
+    for the next. x is zero-padded here (other padding modes are applied before). Pointwise
+    layers (_is_pointwise) need no patches: their callers multiply x itself.
     """
     blocks = _blocks(g)
     step = blocks[0][1] if blocks else 0
-    if _is_pointwise(g):
-        # The patches are x itself, pixel-major: a transposed view of its channel-major copy
-        # (that copy moves whole rows of H*W values, a transposing one would not).
-        x_by_channel = xp.empty((g.C, step * g.H * g.W), x.dtype)
-        for start, n in blocks:
-            yield start, n, _channel_major(x, start, n, x_by_channel).T[None]
-        return
     Hp, Wp = _padded_size(g)
     G, Cg = g.G, g.C // g.G
     padded = _spread_planes(xp, (step, g.C, Hp, Wp), x.dtype)  # the border stays zero
@@ -538,16 +532,6 @@ def _winograd_backward_filter(x, dy, g, xp):
         dU += product
     dw = xp.matmul(tiles.G2.T, dU.reshape(a * a, g.C * g.F).astype(tiles.G2.dtype))  # (9, C F)
     return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1), dtype=x.dtype)
-
-
-def _zero_padded(x, g, xp):
-    """x inside a zero border of the geometry's padding: (N, C, Hp, Wp)."""
-    Hp, Wp = _padded_size(g)
-    if (Hp, Wp) == (g.H, g.W):
-        return x
-    out = xp.zeros((g.N, g.C, Hp, Wp), x.dtype)
-    out[:, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x
-    return out
 
 
 # The depthwise kernel works channel-last, on a few samples at a time: each of the Kh*Kw taps is
