@@ -1113,3 +1113,36 @@ def test_max_pooling_padded_on_the_right_only_by_hand():
     x = np.array([[[[5.0, 4.0, 3.0], [3.0, 2.0, 1.0]]]])
     y, _ = max_pool2d_forward(x, 2, 2, (0, 0, 0, 1))
     np.testing.assert_array_equal(y, [[[[5.0, 3.0]]]])
+
+
+def test_conv_geometry_defaults_to_stride_1_and_no_padding():
+    from cfp.kernels.conv import conv_geometry
+    g = conv_geometry((1, 1, 5, 6), (1, 1, 3, 3))
+    assert (g.Ho, g.Wo, g.pt, g.pb, g.pl, g.pr, g.sh, g.sw) == (3, 4, 0, 0, 0, 0, 1, 1)
+
+
+def test_replicate_cannot_pad_an_input_of_no_rows():
+    from cfp.kernels import conv2d_output_shape
+    with pytest.raises(ValueError, match="'replicate' cannot pad an empty 0x3 input"):
+        conv2d_output_shape((1, 1, 0, 3), (1, 1, 1, 1), padding=1, padding_mode="replicate")
+
+
+def test_an_undilated_kernel_too_large_is_named_without_dilation():
+    from cfp.kernels import conv2d_output_shape
+    with pytest.raises(ValueError, match=r"^kernel 3x3 does not fit the padded input 2x2 "):
+        conv2d_output_shape((1, 1, 2, 2), (1, 1, 3, 3))
+
+
+def test_reference_backward_data_defaults_to_stride_1():
+    from cfp.kernels.conv_reference import conv2d_backward_data_loop
+    # 2x2 kernel of ones over a 3x3 input, stride 1: dy of ones (2x2) reaches the centre 4 times
+    dx = conv2d_backward_data_loop(np.ones((1, 1, 2, 2)), np.ones((1, 1, 2, 2)), (1, 1, 3, 3))
+    np.testing.assert_array_equal(dx, [[[[1, 2, 1], [2, 4, 2], [1, 2, 1]]]])
+
+
+def test_pooling_windows_larger_than_one_side_are_refused():
+    from cfp.kernels.pool import max_pool2d_forward
+    with pytest.raises(ValueError, match="pooling window 3 is larger than the padded input 2x5"):
+        max_pool2d_forward(np.zeros((1, 1, 2, 5)), 3, 1)
+    with pytest.raises(ValueError, match="pooling window 5 is larger than the padded input 3x5"):
+        max_pool2d_forward(np.zeros((1, 1, 3, 4)), 5, 1, (0, 0, 0, 1))

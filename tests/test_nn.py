@@ -355,3 +355,30 @@ def test_a_container_holds_its_childrens_buffers():
     names = sorted(net.buffers())
     assert_all_ranks(len(names) == 2 and all(n.startswith("bn") for n in names), f"buffers {names}")
     grid.free()
+
+
+def test_a_non_square_kernels_weight_gathers_whole():
+    """A 3x1 kernel under stationary-y on channel=P: ConvAlgorithm.gather_weight (the channel
+    ranks' flat shards) equals the parameter's blocks assembled by their index sets."""
+    size = MPI.COMM_WORLD.Get_size()
+    grid = ProcessGrid(f"channel={size}")
+    conv = Conv2d(grid, 4, 5, (3, 1), padding=(1, 0), algorithm="y", name="c", dtype=np.float64)
+    whole = conv.conv.gather_weight(conv.weight.data)
+    assert_close_all_ranks(whole, gather_parameter(conv.weight, grid, "data"), 1e-15, "the gathered weight")
+    grid.free()
+
+
+def test_a_sequential_refuses_an_input_on_another_grid():
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        pytest.skip("needs 2 ranks for two different grids")
+    by_channel, by_sample = ProcessGrid(f"channel={size}"), ProcessGrid(f"sample={size}")
+    from cfp.nn import Sequential
+    net = Sequential(Conv2d(by_channel, 4, 4, 3, padding=1, algorithm="y", name="c2", dtype=np.float64))
+    x = DistTensor.from_global(data((size, 4, 3, 3), 7), Layout(("sample", None, None, None)), by_sample)
+    with pytest.raises(ValueError, match=rf"input arrives on grid sample={size} with layout Layout\(sample, -, -, -\), "
+                                         rf"expected grid channel={size} with layout Layout\(sample, channel, -, -\) "
+                                         rf"\(call place\(\) on the model to insert the Redistribute\)$"):
+        net.forward(x)
+    by_channel.free()
+    by_sample.free()
