@@ -26,8 +26,9 @@ def test_rerun_reads_the_survivors_of_a_report(tmp_path):
     report.write_text("score: 99.0% ...\n\nsurvivors:\n"
                       "  cfp/comm.py:416:13 core/ReplaceAndWithOr  | if p > 1 and checking():\n"
                       "  cfp/nn/conv.py:77:45 core/NumberReplacer  | x_shape = tuple(...) | more\n")
-    assert run.load_survivors(str(report)) == {("cfp/comm.py", 416, 13, "core/ReplaceAndWithOr"),
-                                               ("cfp/nn/conv.py", 77, 45, "core/NumberReplacer")}
+    assert run.load_survivors(str(report)) == {
+        ("cfp/comm.py", 13, "core/ReplaceAndWithOr", "if p > 1 and checking():"),
+        ("cfp/nn/conv.py", 45, "core/NumberReplacer", "x_shape = tuple(...) | more")}
 
 
 def test_the_sample_is_a_fixed_fraction_of_the_mutants():

@@ -13,7 +13,8 @@ its source line (also in WORKDIR/report.txt).
                                [--rerun REPORT]
 
 --rerun runs only the survivors a previous report lists (after tests were written for them),
-matched by module, line, column and operator; the sample does not apply to them.
+matched by module, column, operator and the text of their line (so edits above them do not
+lose them); the sample does not apply to them.
 """
 import argparse
 import concurrent.futures
@@ -60,13 +61,14 @@ def load_equivalents():
 
 
 def load_survivors(path):
-    """{(module, line, col, operator)} of the survivors a report.txt lists."""
+    """{(module, col, operator, source line)} of the survivors a report.txt lists: matched by
+    the line's text, not its number, so that they are found again after edits above them."""
     out = set()
     with open(path) as f:
         for raw in f:
-            m = re.match(r"\s+(\S+):(\d+):(\d+) (\S+)\s+\|", raw)
+            m = re.match(r"\s+(\S+):(\d+):(\d+) (\S+)\s+\| (.*)$", raw.rstrip("\n"))
             if m:
-                out.add((m[1], int(m[2]), int(m[3]), m[4]))
+                out.add((m[1], int(m[3]), m[4], m[5].strip()))
     return out
 
 
@@ -81,6 +83,15 @@ def copy_tree(dest):
             continue  # deleted in the working tree
         os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
         shutil.copy2(src, os.path.join(dest, rel))
+
+
+def source_line(tree, module, row, _cache={}):
+    """Line `row` of `module` in the mutated copy, stripped."""
+    if module not in _cache:
+        with open(os.path.join(tree, module)) as f:
+            _cache[module] = f.read().splitlines()
+    lines = _cache[module]
+    return lines[row - 1].strip() if 0 < row <= len(lines) else ""
 
 
 def test_script(group, tree, notorch):
@@ -148,7 +159,8 @@ def run_group(group, cfg, args, equivalents, log):
             elif key in equivalents:
                 why = "equivalent"
             elif args.rerun is not None:
-                why = None if key in args.rerun else "not a survivor"
+                line = source_line(tree, key[0], row)
+                why = None if (key[0], col, key[3], line) in args.rerun else "not a survivor"
             elif not sampled(f"{key}:{mut.occurrence}", args.sample, args.seed):
                 why = "sample"
             if why:
