@@ -1146,3 +1146,42 @@ def test_pooling_windows_larger_than_one_side_are_refused():
         max_pool2d_forward(np.zeros((1, 1, 2, 5)), 3, 1)
     with pytest.raises(ValueError, match="pooling window 5 is larger than the padded input 3x5"):
         max_pool2d_forward(np.zeros((1, 1, 3, 4)), 5, 1, (0, 0, 0, 1))
+
+
+def test_activation_layout_splits_only_the_axes_the_grid_splits():
+    from cfp.algorithms.base import activation_layout
+    one = {"sample": 2, "height": 1, "width": 1, "channel": 1}
+    assert activation_layout(one, "channel") == Layout(("sample", "channel", None, None))
+    assert activation_layout(dict(one, height=2), None) == Layout(("sample", None, "height", None))
+    assert activation_layout(dict(one, width=2), None) == Layout(("sample", None, None, "width"))
+
+
+def test_a_linear_layer_called_on_its_own_by_hand():
+    """Outside a container (no input_shape): y = x w^T + b for the (n, C) input."""
+    from cfp.nn import Linear
+    grid = _self_grid()
+    fc = Linear(grid, 3, 2, algorithm="sample", dtype=np.float64)
+    fc.weight.data[...] = np.arange(6.0).reshape(2, 3, 1, 1)
+    fc.bias.data[...] = [1.0, -1.0]
+    y = fc.forward(np.array([[1.0, 0.0, 2.0]]))
+    np.testing.assert_array_equal(y, [[0 + 0 + 4 + 1, 3 + 0 + 10 - 1]])
+    grid.free()
+
+
+def test_reflect_padding_of_a_one_row_input_along_its_columns():
+    """Reflection along W of a 1 x 3 input (nothing to reflect along H): no division by a zero
+    period, and the columns 1 | 0 1 2 | 1 by hand."""
+    import warnings
+    from cfp.kernels import conv2d_forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = conv2d_forward(np.array([[[[0.0, 1.0, 2.0]]]]), np.ones((1, 1, 1, 3)), padding=(0, 1),
+                           padding_mode="reflect")
+    np.testing.assert_array_equal(y, [[[[1 + 0 + 1, 0 + 1 + 2, 1 + 2 + 1]]]])
+
+
+def test_reference_backward_filter_defaults_to_stride_1():
+    from cfp.kernels.conv_reference import conv2d_backward_filter_loop
+    # a 3x3 kernel over a 4x4 input of ones at stride 1 has 2x2 outputs: each tap sums 4 ones
+    np.testing.assert_array_equal(conv2d_backward_filter_loop(np.ones((1, 1, 4, 4)), np.ones((1, 1, 2, 2)),
+                                                              (1, 1, 3, 3)), np.full((1, 1, 3, 3), 4.0))
