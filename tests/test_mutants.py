@@ -1185,3 +1185,27 @@ def test_reference_backward_filter_defaults_to_stride_1():
     # a 3x3 kernel over a 4x4 input of ones at stride 1 has 2x2 outputs: each tap sums 4 ones
     np.testing.assert_array_equal(conv2d_backward_filter_loop(np.ones((1, 1, 4, 4)), np.ones((1, 1, 2, 2)),
                                                               (1, 1, 3, 3)), np.full((1, 1, 3, 3), 4.0))
+
+
+def test_backward_data_of_one_pixel_by_hand():
+    from cfp.kernels import conv2d_backward_data
+    dx = conv2d_backward_data(np.full((1, 1, 1, 1), 3.0), np.full((1, 1, 1, 1), 2.0), (1, 1, 1, 1))
+    np.testing.assert_array_equal(dx, [[[[6.0]]]])
+
+
+def test_a_residual_block_on_bare_arrays_by_hand():
+    """Without layouts (NumPy blocks): y = relu(x) + x, dx = dy (x > 0) + dy."""
+    from cfp.nn import ReLU, Residual, Sequential
+    x, dy = np.array([[-1.0, 2.0]]), np.array([[10.0, 20.0]])
+    block = Residual(Sequential(ReLU()))
+    np.testing.assert_array_equal(block.forward(x), [[-1.0, 4.0]])
+    np.testing.assert_array_equal(block.backward(dy), [[10.0, 40.0]])
+
+
+def test_conv2d_default_seed_is_0():
+    from cfp.nn import Conv2d
+    grid = _self_grid()
+    a, b = Conv2d(grid, 2, 3, 3, name="c"), Conv2d(grid, 2, 3, 3, name="c", seed=0)
+    np.testing.assert_array_equal(a.weight.data, b.weight.data)
+    assert not np.array_equal(a.weight.data, Conv2d(grid, 2, 3, 3, name="c", seed=1).weight.data)
+    grid.free()

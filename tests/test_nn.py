@@ -349,12 +349,14 @@ def test_residual_adds_its_body_to_the_input_by_hand():
     grid.free()
 
 
-def test_a_container_holds_its_childrens_buffers():
+def test_a_container_holds_its_childrens_buffers_and_parameters():
     grid = ProcessGrid(f"sample={MPI.COMM_WORLD.Get_size()}")
     net = Sequential(Conv2d(grid, 2, 3, 3, name="c", dtype=np.float64),
                      Sequential(BatchNorm2d(grid, 3, name="bn", dtype=np.float64)))
     names = sorted(net.buffers())
     assert_all_ranks(len(names) == 2 and all(n.startswith("bn") for n in names), f"buffers {names}")
+    params = [p.name for p in net.parameters()]
+    assert_all_ranks(len(params) == 4 and params[:2] == ["c.weight", "c.bias"], f"parameters {params}")
     grid.free()
 
 
@@ -425,4 +427,23 @@ def test_pooling_an_unsplit_image_exchanges_nothing():
         y = pool.forward(x)
         pool.backward(DistTensor(np.ones_like(y.local), y.global_shape, y.layout, grid))
     assert_all_ranks(ledger.records == [], f"pooling moved {ledger.records}")
+    grid.free()
+
+
+def test_placing_a_sequential_again_gives_the_same_steps():
+    """A data-parallel convolution (whole channels) then a stationary-y one (split channels) on
+    channel=P: place() inserts one Redistribute between them, and placing again starts afresh
+    (the old one dropped, the same steps again, the last layer kept)."""
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        pytest.skip("needs 2 ranks for a Redistribute between the layers")
+    grid = ProcessGrid(f"channel={size}")
+    net = Sequential(Conv2d(grid, 2, 4, 3, padding=1, algorithm="sample", name="c1", dtype=np.float64),
+                     Conv2d(grid, 4, 4, 3, padding=1, algorithm="y", name="c2", dtype=np.float64))
+    spec = (grid, Layout(("sample", None, None, None)))
+    net.place(spec)
+    first = [type(m).__name__ for m in net.modules]
+    net.place(spec)
+    again = [type(m).__name__ for m in net.modules]
+    assert_all_ranks(first == again == ["Conv2d", "Redistribute", "Conv2d"], f"{first} then {again}")
     grid.free()
