@@ -1209,3 +1209,51 @@ def test_conv2d_default_seed_is_0():
     np.testing.assert_array_equal(a.weight.data, b.weight.data)
     assert not np.array_equal(a.weight.data, Conv2d(grid, 2, 3, 3, name="c", seed=1).weight.data)
     grid.free()
+
+
+def test_halo_plan_of_two_empty_output_blocks_by_hand():
+    # 2x3 input, 3x3 kernel, padding 1: 2 output rows over 4 height ranks, 1, 1, 0 and 0.
+    from cfp.algorithms.base import halo_plan
+    plan = halo_plan((1, 1, 2, 3), Layout(("sample", None, "height", "width")),
+                     (("sample", 1), ("height", 4), ("width", 1)), (3, 3), (("padding", 1),))
+    assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0), (1, range(0, 2), 0, 1),
+                                       (0, range(0), 0, 0), (0, range(0), 0, 0)]
+
+
+def test_check_input_names_a_weight_or_bias_of_another_dtype():
+    from cfp.algorithms import make_conv
+    grid = _self_grid()
+    conv = make_conv("sample", grid, 1, 2, 3)
+    x = np.zeros((1, 1, 4, 4))
+    with pytest.raises(ValueError, match="weight shard has dtype float32, x has float64; expected one dtype for both"):
+        conv.check_input(x, np.zeros((2, 1, 3, 3), np.float32), np.zeros(2))
+    with pytest.raises(ValueError, match="bias shard has dtype float32, x has float64"):
+        conv.check_input(x, np.zeros((2, 1, 3, 3)), np.zeros(2, np.float32))
+    grid.free()
+
+
+def test_depthwise_blocks_of_samples_with_a_short_last_one():
+    """32 channels of 62x62 (64x64 padded) make blocks of 2 samples: with 3 samples the last
+    block has 1. The result equals the samples convolved one at a time."""
+    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((3, 32, 62, 62)), rng.standard_normal((32, 1, 3, 3))
+    dy = rng.standard_normal((3, 32, 62, 62))
+    kw = {"padding": 1, "groups": 32}
+    y = conv2d_forward(x, w, **kw)
+    dx = conv2d_backward_data(dy, w, x.shape, **kw)
+    dw = conv2d_backward_filter(x, dy, w.shape, **kw)
+    for n in range(3):
+        np.testing.assert_allclose(y[n:n + 1], conv2d_forward(x[n:n + 1], w, **kw), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dx[n:n + 1], conv2d_backward_data(dy[n:n + 1], w, x[n:n + 1].shape, **kw),
+                                   rtol=1e-12, atol=1e-12)
+    dw_each = sum(conv2d_backward_filter(x[n:n + 1], dy[n:n + 1], w.shape, **kw) for n in range(3))
+    np.testing.assert_allclose(dw, dw_each, rtol=1e-10, atol=1e-10)
+
+
+def test_pooling_refusals_name_the_padded_size_with_top_or_left_padding():
+    from cfp.kernels.pool import max_pool2d_forward
+    with pytest.raises(ValueError, match="pooling window 5 is larger than the padded input 4x4"):
+        max_pool2d_forward(np.zeros((1, 1, 3, 4)), 5, 1, (1, 0, 0, 0))
+    with pytest.raises(ValueError, match="pooling window 5 is larger than the padded input 3x5"):
+        max_pool2d_forward(np.zeros((1, 1, 3, 4)), 5, 1, (0, 0, 1, 0))

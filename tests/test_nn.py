@@ -357,6 +357,9 @@ def test_a_container_holds_its_childrens_buffers_and_parameters():
     assert_all_ranks(len(names) == 2 and all(n.startswith("bn") for n in names), f"buffers {names}")
     params = [p.name for p in net.parameters()]
     assert_all_ranks(len(params) == 4 and params[:2] == ["c.weight", "c.bias"], f"parameters {params}")
+    net.eval()
+    assert_all_ranks(not any(m.training for m in (net, net.modules[0], net.modules[1], net.modules[1].modules[0])),
+                     "eval() reaches every child")
     grid.free()
 
 
@@ -446,4 +449,19 @@ def test_placing_a_sequential_again_gives_the_same_steps():
     net.place(spec)
     again = [type(m).__name__ for m in net.modules]
     assert_all_ranks(first == again == ["Conv2d", "Redistribute", "Conv2d"], f"{first} then {again}")
+    grid.free()
+
+
+def test_a_redistribute_refuses_an_input_from_elsewhere():
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        pytest.skip("needs 2 ranks for two different placements")
+    from cfp.nn import Redistribute
+    grid = ProcessGrid(f"sample={size}")
+    by_sample, by_channel = Layout(("sample", None, None, None)), Layout((None, "sample", None, None))
+    step = Redistribute((grid, by_sample), (grid, Layout.replicated(4)), name="move")
+    x = DistTensor.from_global(data((size, size, 2, 2), 3), by_channel, grid)
+    with pytest.raises(ValueError, match=rf"move: input on grid sample={size} with layout Layout\(-, sample, -, -\), "
+                                         rf"this step moves grid sample={size} layout Layout\(sample, -, -, -\)$"):
+        step.forward(x)
     grid.free()
