@@ -1257,3 +1257,59 @@ def test_pooling_refusals_name_the_padded_size_with_top_or_left_padding():
         max_pool2d_forward(np.zeros((1, 1, 3, 4)), 5, 1, (1, 0, 0, 0))
     with pytest.raises(ValueError, match="pooling window 5 is larger than the padded input 3x5"):
         max_pool2d_forward(np.zeros((1, 1, 3, 4)), 5, 1, (0, 0, 1, 0))
+
+
+def test_winograd_over_blocks_of_tall_narrow_images():
+    """17 samples of 64x4 (16 x 1 tiles of F(4x4)) go 16 to a block, the last block 1: against
+    im2col in float64."""
+    from cfp.kernels import conv2d_backward_filter, conv2d_forward
+    from cfp.kernels import conv as conv_module
+    rng = np.random.default_rng(4)
+    x, w, dy = rng.standard_normal((17, 2, 64, 4)), rng.standard_normal((3, 2, 3, 3)), rng.standard_normal((17, 3, 64, 4))
+    with conv_module.winograd(False):
+        y0, dw0 = conv2d_forward(x, w, padding=1), conv2d_backward_filter(x, dy, w.shape, padding=1)
+    with conv_module.winograd(True, tile=4):
+        y1, dw1 = conv2d_forward(x, w, padding=1), conv2d_backward_filter(x, dy, w.shape, padding=1)
+    np.testing.assert_allclose(y1, y0, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dw1, dw0, rtol=1e-11, atol=1e-11)
+
+
+def test_an_input_of_no_rows_padded_into_outputs():
+    """x of 0 rows padded by one above and below: a 1x1 kernel gives 2 output rows of the bias,
+    and the gradients are empty and zero."""
+    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
+    x, w, dy = np.zeros((1, 1, 0, 3)), np.ones((2, 1, 1, 1)), np.ones((1, 2, 2, 3))
+    np.testing.assert_array_equal(conv2d_forward(x, w, np.array([1.0, 2.0]), padding=(1, 0)),
+                                  np.array([1.0, 2.0]).reshape(1, 2, 1, 1) * np.ones((1, 2, 2, 3)))
+    assert conv2d_backward_data(dy, w, x.shape, padding=(1, 0)).shape == (1, 1, 0, 3)
+    np.testing.assert_array_equal(conv2d_backward_filter(x, dy, w.shape, padding=(1, 0)), np.zeros((2, 1, 1, 1)))
+
+
+def test_a_too_small_image_names_its_height_and_width():
+    from cfp.algorithms.base import check_image_fits, halo_plan
+    plan = halo_plan((1, 1, 1, 5), Layout(("sample", None, "height", None)),
+                     (("sample", 1), ("height", 2), ("width", 1)), (1, 1), ())
+    with pytest.raises(ValueError, match=r"^c1: an input of 1x5 gives 1 output rows, too few for the 2 ranks of the "
+                                         r"height axis of grid height=2"):
+        check_image_fits(plan, (1, 1, 1, 5), "height=2", "c1")
+
+
+def test_a_linear_layers_default_seed_is_0():
+    from cfp.nn import Linear
+    grid = _self_grid()
+    a, b = Linear(grid, 3, 2, name="fc"), Linear(grid, 3, 2, name="fc", seed=0)
+    np.testing.assert_array_equal(a.weight.data, b.weight.data)
+    assert not np.array_equal(a.weight.data, Linear(grid, 3, 2, name="fc", seed=1).weight.data)
+    grid.free()
+
+
+def test_relu_passes_no_gradient_at_zero():
+    from cfp.nn import ReLU
+    relu = ReLU()
+    relu.forward(np.array([-1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(relu.backward(np.ones(3)), [0.0, 0.0, 1.0])
+
+
+def test_a_parameter_without_layout_is_written_by_every_rank():
+    from cfp.nn.module import Parameter
+    assert Parameter("p", np.zeros(2), (2,)).primary

@@ -270,6 +270,15 @@ def test_redistribute_predicts_what_it_moves_both_ways():
     ledger = C.CommLedger()
     with C.use_ledger(ledger):
         y = step.forward(DistTensor.from_global(x, by_sample, grid))
+    forward_only = step.predicted_bytes(grid.rank, 8)
+    forward_measured = ledger.totals(by=("layer", "phase")).get(("move", "redistribute"),
+                                                               {"bytes_sent": 0, "bytes_received": 0})
+    assert_all_ranks(forward_only == (forward_measured["bytes_sent"], forward_measured["bytes_received"]),
+                     f"after forward only: predicted {forward_only}, measured {forward_measured}")
+    if size == 2:
+        assert_all_ranks(forward_only == ((192, 96) if grid.rank == 0 else (96, 192)),
+                         f"forward only by hand, predicted {forward_only}")
+    with C.use_ledger(ledger):
         dx = step.backward(y)
     totals = ledger.totals(by=("layer", "phase")).get(("move", "redistribute"), {"bytes_sent": 0, "bytes_received": 0})
     measured = (totals["bytes_sent"], totals["bytes_received"])
@@ -357,9 +366,11 @@ def test_a_container_holds_its_childrens_buffers_and_parameters():
     assert_all_ranks(len(names) == 2 and all(n.startswith("bn") for n in names), f"buffers {names}")
     params = [p.name for p in net.parameters()]
     assert_all_ranks(len(params) == 4 and params[:2] == ["c.weight", "c.bias"], f"parameters {params}")
+    everything = (net, net.modules[0], net.modules[1], net.modules[1].modules[0])
     net.eval()
-    assert_all_ranks(not any(m.training for m in (net, net.modules[0], net.modules[1], net.modules[1].modules[0])),
-                     "eval() reaches every child")
+    assert_all_ranks(not any(m.training for m in everything), "eval() reaches every child")
+    net.train()
+    assert_all_ranks(all(m.training for m in everything), "train() reaches every child")
     grid.free()
 
 

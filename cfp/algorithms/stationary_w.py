@@ -23,7 +23,6 @@ class StationaryW(ConvAlgorithm):
     def __init__(self, grid, in_channels, out_channels, kernel_size, **kwargs):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)
         P_c, c = self.P_c, grid.coord("channel")
-        self.q = P_c // self.p_f
         self.row_comm, self.column_comm = grid.row_and_column_comms(self.p_f)
         self.row_channel_sizes = [block_size(self.C, P_c, k) for k in gather_group(c, P_c, self.p_f)]
         self.column_filter_sizes = [block_size(self.F, P_c, k) for k in scatter_group(c, P_c, self.p_f)]
