@@ -1313,3 +1313,14 @@ def test_relu_passes_no_gradient_at_zero():
 def test_a_parameter_without_layout_is_written_by_every_rank():
     from cfp.nn.module import Parameter
     assert Parameter("p", np.zeros(2), (2,)).primary
+
+
+@pytest.mark.parametrize("layout", [Layout(("channel", None, None, None)), Layout((None, "channel", None, None)),
+                                    Layout(("sample", "channel", None, None), partial=("height",))],
+                         ids=["channel-first", "no-sample", "partial"])
+def test_batch_norm_refuses_a_layout_not_split_by_sample_first(layout):
+    from cfp.nn import BatchNorm2d
+    grid = _self_grid()
+    with pytest.raises(ValueError, match="bn: batch norm takes NCHW activations split by sample"):
+        BatchNorm2d(grid, 2, layout=layout, name="bn")
+    grid.free()

@@ -476,3 +476,27 @@ def test_a_redistribute_refuses_an_input_from_elsewhere():
                                          rf"this step moves grid sample={size} layout Layout\(sample, -, -, -\)$"):
         step.forward(x)
     grid.free()
+
+
+def test_flatten_refuses_split_channels():
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        pytest.skip("needs 2 ranks to split the channels")
+    grid = ProcessGrid(f"channel={size}")
+    with pytest.raises(ValueError, match=r"splits the image over channel; this layer needs whole images"):
+        Flatten().place((grid, Layout(("sample", "channel", None, None))))
+    grid.free()
+
+
+def test_loss_and_accuracy_of_one_sample_on_many_ranks_by_hand():
+    """One sample, logits (0, ln 3) for 2 classes and label 1, on sample=P: the other ranks hold
+    no sample. The loss is ln(1 + 3) - ln 3 and the one prediction is right."""
+    import math
+    size = MPI.COMM_WORLD.Get_size()
+    grid = ProcessGrid(f"sample={size}")
+    logits = DistTensor.from_global(np.array([[0.0, math.log(3.0)]]), Layout(("sample", None)), grid).local
+    labels = np.array([1])[:len(logits)]
+    loss, correct = SoftmaxCrossEntropy(grid).forward(logits, labels)
+    assert_all_ranks(abs(loss - (math.log(4.0) - math.log(3.0))) < 1e-15 and correct == 1,
+                     f"loss {loss}, correct {correct}")
+    grid.free()
