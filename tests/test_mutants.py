@@ -564,6 +564,8 @@ def test_message_bytes_counts_the_backward_data_by_default():
     moved = {m.phase: (s, r) for m, s, r in message_bytes(
         "y", (4, 5, 5, 5), (4, 5, 3, 3), "sample=2,channel=2", {"sample": 1, "channel": 1}, padding=1)}
     assert moved["backward-data"] == (1200, 800) and moved["forward"] == (800, 1200)
+    # bias=True by default: the 2 filters' 90 weights and 2 biases, 46 out and 46 back
+    assert moved["gradient-sync"] == (736, 736)
 
 
 def test_a_grid_without_a_channel_axis_splits_no_channels():
@@ -1324,3 +1326,16 @@ def test_batch_norm_refuses_a_layout_not_split_by_sample_first(layout):
     with pytest.raises(ValueError, match="bn: batch norm takes NCHW activations split by sample"):
         BatchNorm2d(grid, 2, layout=layout, name="bn")
     grid.free()
+
+
+def test_gradient_allreduce_of_a_rank_right_of_the_first_column_block():
+    """test_gradient_allreduce_of_a_rank_below_the_top_of_the_image along the width: the rank
+    at width 1 of 4 keeps block 1 (10) of the 38 weights: 58 float32 each way, 232 bytes."""
+    moved = predict_bytes("sample", (2, 2, 5, 12), (2, 2, 3, 3), "width=4", {"width": 1}, padding=1, itemsize=4)
+    assert moved["gradient-sync"] == (232, 232)
+
+
+def test_adamw_default_learning_rate_is_1e_3():
+    from cfp.nn.module import Parameter
+    from cfp.optim import AdamW
+    assert AdamW([Parameter("p", np.zeros(1), (1,))]).lr == 1e-3
