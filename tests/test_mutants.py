@@ -1339,3 +1339,17 @@ def test_adamw_default_learning_rate_is_1e_3():
     from cfp.nn.module import Parameter
     from cfp.optim import AdamW
     assert AdamW([Parameter("p", np.zeros(1), (1,))]).lr == 1e-3
+
+
+def test_batch_norm_backward_in_eval_mode_by_hand():
+    """Eval mode normalises by the running statistics (mean 0, variance 1 at the start): with
+    weight 2, dx = dy * 2 / sqrt(1 + 1e-5)."""
+    from cfp.nn import BatchNorm2d
+    grid = _self_grid()
+    bn = BatchNorm2d(grid, 1, name="bn", dtype=np.float64)
+    bn.weight.data[...] = 2.0
+    bn.eval()
+    bn.forward(np.array([1.0, 3.0]).reshape(2, 1, 1, 1))
+    dx = bn.backward(np.array([1.0, -1.0]).reshape(2, 1, 1, 1))
+    np.testing.assert_allclose(dx.ravel(), np.array([1.0, -1.0]) * 2 / math.sqrt(1 + 1e-5), rtol=1e-15)
+    grid.free()
