@@ -1353,3 +1353,34 @@ def test_batch_norm_backward_in_eval_mode_by_hand():
     dx = bn.backward(np.array([1.0, -1.0]).reshape(2, 1, 1, 1))
     np.testing.assert_allclose(dx.ravel(), np.array([1.0, -1.0]) * 2 / math.sqrt(1 + 1e-5), rtol=1e-15)
     grid.free()
+
+
+def test_groups_must_divide_the_filters_too():
+    from cfp.algorithms import make_conv
+    grid = _self_grid()
+    with pytest.raises(ValueError, match="groups=2 must divide in_channels=4 and out_channels=3"):
+        make_conv("sample", grid, 4, 3, 3, groups=2)
+    with pytest.raises(ValueError, match="groups=2 must divide in_channels=3 and out_channels=4"):
+        make_conv("sample", grid, 3, 4, 3, groups=2)
+    grid.free()
+
+
+def test_backward_refuses_a_dy_of_another_dtype():
+    from cfp.algorithms import make_conv
+    grid = _self_grid()
+    conv = make_conv("sample", grid, 1, 2, 3, padding=1)
+    conv.forward(np.zeros((1, 1, 4, 4)), np.zeros((2, 1, 3, 3)), np.zeros(2))
+    with pytest.raises(ValueError, match=r"dy block has shape \(1, 2, 4, 4\) and dtype float32; expected \(1, 2, 4, 4\) float64"):
+        conv.backward(np.zeros((1, 2, 4, 4), np.float32))
+    grid.free()
+
+
+def test_a_networks_plan_description_by_hand():
+    from cfp.nn import Conv2d, GlobalAvgPool2d, Linear, Network
+    grid = _self_grid()
+    net = Network([Conv2d(grid, 1, 2, 3, algorithm="sample", input_whole=True, name="c1"), GlobalAvgPool2d(),
+                   Linear(grid, 2, 3, algorithm="sample", name="fc")], grids=None,
+                  layers={"c1": {"grid": "sample=1", "algorithm": "sample", "filter_groups": None},
+                          "fc": {"grid": "sample=1", "algorithm": "w", "filter_groups": 1}})
+    assert net.describe_plan() == "  c1: grid sample=1, algorithm sample\n  fc: grid sample=1, algorithm w p_f=1"
+    grid.free()

@@ -380,7 +380,7 @@ def _forward(x, w, b, g, xp):
 
 WINOGRAD = os.environ.get("CFP_WINOGRAD", "0") == "1"
 WINOGRAD_TILE = 4  # m: the output tile's side, 2 or 4
-_WINOGRAD_ROWS = 256  # tiles per block: rows of the (m + 2)^2 GEMMs
+_WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 # Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
 # transform, G (m+2 x 3) the filter transform, B^T (m+2 x m+2) the input transform.
 _WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
@@ -438,7 +438,8 @@ def winograd_matrices(m):
 
 def _winograd_transforms(m, dtype, xp):
     """The Kronecker products that transform whole tiles: B^T (x) B^T ((m+2)^2 x (m+2)^2) and
-    A^T (x) A^T (m^2 x (m+2)^2) in `dtype`, G (x) G ((m+2)^2 x 9) in float64."""
+    A^T (x) A^T (m^2 x (m+2)^2) in `dtype`, G (x) G ((m+2)^2 x 9) in float64 (the filters' GEMMs
+    take it in their dtype)."""
     import numpy as np
     AT, G, BT = winograd_matrices(m)
     return (xp.asarray(np.kron(BT, BT), dtype=dtype), xp.asarray(np.kron(AT, AT), dtype=dtype),
@@ -447,11 +448,11 @@ def _winograd_transforms(m, dtype, xp):
 
 def _winograd_filters(w, G2, xp):
     """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C, F) matrices: one GEMM
-    of G (x) G with the (9, F C) taps, in float64, then w's dtype."""
+    of G (x) G with the taps laid out (9, C F), in w's dtype, so U comes out in the layout the
+    products' GEMMs read."""
     F, C = w.shape[:2]
-    taps = xp.ascontiguousarray(w, dtype=G2.dtype).reshape(F * C, 9)
-    U = xp.matmul(G2, taps.T).reshape(-1, F, C)
-    return xp.ascontiguousarray(U.transpose(0, 2, 1), dtype=w.dtype)
+    taps = xp.ascontiguousarray(w.reshape(F, C, 9).transpose(2, 1, 0))  # (9, C, F)
+    return xp.matmul(G2.astype(w.dtype), taps.reshape(9, C * F)).reshape(-1, C, F)
 
 
 class _WinogradTiles:
@@ -513,25 +514,29 @@ def _winograd_forward(x, w, g, xp, y):
 def _winograd_backward_filter(x, dy, g, xp):
     """dw (F, C, 3, 3) by the forward's tiles: dy's m x m tiles (zero beyond Ho x Wo) taken back
     through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k = V_k^T @ dM_k summed
-    over the blocks, and dw = (G (x) G)^T @ dU in float64."""
+    over the blocks, and dw = (G (x) G)^T @ dU."""
     tiles = _WinogradTiles(x, g, xp)
     m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
     rows = tiles.step * th * tw
-    dy_padded = xp.zeros((tiles.step, g.F, m * th, m * tw), x.dtype)
+    # dy's block channel-last (through planes an odd number of cache lines apart, as x's), zero
+    # beyond Ho x Wo, so that the tiles' gather runs over contiguous F
+    dy_planes = _spread_planes(xp, (tiles.step, g.F, m * th, m * tw), x.dtype)
+    dy_last = xp.empty((tiles.step, m * th, m * tw, g.F), x.dtype)
     dy_tiles = xp.empty(m * m * rows * g.F, x.dtype)
     dM = xp.empty(a * a * rows * g.F, x.dtype)
     dU, product = xp.zeros((a * a, g.C, g.F), x.dtype), xp.empty((a * a, g.C, g.F), x.dtype)
     for start, n, V in tiles.blocks():
         P = n * th * tw
-        dy_padded[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
+        dy_planes[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
+        dy_last[:n] = dy_planes[:n].transpose(0, 2, 3, 1)
         t = dy_tiles[:m * m * P * g.F].reshape(m, m, n, th, tw, g.F)
-        t[...] = dy_padded[:n].reshape(n, g.F, th, m, tw, m).transpose(3, 5, 0, 2, 4, 1)
+        t[...] = dy_last[:n].reshape(n, th, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
         back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
         xp.matmul(V.transpose(0, 2, 1), back, out=product)
         dU += product
-    dw = xp.matmul(tiles.G2.T, dU.reshape(a * a, g.C * g.F).astype(tiles.G2.dtype))  # (9, C F)
-    return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1), dtype=x.dtype)
+    dw = xp.matmul(tiles.G2.T.astype(x.dtype), dU.reshape(a * a, g.C * g.F))  # (9, C F)
+    return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1))
 
 
 # The depthwise kernel works channel-last, on a few samples at a time: each of the Kh*Kw taps is
