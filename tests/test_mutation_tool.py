@@ -36,3 +36,11 @@ def test_the_sample_is_a_fixed_fraction_of_the_mutants():
     chosen = [k for k in keys if run.sampled(k, 0.1, 0)]
     assert 300 < len(chosen) < 500 and chosen == [k for k in keys if run.sampled(k, 0.1, 0)]
     assert chosen != [k for k in keys if run.sampled(k, 0.1, 1)] and all(run.sampled(k, 1.0, 0) for k in keys)
+
+
+def test_since_reads_the_changed_lines_of_a_diff():
+    diff = ("diff --git a/cfp/comm.py b/cfp/comm.py\n--- a/cfp/comm.py\n+++ b/cfp/comm.py\n"
+            "@@ -10,2 +10,3 @@ def f():\n-a\n-b\n+a\n+b\n+c\n@@ -40 +41 @@\n-x\n+y\n"
+            "@@ -50,2 +51,0 @@\n-gone\n-gone\n"
+            "diff --git a/cfp/old.py b/cfp/old.py\n--- a/cfp/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-z\n")
+    assert run.diff_lines(diff) == {"cfp/comm.py": {10, 11, 12, 41}}

@@ -10,9 +10,10 @@ The report counts killed, survived, timed-out and skipped mutants and lists ever
 its source line (also in WORKDIR/report.txt).
 
   python tests/mutation/run.py [--workdir DIR] [--sample F] [--seed S] [--jobs J] [--group NAME]
-                               [--rerun REPORT]
+                               [--rerun REPORT] [--since REV]
 
---rerun runs only the survivors a previous report lists (after tests were written for them),
+--since REV runs only the mutants on lines changed since git revision REV (mutation-test what a
+change touched). --rerun runs only the survivors a previous report lists (after tests were written for them),
 matched by module, column, operator and the text of their line (so edits above them do not
 lose them); the sample does not apply to them.
 """
@@ -85,6 +86,27 @@ def copy_tree(dest):
         shutil.copy2(src, os.path.join(dest, rel))
 
 
+def changed_lines(rev, modules):
+    """{module path: set of line numbers} added or changed since git revision `rev`."""
+    diff = subprocess.run(["git", "diff", "-U0", rev, "--", *modules], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    return diff_lines(diff)
+
+
+def diff_lines(diff):
+    """{path: the new side's line numbers} of each hunk of a `git diff -U0`."""
+    out = {}
+    path = None
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            path = line[6:] if line.startswith("+++ b/") else None
+        m = re.match(r"@@ -\S+ \+(\d+)(?:,(\d+))? @@", line)
+        if m and path:
+            start, count = int(m[1]), int(m[2] or 1)
+            out.setdefault(path, set()).update(range(start, start + count))
+    return out
+
+
 def source_line(tree, module, row, _cache={}):
     """Line `row` of `module` in the mutated copy, stripped."""
     if module not in _cache:
@@ -146,7 +168,7 @@ def run_group(group, cfg, args, equivalents, log):
 
     keep = re.compile("|".join(f"(?:{p})$" for p in cfg["cfp"]["operators"]))
     first_only = cfg["cfp"].get("number-replacer-first-only", True)
-    skipped = {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0}
+    skipped = {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0, "unchanged": 0}
     with use_db(db, WorkDB.Mode.open) as work_db:
         for item in list(work_db.pending_work_items):
             (mut,) = item.mutations
@@ -158,6 +180,8 @@ def run_group(group, cfg, args, equivalents, log):
                 why = "operator"
             elif key in equivalents:
                 why = "equivalent"
+            elif args.since is not None and row not in args.changed.get(key[0], ()):
+                why = "unchanged"
             elif args.rerun is not None:
                 line = source_line(tree, key[0], row)
                 why = None if (key[0], col, key[3], line) in args.rerun else "not a survivor"
@@ -170,7 +194,7 @@ def run_group(group, cfg, args, equivalents, log):
         pending = len(list(work_db.pending_work_items))
     log(f"[{group['name']}] {pending} mutants to run ({skipped['operator']} outside the operator list, "
         f"{skipped['equivalent']} equivalent, {skipped['sample'] + skipped['not a survivor']} left out by the "
-        f"{'sample' if args.rerun is None else 'rerun'})")
+        f"{'sample' if args.rerun is None else 'rerun'}, {skipped['unchanged']} on unchanged lines)")
 
     t0 = time.time()
     base_rc = subprocess.run(["sh", script], capture_output=True, text=True)
@@ -188,7 +212,7 @@ def report_only(group, args):
     """The counts of a finished (or interrupted) run of GROUP in args.workdir, without running it."""
     db = os.path.join(args.workdir, group["name"], "session.sqlite")
     return collect(group, db, os.path.join(args.workdir, group["name"], "tree"), 0.0,
-                   {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0})
+                   {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0, "unchanged": 0})
 
 
 def collect(group, db, tree, elapsed, skipped):
@@ -230,6 +254,7 @@ def main(argv=None):
     p.add_argument("--group", action="append", help="run only these groups (default: all)")
     p.add_argument("--report-only", action="store_true", help="report on the sessions already in --workdir")
     p.add_argument("--rerun", metavar="REPORT", help="run only the survivors listed in this report.txt")
+    p.add_argument("--since", metavar="REV", help="run only the mutants on lines changed since this git revision")
     args = p.parse_args(argv)
     if args.rerun is not None:
         args.rerun = load_survivors(args.rerun)
@@ -242,6 +267,8 @@ def main(argv=None):
     cfg = load_config()
     equivalents = load_equivalents()
     groups = [g for g in cfg["cfp"]["group"] if not args.group or g["name"] in args.group]
+    if args.since is not None:
+        args.changed = changed_lines(args.since, [m for g in groups for m in g["modules"]])
     os.makedirs(args.workdir, exist_ok=True)
 
     def log(msg):
@@ -255,6 +282,8 @@ def main(argv=None):
     total = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0}
     what = f"sample {args.sample:g}, seed {args.seed}" if args.rerun is None else \
         f"rerun of {len(args.rerun)} survivors"
+    if args.since is not None:
+        what += f", lines changed since {args.since}"
     lines = [f"cfp mutation testing (cosmic-ray), {what}, "
              f"{len(equivalents)} listed equivalent", ""]
     lines.append(f"{'group':<15}{'run':>6}{'killed':>8}{'survived':>10}{'timeout':>9}{'incompetent':>13}"
