@@ -329,7 +329,7 @@ def test_conv_padding_as_four_sides_and_its_refusals():
     assert conv2d_output_shape((1, 1, 3, 3), (1, 1, 3, 3), padding=(0, 0, 1, 1)) == (1, 1, 1, 3)
     # all ones: the three windows cover 6, 9 and 6 ones
     y = conv2d_forward(np.ones((1, 1, 3, 3)), np.ones((1, 1, 3, 3)), padding=(0, 0, 1, 1))
-    np.testing.assert_array_equal(y, [[[[6.0, 9.0, 6.0]]]])
+    np.testing.assert_allclose(y, [[[[6.0, 9.0, 6.0]]]], rtol=1e-13)  # Winograd rounds 1e-16 off
     # replicate padding of an input of no columns has nothing to replicate, with rows or not
     with pytest.raises(ValueError, match="'replicate' cannot pad an empty 3x0 input"):
         conv2d_output_shape((1, 1, 3, 0), (1, 1, 1, 1), padding=1, padding_mode="replicate")
@@ -833,9 +833,14 @@ def test_the_winograd_switch_runs_winograd(monkeypatch):
     x, w = np.ones((1, 2, 4, 4)), np.ones((3, 2, 3, 3))
     with conv_module.winograd():
         conv2d_forward(x, w, padding=1)
-    assert calls == [1]
-    conv2d_forward(x, w, padding=1, padding_mode="circular")
-    assert calls == [1]
+        assert calls == [1]
+        conv2d_forward(x, w, padding=1, padding_mode="circular")  # padded first, then Winograd
+        assert calls == [1, 1]
+        conv2d_forward(x, w, padding=1, stride=2)  # not stride 2
+        assert calls == [1, 1]
+    with conv_module.winograd(False):
+        conv2d_forward(x, w, padding=1)
+    assert calls == [1, 1]
     before = conv_module.WINOGRAD
     with pytest.raises(KeyError):
         with conv_module.winograd(not before):
@@ -920,7 +925,7 @@ def test_replicate_pads_an_input_of_one_row():
     assert conv2d_output_shape((1, 1, 1, 4), (1, 1, 3, 3), padding=1, padding_mode="replicate") == (1, 1, 1, 4)
     # one row 0 1 2 3, replicated above and below: each 3x3 window of ones sums 3 columns 3 times
     y = conv2d_forward(np.arange(4.0).reshape(1, 1, 1, 4), np.ones((1, 1, 3, 3)), padding=1, padding_mode="replicate")
-    np.testing.assert_array_equal(y, [[[[3 * (0 + 0 + 1), 3 * 3, 3 * 6, 3 * (2 + 3 + 3)]]]])
+    np.testing.assert_allclose(y, [[[[3 * (0 + 0 + 1), 3 * 3, 3 * 6, 3 * (2 + 3 + 3)]]]], rtol=1e-13)
 
 
 def test_ledger_reset_clears_records_and_kept_results():

@@ -374,11 +374,12 @@ def _forward(x, w, b, g, xp):
 # tiles: dU_k = V_k^T dM_k with dM the adjoint of the output transform applied to dy's tiles,
 # and dw = G^T dU G. F(4x4) uses the points 0, 1, -1, 2, -1/2 (and infinity), whose float32
 # error is half that of 0, +-1, +-2 (measured: 4e-6 of the largest output, against 1e-5, with
-# 256 channels); float64 equals direct convolution to about 1e-14. Turn it on or off with
-# WINOGRAD, `with winograd(...)`, or CFP_WINOGRAD=1 / 0 in the environment; the plain GEMM path
-# stays one switch away.
+# 256 channels); float64 equals direct convolution to about 1e-14. On by default (measured on
+# cfp's machine, BENCHMARKS.md: 1.1-1.5 times PyTorch's oneDNN on the 3x3 benchmark shapes,
+# where im2col gives 0.8); the plain GEMM path stays one switch away: WINOGRAD = False,
+# `with winograd(False)`, or CFP_WINOGRAD=0 in the environment.
 
-WINOGRAD = os.environ.get("CFP_WINOGRAD", "0") == "1"
+WINOGRAD = os.environ.get("CFP_WINOGRAD", "1") == "1"
 WINOGRAD_TILE = 4  # m: the output tile's side, 2 or 4
 _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 # Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
