@@ -173,8 +173,8 @@ def parse_args(argv):
                         help="N x C x F x H x W x K[gG][dD], stride 1, padding D * (K // 2) "
                              f"(default: {' '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--winograd", choices=("off", "2", "4"), default=None,
-                        help="3x3 stride-1 layers by im2col (off) or Winograd F(2x2) / F(4x4) "
-                             "(default: cfp's default, CFP_WINOGRAD)")
+                        help="3x3 stride-1 layers by im2col (off) or Winograd F(2x2) / F(4x4) in "
+                             "every dtype (default: cfp's, F(4x4) in float32 and im2col in float64)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     int_options(args, positive=("repeats", "threads"))
@@ -190,8 +190,8 @@ def main(argv=None):
     if args.winograd is not None:
         conv_module.WINOGRAD = args.winograd != "off"
         conv_module.WINOGRAD_TILE = conv_module.WINOGRAD_TILE if args.winograd == "off" else int(args.winograd)
-    path = f"Winograd F({conv_module.WINOGRAD_TILE}x{conv_module.WINOGRAD_TILE}, 3x3)" if conv_module.WINOGRAD \
-        else "im2col"
+    tile = f"Winograd F({conv_module.WINOGRAD_TILE}x{conv_module.WINOGRAD_TILE}, 3x3)"
+    path = {True: tile, False: "im2col"}.get(conv_module.WINOGRAD, f"{tile} in float32, im2col in float64")
     threads = set_blas_threads(args.threads)
     if torch is not None:
         torch.set_num_threads(threads)

@@ -819,8 +819,9 @@ def test_conv_flops_default_to_no_padding():
 
 
 def test_the_winograd_switch_runs_winograd(monkeypatch):
-    """with winograd(): a 3x3 stride-1 zero-padded layer goes by _winograd_forward, and an
-    exception inside the block still propagates (and the switch is restored)."""
+    """with winograd(): a 3x3 stride-1 layer goes by _winograd_forward (after any padding mode),
+    with winograd(None), the default, only in float32; an exception inside the block still
+    propagates (and the switch is restored)."""
     from cfp.kernels import conv2d_forward
     from cfp.kernels import conv as conv_module
     calls = []
@@ -841,6 +842,11 @@ def test_the_winograd_switch_runs_winograd(monkeypatch):
     with conv_module.winograd(False):
         conv2d_forward(x, w, padding=1)
     assert calls == [1, 1]
+    with conv_module.winograd(None):  # the default: float32 layers only
+        conv2d_forward(x, w, padding=1)
+        assert calls == [1, 1]
+        conv2d_forward(x.astype(np.float32), w.astype(np.float32), padding=1)
+        assert calls == [1, 1, 1]
     before = conv_module.WINOGRAD
     with pytest.raises(KeyError):
         with conv_module.winograd(not before):

@@ -12,6 +12,7 @@ even when F is small; samples go through in blocks whose patches are still in ca
 GEMM reads them (the patches of a whole mini-batch would be Kh*Kw times the size of x); the
 stride-1 backward-data pass is a forward convolution, so it needs no col2im.
 """
+import functools
 import operator
 import os
 from collections import namedtuple
@@ -341,7 +342,7 @@ def _forward(x, w, b, g, xp):
     if g.mode != "zeros":
         x, g = _pad_input(x, g, xp)
     y = xp.empty((g.N, g.F, g.Ho * g.Wo), dtype)
-    if _winograd_applies(g):
+    if _winograd_applies(g, dtype):
         _winograd_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _is_depthwise(g):
         _depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
@@ -374,12 +375,14 @@ def _forward(x, w, b, g, xp):
 # tiles: dU_k = V_k^T dM_k with dM the adjoint of the output transform applied to dy's tiles,
 # and dw = G^T dU G. F(4x4) uses the points 0, 1, -1, 2, -1/2 (and infinity), whose float32
 # error is half that of 0, +-1, +-2 (measured: 4e-6 of the largest output, against 1e-5, with
-# 256 channels); float64 equals direct convolution to about 1e-14. On by default (measured on
-# cfp's machine, BENCHMARKS.md: 1.1-1.5 times PyTorch's oneDNN on the 3x3 benchmark shapes,
-# where im2col gives 0.8); the plain GEMM path stays one switch away: WINOGRAD = False,
-# `with winograd(False)`, or CFP_WINOGRAD=0 in the environment.
+# 256 channels); float64 equals direct convolution to about 1e-14. By default (WINOGRAD = None)
+# float32 layers take it (measured on cfp's machine, BENCHMARKS.md: 1.1-1.5 times PyTorch's
+# oneDNN on the 3x3 benchmark shapes, where im2col gives 0.8) and float64 layers, the dtype of
+# verification, stay on im2col (exact to rounding, and faster there in float64). WINOGRAD = True
+# (`with winograd()`, CFP_WINOGRAD=1) takes it for every dtype, False (`winograd(False)`,
+# CFP_WINOGRAD=0) for none: the plain GEMM path stays one switch away.
 
-WINOGRAD = os.environ.get("CFP_WINOGRAD", "1") == "1"
+WINOGRAD = {"1": True, "0": False}.get(os.environ.get("CFP_WINOGRAD", ""))
 WINOGRAD_TILE = 4  # m: the output tile's side, 2 or 4
 _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 # Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
@@ -387,17 +390,19 @@ _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 _WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
 
 
-def _winograd_applies(g):
-    return WINOGRAD and (g.Kh, g.Kw, g.sh, g.sw, g.dh, g.dw, g.G) == (3, 3, 1, 1, 1, 1, 1) \
+def _winograd_applies(g, dtype):
+    wanted = WINOGRAD if WINOGRAD is not None else dtype == "float32"
+    return wanted and (g.Kh, g.Kw, g.sh, g.sw, g.dh, g.dw, g.G) == (3, 3, 1, 1, 1, 1, 1) \
         and g.N * g.C * g.F > 0 and g.mode == "zeros"
 
 
 class winograd:
-    """with winograd(): ... runs 3x3 stride-1 convolutions by Winograd F(m x m, 3 x 3)
-    (tile=2 or 4, default WINOGRAD_TILE); winograd(False) by im2col + GEMM."""
+    """with winograd(): ... runs 3x3 stride-1 convolutions of every dtype by Winograd F(m x m,
+    3 x 3) (tile=2 or 4, default WINOGRAD_TILE); winograd(False) by im2col + GEMM;
+    winograd(None) as by default (float32 by Winograd, float64 by im2col)."""
 
     def __init__(self, enabled=True, tile=None):
-        self.enabled = bool(enabled)
+        self.enabled = None if enabled is None else bool(enabled)
         self.tile = WINOGRAD_TILE if tile is None else tile
         if self.tile not in _WINOGRAD_POINTS:
             raise ValueError(f"Winograd tile {tile!r} is not one of {sorted(_WINOGRAD_POINTS)}")
@@ -414,6 +419,7 @@ class winograd:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def winograd_matrices(m):
     """(A^T, G, B^T) of F(m, 3) as float64 NumPy arrays, built from its points (Toom-Cook): A^T
     evaluates at the points (and keeps the leading coefficient for the point at infinity), G
@@ -434,9 +440,12 @@ def winograd_matrices(m):
         BT[j, :n - 1] = np.polynomial.polynomial.polyfromroots(others)
     AT[m - 1, n - 1] = G[n - 1, 2] = 1.0
     BT[n - 1] = np.polynomial.polynomial.polyfromroots(points)
+    for a in (AT, G, BT):
+        a.setflags(write=False)  # cached: shared by every call
     return AT, G, BT
 
 
+@functools.lru_cache(maxsize=64)
 def _winograd_transforms(m, dtype, xp):
     """The Kronecker products that transform whole tiles: B^T (x) B^T ((m+2)^2 x (m+2)^2) and
     A^T (x) A^T (m^2 x (m+2)^2) in `dtype`, G (x) G ((m+2)^2 x 9) in float64 (the filters' GEMMs
@@ -467,7 +476,7 @@ class _WinogradTiles:
         self.x, self.g, self.xp = x, g, xp
         self.th, self.tw = -(-g.Ho // m), -(-g.Wo // m)
         self.Hp, self.Wp = m * self.th + 2, m * self.tw + 2  # padded so that every tile is whole
-        self.B2, self.A2, self.G2 = _winograd_transforms(m, x.dtype, xp)
+        self.B2, self.A2, self.G2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
         self.step = max(1, min(g.N, _WINOGRAD_ROWS // (self.th * self.tw)))
         tiles = self.step * self.th * self.tw
         self.padded = _spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
@@ -702,7 +711,7 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
     if g.mode != "zeros":
         x, g = _pad_input(x, g, xp)
     G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
-    if _winograd_applies(g):
+    if _winograd_applies(g, dtype):
         return _winograd_backward_filter(x, dy, g, xp)
     if _is_depthwise(g):
         return _depthwise_backward_filter(x, dy, g, xp)
