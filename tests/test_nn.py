@@ -89,6 +89,14 @@ def fit(p_f, grid):
     return p_f if p_f is not None and grid.axis_size("channel") % p_f == 0 else None
 
 
+def ranks_at_least_two(why):
+    """The world's size; the test skips (saying why) on one rank."""
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        pytest.skip(why)
+    return size
+
+
 def data(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape)
 
@@ -294,9 +302,7 @@ def test_redistribute_predicts_what_it_moves_both_ways():
 def test_place_names_both_specs_when_the_input_comes_elsewhere():
     """A layer on channel=P placed after one on sample=P: the refusal names the grid and layout
     the input comes on and those the layer expects."""
-    size = MPI.COMM_WORLD.Get_size()
-    if size == 1:
-        pytest.skip("needs 2 ranks for two different grids")
+    size = ranks_at_least_two("needs 2 ranks for two different grids")
     by_channel, by_sample = ProcessGrid(f"channel={size}"), ProcessGrid(f"sample={size}")
     conv = Conv2d(by_channel, 4, 4, 3, padding=1, algorithm="y", name="c2", dtype=np.float64)
     with pytest.raises(ValueError, match=rf"c2: input on grid sample={size} with layout Layout\(sample, -, -, -\), "
@@ -386,9 +392,7 @@ def test_a_non_square_kernels_weight_gathers_whole():
 
 
 def test_a_sequential_refuses_an_input_on_another_grid():
-    size = MPI.COMM_WORLD.Get_size()
-    if size == 1:
-        pytest.skip("needs 2 ranks for two different grids")
+    size = ranks_at_least_two("needs 2 ranks for two different grids")
     by_channel, by_sample = ProcessGrid(f"channel={size}"), ProcessGrid(f"sample={size}")
     from cfp.nn import Sequential
     net = Sequential(Conv2d(by_channel, 4, 4, 3, padding=1, algorithm="y", name="c2", dtype=np.float64))
@@ -407,9 +411,7 @@ def test_a_residual_merge_is_walked_and_its_bytes_predicted():
     walk() visits, and Network.predicted_bytes holds its bytes and the body's, as the ledger."""
     from cfp.nn import Network
     from cfp.nn.containers import walk
-    size = MPI.COMM_WORLD.Get_size()
-    if size == 1:
-        pytest.skip("needs 2 ranks: on one every layout is the same placement")
+    size = ranks_at_least_two("needs 2 ranks: on one every layout is the same placement")
     grid = ProcessGrid(f"channel={size}")
     first = Conv2d(grid, 1, 4, 3, padding=1, algorithm="y", input_whole=True, need_dx=False, name="c1",
                    dtype=np.float64)
@@ -448,9 +450,7 @@ def test_placing_a_sequential_again_gives_the_same_steps():
     """A data-parallel convolution (whole channels) then a stationary-y one (split channels) on
     channel=P: place() inserts one Redistribute between them, and placing again starts afresh
     (the old one dropped, the same steps again, the last layer kept)."""
-    size = MPI.COMM_WORLD.Get_size()
-    if size == 1:
-        pytest.skip("needs 2 ranks for a Redistribute between the layers")
+    size = ranks_at_least_two("needs 2 ranks for a Redistribute between the layers")
     grid = ProcessGrid(f"channel={size}")
     net = Sequential(Conv2d(grid, 2, 4, 3, padding=1, algorithm="sample", name="c1", dtype=np.float64),
                      Conv2d(grid, 4, 4, 3, padding=1, algorithm="y", name="c2", dtype=np.float64))
@@ -464,9 +464,7 @@ def test_placing_a_sequential_again_gives_the_same_steps():
 
 
 def test_a_redistribute_refuses_an_input_from_elsewhere():
-    size = MPI.COMM_WORLD.Get_size()
-    if size == 1:
-        pytest.skip("needs 2 ranks for two different placements")
+    size = ranks_at_least_two("needs 2 ranks for two different placements")
     from cfp.nn import Redistribute
     grid = ProcessGrid(f"sample={size}")
     by_sample, by_channel = Layout(("sample", None, None, None)), Layout((None, "sample", None, None))
@@ -479,9 +477,7 @@ def test_a_redistribute_refuses_an_input_from_elsewhere():
 
 
 def test_flatten_refuses_split_channels():
-    size = MPI.COMM_WORLD.Get_size()
-    if size == 1:
-        pytest.skip("needs 2 ranks to split the channels")
+    size = ranks_at_least_two("needs 2 ranks to split the channels")
     grid = ProcessGrid(f"channel={size}")
     with pytest.raises(ValueError, match=r"splits the image over channel; this layer needs whole images"):
         Flatten().place((grid, Layout(("sample", "channel", None, None))))
