@@ -1395,3 +1395,24 @@ def test_a_networks_plan_description_by_hand():
                           "fc": {"grid": "sample=1", "algorithm": "w", "filter_groups": 1}})
     assert net.describe_plan() == "  c1: grid sample=1, algorithm sample\n  fc: grid sample=1, algorithm w p_f=1"
     grid.free()
+
+
+def test_cfp_winograd_in_the_environment_sets_the_default():
+    import subprocess
+    import sys
+    code = "import cfp.kernels.conv as c; print(c.WINOGRAD)"
+    seen = {}
+    for value in ("1", "0", None):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "CFP_WINOGRAD"}
+        if value is not None:
+            env["CFP_WINOGRAD"] = value
+        seen[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.strip()
+    assert seen == {"1": "True", "0": "False", None: "None"}
+
+
+def test_the_cached_winograd_matrices_are_read_only():
+    from cfp.kernels.conv import winograd_matrices
+    for a in winograd_matrices(4):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0, 0] = 7.0
