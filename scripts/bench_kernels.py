@@ -189,7 +189,8 @@ def main(argv=None):
 
     if args.winograd is not None:
         conv_module.WINOGRAD = args.winograd != "off"
-        conv_module.WINOGRAD_TILE = conv_module.WINOGRAD_TILE if args.winograd == "off" else int(args.winograd)
+        if args.winograd != "off":
+            conv_module.WINOGRAD_TILE = int(args.winograd)
     tile = f"Winograd F({conv_module.WINOGRAD_TILE}x{conv_module.WINOGRAD_TILE}, 3x3)"
     path = {True: tile, False: "im2col"}.get(conv_module.WINOGRAD, f"{tile} in float32, im2col in float64")
     threads = set_blas_threads(args.threads)

@@ -2,6 +2,7 @@
 equivalent mutants parses and points into cfp's sources, and --rerun reads a report's survivors."""
 import importlib.util
 import os
+import re
 
 _SPEC = importlib.util.spec_from_file_location(
     "cfp_mutation_run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "mutation", "run.py"))
@@ -19,6 +20,8 @@ def test_every_listed_equivalent_names_a_line_of_a_mutated_module():
             source = f.read().splitlines()
         assert 1 <= line <= len(source) and col < len(source[line - 1]), (module, line, col)
         assert operator.startswith("core/") and reason.strip()
+        for ref in re.findall(r"\bas (\d+):(\d+)", reason):  # "as L:C": another entry of this module
+            assert any(k[:3] == (module, int(ref[0]), int(ref[1])) for k in equivalents), (module, line, col, ref)
 
 
 def test_rerun_reads_the_survivors_of_a_report(tmp_path):

@@ -447,13 +447,10 @@ def winograd_matrices(m):
 
 @functools.lru_cache(maxsize=64)
 def _winograd_transforms(m, dtype, xp):
-    """The Kronecker products that transform whole tiles: B^T (x) B^T ((m+2)^2 x (m+2)^2) and
-    A^T (x) A^T (m^2 x (m+2)^2) in `dtype`, G (x) G ((m+2)^2 x 9) in float64 (the filters' GEMMs
-    take it in their dtype)."""
+    """The Kronecker products that transform whole tiles, in `dtype`: B^T (x) B^T ((m+2)^2 x
+    (m+2)^2), A^T (x) A^T (m^2 x (m+2)^2) and G (x) G ((m+2)^2 x 9)."""
     import numpy as np
-    AT, G, BT = winograd_matrices(m)
-    return (xp.asarray(np.kron(BT, BT), dtype=dtype), xp.asarray(np.kron(AT, AT), dtype=dtype),
-            xp.asarray(np.kron(G, G)))
+    return tuple(xp.asarray(np.kron(a, a), dtype=dtype) for a in winograd_matrices(m)[::-1])
 
 
 def _winograd_filters(w, G2, xp):
@@ -462,7 +459,7 @@ def _winograd_filters(w, G2, xp):
     products' GEMMs read."""
     F, C = w.shape[:2]
     taps = xp.ascontiguousarray(w.reshape(F, C, 9).transpose(2, 1, 0))  # (9, C, F)
-    return xp.matmul(G2.astype(w.dtype), taps.reshape(9, C * F)).reshape(-1, C, F)
+    return xp.matmul(G2, taps.reshape(9, C * F)).reshape(-1, C, F)
 
 
 class _WinogradTiles:
@@ -476,7 +473,7 @@ class _WinogradTiles:
         self.x, self.g, self.xp = x, g, xp
         self.th, self.tw = -(-g.Ho // m), -(-g.Wo // m)
         self.Hp, self.Wp = m * self.th + 2, m * self.tw + 2  # padded so that every tile is whole
-        self.B2, self.A2, self.G2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
+        self.B2, self.G2, self.A2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
         self.step = max(1, min(g.N, _WINOGRAD_ROWS // (self.th * self.tw)))
         tiles = self.step * self.th * self.tw
         self.padded = _spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
@@ -545,7 +542,7 @@ def _winograd_backward_filter(x, dy, g, xp):
         xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
         xp.matmul(V.transpose(0, 2, 1), back, out=product)
         dU += product
-    dw = xp.matmul(tiles.G2.T.astype(x.dtype), dU.reshape(a * a, g.C * g.F))  # (9, C F)
+    dw = xp.matmul(tiles.G2.T, dU.reshape(a * a, g.C * g.F))  # (9, C F)
     return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1))
 
 

@@ -19,6 +19,7 @@ lose them); the sample does not apply to them.
 """
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import os
 import re
@@ -35,6 +36,11 @@ except ImportError:  # Python < 3.11
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.join(ROOT, "tests", "mutation")
 BIN = os.path.dirname(os.path.abspath(sys.executable))
+
+
+# Why a mutant is not run: outside the operator list, listed equivalent, outside the sample, not a
+# survivor of the report being rerun, on a line unchanged since --since.
+SKIPPED = ("operator", "equivalent", "sample", "not a survivor", "unchanged")
 
 
 def load_config():
@@ -107,12 +113,15 @@ def diff_lines(diff):
     return out
 
 
-def source_line(tree, module, row, _cache={}):
+@functools.lru_cache(maxsize=None)
+def _lines(path):
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def source_line(tree, module, row):
     """Line `row` of `module` in the mutated copy, stripped."""
-    if module not in _cache:
-        with open(os.path.join(tree, module)) as f:
-            _cache[module] = f.read().splitlines()
-    lines = _cache[module]
+    lines = _lines(os.path.join(tree, module))
     return lines[row - 1].strip() if 0 < row <= len(lines) else ""
 
 
@@ -168,7 +177,7 @@ def run_group(group, cfg, args, equivalents, log):
 
     keep = re.compile("|".join(f"(?:{p})$" for p in cfg["cfp"]["operators"]))
     first_only = cfg["cfp"].get("number-replacer-first-only", True)
-    skipped = {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0, "unchanged": 0}
+    skipped = dict.fromkeys(SKIPPED, 0)
     with use_db(db, WorkDB.Mode.open) as work_db:
         for item in list(work_db.pending_work_items):
             (mut,) = item.mutations
@@ -212,7 +221,7 @@ def report_only(group, args):
     """The counts of a finished (or interrupted) run of GROUP in args.workdir, without running it."""
     db = os.path.join(args.workdir, group["name"], "session.sqlite")
     return collect(group, db, os.path.join(args.workdir, group["name"], "tree"), 0.0,
-                   {"operator": 0, "equivalent": 0, "sample": 0, "not a survivor": 0, "unchanged": 0})
+                   dict.fromkeys(SKIPPED, 0))
 
 
 def collect(group, db, tree, elapsed, skipped):
