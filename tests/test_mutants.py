@@ -463,6 +463,7 @@ def test_a_missing_profile_names_the_builtin_ones():
 
 
 def _rates(points):
+    """A profile whose 3x3 kernels of every pass run at the rates of `points`."""
     return MachineProfile(dict(profile().data, kernels={
         p: {"3": points} for p in ("forward", "backward-data", "backward-filter")}))
 
@@ -514,20 +515,29 @@ def test_padding_modes_at_the_edge_pytorch_accepts():
     assert conv2d_output_shape((1, 1, 5, 4), (1, 1, 3, 3), padding=7, padding_mode="replicate") == (1, 1, 17, 16)
 
 
+class _Ranks:
+    """A stand-in for a communicator of `size` ranks, seen from `rank`: what each collective
+    receives from the others is scripted, and the calls are recorded."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank, self.calls = size, rank, []
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Allgather(self, mine, every):  # every rank passes what this one does
+        every[...] = mine
+
+
 def test_alltoallv_inside_inputs_checked_sends_no_count_check():
     """Trusted (inside comm.inputs_checked) a 2-rank alltoallv is one Alltoallv; checked, the
     counts are agreed first (an Alltoall and an Allgather)."""
     from cfp import comm as C
 
-    class TwoRanks:
-        calls = []
-
-        def Get_rank(self):
-            return 0
-
-        def Get_size(self):
-            return 2
-
+    class TwoRanks(_Ranks):  # each peer sends what this rank sends it
         def Alltoall(self, send, recv):
             self.calls.append("Alltoall")
             recv[...] = send
@@ -541,12 +551,12 @@ def test_alltoallv_inside_inputs_checked_sends_no_count_check():
             recv[0][...] = send[0]
 
     chunks = [np.arange(2.0), np.arange(3.0)]
+    trusted, checked = TwoRanks(2), TwoRanks(2)
     with C.inputs_checked():
-        out = C.alltoallv(TwoRanks(), chunks, [2, 3], np.float64)
-    assert TwoRanks.calls == ["Alltoallv"] and [o.tolist() for o in out] == [[0, 1], [0, 1, 2]]
-    TwoRanks.calls.clear()
-    C.alltoallv(TwoRanks(), chunks, [2, 3], np.float64)
-    assert TwoRanks.calls == ["Alltoall", "Allgather", "Alltoallv"]
+        out = C.alltoallv(trusted, chunks, [2, 3], np.float64)
+    assert trusted.calls == ["Alltoallv"] and [o.tolist() for o in out] == [[0, 1], [0, 1, 2]]
+    C.alltoallv(checked, chunks, [2, 3], np.float64)
+    assert checked.calls == ["Alltoall", "Allgather", "Alltoallv"]
 
 
 def test_filter_groups_of_each_algorithm():
@@ -696,9 +706,7 @@ def test_layer_shape_pads_half_the_kernel_by_default():
 def test_kernel_time_of_no_work_and_of_two_number_points():
     p = profile()
     assert p.kernel_time("forward", 3, 0, 64) == 0.0
-    data = dict(profile().data, kernels={k: {"3": [[1e6, 1e9], [1e8, 1e11]]}
-                                         for k in ("forward", "backward-data", "backward-filter")})
-    two = MachineProfile(data)  # [flops, rate] points: no pixel count
+    two = _rates([[1e6, 1e9], [1e8, 1e11]])  # [flops, rate] points: no pixel count
     assert two.kernel_time("forward", 3, 1e6, 999) == pytest.approx(1e6 / 1e9, rel=1e-12)
     assert two.kernel_time("forward", 3, 1e8) == pytest.approx(1e8 / 1e11, rel=1e-12)
 
@@ -716,9 +724,8 @@ def test_the_model_reads_the_kernel_rate_at_the_layers_pixels():
     """A 2 x 3 x 5 x 5 batch, 4 filters 3x3: 10800 flops a pass over 2 * 5 * 5 = 50 output
     pixels, exactly a measured point, so its rate (1e9) holds; the other points, at 1e6 pixels,
     would pull any other pixel count towards 1e12."""
-    data = dict(profile().data, kernels={k: {"3": [[10800, 50, 1e9], [1e3, 1e6, 1e12], [1e9, 1e6, 1e12]]}
-                                         for k in ("forward", "backward-data", "backward-filter")})
-    cost = layer_cost(LayerShape("L", 2, 3, 4, 5, 5, 3), "sample", 1, 1, MachineProfile(data))
+    rates = _rates([[10800, 50, 1e9], [1e3, 1e6, 1e12], [1e9, 1e6, 1e12]])
+    cost = layer_cost(LayerShape("L", 2, 3, 4, 5, 5, 3), "sample", 1, 1, rates)
     assert cost["compute"] == {k: pytest.approx(10800 / 1e9, rel=1e-12)
                                for k in ("forward", "backward-filter", "backward-data")}
 
@@ -893,16 +900,13 @@ def test_agreement_ignores_only_the_free_axis():
     axis 1; (3, 4) and (3, 5) the other way round."""
     from cfp import comm as C
 
-    class TwoRanks:
+    class TwoRanks(_Ranks):  # rank 1's block has the shape `other`
         def __init__(self, other):
+            super().__init__(2)
             self.other = other
 
-        def Get_size(self):
-            return 2
-
         def Allgather(self, mine, every):
-            every[0] = mine
-            every[1] = mine
+            every[...] = mine
             every[1, 2:4] = self.other
 
     x = np.zeros((3, 4))
@@ -950,23 +954,6 @@ def test_checking_trusts_layers_unless_asked_not_to():
     assert C.checking() and C.checking(layer_trusted=False)
     with C.tag(layer="c1", phase="forward"):
         assert not C.checking() and C.checking(layer_trusted=False)
-
-
-class _Ranks:
-    """A stand-in for a communicator of `size` ranks, seen from `rank`: what each collective
-    receives from the others is scripted, and the calls are recorded."""
-
-    def __init__(self, size, rank=0):
-        self.size, self.rank, self.calls = size, rank, []
-
-    def Get_size(self):
-        return self.size
-
-    def Get_rank(self):
-        return self.rank
-
-    def Allgather(self, mine, every):  # every rank passes what this one does
-        every[...] = mine
 
 
 def test_agreement_is_skipped_inside_inputs_checked():
@@ -1041,8 +1028,7 @@ def test_alltoall_names_the_ranks_dtypes():
             recv[...] = send
 
         def Allgather(self, mine, every):
-            every[0] = mine
-            every[1] = mine
+            every[...] = mine
             every[1, 0] = np.dtype(np.float32).num
     with pytest.raises(ValueError, match="alltoall: the ranks exchange different dtypes: rank 0 float64, rank 1 float32$"):
         C.alltoallv(OtherDtype(2), [np.zeros(1), np.zeros(1)], [1, 1], np.float64)

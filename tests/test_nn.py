@@ -10,6 +10,7 @@ from cfp.grid import ProcessGrid
 from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Linear, MaxPool2d, ReLU,
                     Redistribute, Residual, Sequential, SoftmaxCrossEntropy)
 from cfp.nn.module import assemble
+from cfp.perfmodel import ledger_bytes
 from cfp.tensor import DistTensor, Layout
 from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs
 
@@ -87,6 +88,12 @@ def compare(make, grids, spec, x, dy, in_split, out_split, what, train_passes=1)
 def fit(p_f, grid):
     """p_f on the distributed grid; the serial reference (P_c = 1) takes the default."""
     return p_f if p_f is not None and grid.axis_size("channel") % p_f == 0 else None
+
+
+def measured_bytes(ledger):
+    """{(layer, phase): (bytes sent, bytes received)} from a ledger: what Network.predicted_bytes
+    and the layers' predicted_bytes are held to."""
+    return {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
 
 
 def ranks_at_least_two(why):
@@ -195,8 +202,7 @@ def test_head_linear_gather_and_loss(grids, case):
         fc, moves = head.modules[1], [m for m in head.modules if isinstance(m, Redistribute)]
         predicted = {("fc", phase): v for phase, v in fc.predicted_bytes(8).items()}
         predicted.update({("loss", "redistribute"): m.predicted_bytes(grid.rank, 8) for m in moves})
-        measured = {k: (t["bytes_sent"], t["bytes_received"])
-                    for k, t in ledger.totals(by=("layer", "phase")).items()}
+        measured = measured_bytes(ledger)
         assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items()),
                          f"{which}: measured {measured}, predicted {predicted}")
         if s and grid.shape["channel"] > 1:  # the check has something to see
@@ -242,7 +248,7 @@ def test_network_predicts_each_convolutions_bytes():
         logits = net.forward(x, 4)
         net.backward(np.ones_like(logits))
     predicted = net.predicted_bytes(itemsize=8)
-    measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
+    measured = measured_bytes(ledger)
     assert_all_ranks(("c1", "gradient-sync") in predicted and ("fc", "gradient-sync") in predicted,
                      f"the convolutions' phases are predicted: {sorted(predicted)}")
     if size <= 2:
@@ -279,17 +285,15 @@ def test_redistribute_predicts_what_it_moves_both_ways():
     with C.use_ledger(ledger):
         y = step.forward(DistTensor.from_global(x, by_sample, grid))
     forward_only = step.predicted_bytes(grid.rank, 8)
-    forward_measured = ledger.totals(by=("layer", "phase")).get(("move", "redistribute"),
-                                                               {"bytes_sent": 0, "bytes_received": 0})
-    assert_all_ranks(forward_only == (forward_measured["bytes_sent"], forward_measured["bytes_received"]),
+    forward_measured = ledger_bytes(ledger, "move")["redistribute"]
+    assert_all_ranks(forward_only == forward_measured,
                      f"after forward only: predicted {forward_only}, measured {forward_measured}")
     if size == 2:
         assert_all_ranks(forward_only == ((192, 96) if grid.rank == 0 else (96, 192)),
                          f"forward only by hand, predicted {forward_only}")
     with C.use_ledger(ledger):
         dx = step.backward(y)
-    totals = ledger.totals(by=("layer", "phase")).get(("move", "redistribute"), {"bytes_sent": 0, "bytes_received": 0})
-    measured = (totals["bytes_sent"], totals["bytes_received"])
+    measured = ledger_bytes(ledger, "move")["redistribute"]
     predicted = step.predicted_bytes(grid.rank, 8)
     assert_all_ranks(measured == predicted, f"measured {measured}, predicted {predicted}")
     if size == 2:
@@ -329,7 +333,7 @@ def test_a_layer_on_a_height_split_grid_predicts_its_bytes(split_image):
         y = net.forward(x)
         net.backward(DistTensor(np.ones_like(y.local), y.global_shape, y.layout, grid))
     predicted = {("c", phase): v for phase, v in conv.predicted_bytes(8).items()}
-    measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
+    measured = measured_bytes(ledger)
     assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items()),
                      f"measured {measured}, predicted {predicted}")
     if size > 1:
@@ -425,7 +429,7 @@ def test_a_residual_merge_is_walked_and_its_bytes_predicted():
         logits = net.forward(data((3, 1, 4, 4), 8), 3)
         net.backward(np.ones_like(logits))
     predicted = net.predicted_bytes(itemsize=8)
-    measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
+    measured = measured_bytes(ledger)
     assert_all_ranks(predicted.get(("res.add", "redistribute"), (0, 0)) != (0, 0), f"the merge moves: {predicted}")
     assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items())
                      and all(k in predicted for k, v in measured.items() if v != (0, 0)),
