@@ -258,6 +258,67 @@ def test_winograd_is_exact_in_float64_and_close_in_float32(tile):
                 assert a.dtype == dtype and relative_error(a.astype(np.float64), b) < tolerance
 
 
+def _dilated_3x3_cases(count=40, seed=4):
+    """Dilated 3x3 stride-1 layers (dilation 2 or 3 on either axis or both), with odd and even
+    sizes, symmetric, asymmetric ('same') and one-sided padding in every mode: the layers that
+    go by residue-class sub-grids into Winograd."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        dilation = rng.choice([2, 3, (1, 2), (2, 1), (2, 3)])
+        padding = rng.choice([0, 1, 2, 3, (2, 1), (0, 3), "same", "valid"])
+        H, W = rng.randint(5, 13), rng.randint(5, 13)
+        case = {"x": (rng.randint(1, 3), rng.randint(1, 4), H, W), "w": (rng.randint(1, 4), 0, 3, 3),
+                "args": {"stride": 1, "padding": padding, "dilation": dilation, "groups": 1,
+                         "padding_mode": rng.choice(PADDING_MODES)}}
+        case["w"] = (case["w"][0], case["x"][1], 3, 3)
+        if _valid(case):
+            cases.append(case)
+    return cases
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
+    """Under Winograd, a dilated 3x3 stride-1 layer is cut into its residue classes (dilation d:
+    every d-th row and column) and convolved undilated: all three passes equal the plain loops
+    in float64, and the classes were taken (forward, backward-data's full convolution and
+    backward-filter each once)."""
+    taken = []
+    real = conv_module._to_subgrids
+    monkeypatch.setattr(conv_module, "_to_subgrids", lambda *a: taken.append(a[3]) or real(*a))
+    for case in _dilated_3x3_cases():
+        x, w, b, dy = _problem(case, seed=len(taken))
+        a = case["args"]
+        before = len(taken)
+        with conv_module.winograd(True, tile=tile):
+            fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
+                    conv2d_backward_filter(x, dy, w.shape, **a))
+        assert len(taken) - before == 4, case  # x forward, dy backward-data, x and dy backward-filter
+        loops = (conv2d_forward_loop(x, w, b, **a), conv2d_backward_data_loop(dy, w, x.shape, **a),
+                 conv2d_backward_filter_loop(x, dy, w.shape, **a))
+        for actual, expected in zip(fast, loops):
+            assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE, case
+
+
+def test_dilated_layers_take_subgrids_only_where_winograd_would():
+    """The sub-grids serve Winograd: float32 3x3 stride-1 ungrouped dilated layers by default;
+    not float64 (im2col reads dilated windows directly), not strided, grouped or 5x5 layers."""
+    g = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 3, 3), padding=2, dilation=2)
+    assert conv_module._subgrids_apply(g, np.dtype(np.float32))
+    assert not conv_module._subgrids_apply(g, np.dtype(np.float64))
+    assert not conv_module._subgrids_apply(g._replace(dh=1, dw=1), np.dtype(np.float32))  # undilated
+    for other in ({"stride": 2}, {"groups": 2}):
+        geometry = conv_module.conv_geometry((2, 4, 9, 9), (4, 4 // other.get("groups", 1), 3, 3),
+                                             padding=2, dilation=2, **other)
+        assert not conv_module._subgrids_apply(geometry, np.dtype(np.float32)), other
+    g5 = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 5, 5), padding=4, dilation=2)
+    assert not conv_module._subgrids_apply(g5, np.dtype(np.float32))
+    s = conv_module._subgrid_geometry(conv_module.conv_geometry((1, 1, 8, 7), (1, 1, 3, 3), padding=(2, 1),
+                                                                dilation=(2, 3)))
+    # padded 12 x 9: classes of ceil(12 / 2) = 6 rows and ceil(9 / 3) = 3 columns, 2 * 3 of them
+    assert (s.N, s.H, s.W, s.Ho, s.Wo, s.dh, s.dw, s.pt + s.pb + s.pl + s.pr) == (6, 6, 3, 4, 1, 1, 1, 0)
+
+
 def test_winograd_refuses_an_unknown_tile():
     with pytest.raises(ValueError, match=r"Winograd tile 3 is not one of \[2, 4\]"):
         conv_module.winograd(True, tile=3)
