@@ -319,6 +319,52 @@ def test_dilated_layers_take_subgrids_only_where_winograd_would():
     assert (s.N, s.H, s.W, s.Ho, s.Wo, s.dh, s.dw, s.pt + s.pb + s.pl + s.pr) == (6, 6, 3, 4, 1, 1, 1, 0)
 
 
+@pytest.mark.parametrize("samples", [1, 2, 64], ids=["sample-blocks", "short-last-block", "one-block"])
+@pytest.mark.parametrize("args,x_shape,w_shape", [
+    ({"padding": 1, "groups": 4}, (3, 8, 6, 5), (8, 2, 3, 3)),  # 'same': one sample a block writes y
+    ({"padding": "same", "groups": 2}, (3, 4, 5, 6), (6, 2, 2, 4)),  # even kernel, asymmetric
+    ({"padding": "valid", "groups": 1}, (2, 3, 6, 7), (2, 3, 3, 2)),  # Wo < W
+    ({"padding": (3, 4), "groups": 2}, (3, 4, 4, 3), (4, 2, 3, 3)),  # Wo > W: rows wider than x
+    ({"padding": 2, "dilation": (1, 2), "groups": 3}, (2, 6, 5, 6), (6, 2, 3, 3)),
+    ({"padding": (2, 1), "dilation": (2, 1), "groups": 1, "padding_mode": "reflect"}, (3, 2, 6, 6), (4, 2, 3, 2)),
+])
+def test_plane_columns_match_the_loops(samples, args, x_shape, w_shape, monkeypatch):
+    """Stride-1 layers with narrow groups go by plane columns (shifted copies of a tall image of
+    the block's samples, Kh GEMMs a block): every padding shape, dilation and block size (1, 2
+    of 3 samples, all) gives the loops' three passes, and the path is taken."""
+    case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1, **args}}
+    g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
+    width = g.W if g.mode == "zeros" else g.W + g.pl + g.pr  # other modes pad x first
+    per_sample = g.Kw * g.C * (g.H + g.pt + g.pb) * max(width, g.Wo)  # the copies of one sample
+    monkeypatch.setattr(conv_module, "_PLANE_ELEMENTS", samples * per_sample)
+    taken = []
+    real = conv_module._PlaneColumns
+    monkeypatch.setattr(conv_module, "_PlaneColumns", lambda *a: taken.append(real(*a)) or taken[-1])
+    x, w, b, dy = _problem(case, seed=samples)
+    a = case["args"]
+    with conv_module.winograd(False):
+        fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
+                conv2d_backward_filter(x, dy, w.shape, **a))
+    assert len(taken) == 3  # forward, backward-data's forward, backward-filter
+    assert taken[0].step == min(samples, x.shape[0])
+    loops = (conv2d_forward_loop(x, w, b, **a), conv2d_backward_data_loop(dy, w, x.shape, **a),
+             conv2d_backward_filter_loop(x, dy, w.shape, **a))
+    for actual, expected in zip(fast, loops):
+        assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
+
+
+def test_plane_columns_serve_narrow_stride_1_groups_only():
+    """Plane columns where the pixel-row patches would copy runs shorter than _PLANE_RUN
+    (Kw*C/G values), stride 1 only; wide groups, strided and depthwise layers go elsewhere."""
+    def applies(x_shape, w_shape, **args):
+        return conv_module._plane_columns_apply(conv_module.conv_geometry(x_shape, w_shape, **args))
+    assert applies((2, 256, 8, 8), (256, 8, 3, 3), padding=1, groups=32)  # 24-value runs
+    assert not applies((2, 256, 8, 8), (256, 32, 3, 3), padding=1, groups=8)  # 96-value runs
+    assert applies((2, 21, 8, 8), (4, 21, 3, 3), padding=1) and not applies((2, 22, 8, 8), (4, 22, 3, 3), padding=1)
+    assert not applies((2, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4, stride=2)
+    assert not applies((0, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4)  # nothing to convolve
+
+
 def test_winograd_refuses_an_unknown_tile():
     with pytest.raises(ValueError, match=r"Winograd tile 3 is not one of \[2, 4\]"):
         conv_module.winograd(True, tile=3)

@@ -273,6 +273,112 @@ def _pixel_patches(x, g, xp):
         yield start, n, target.reshape(G, n * g.Ho * g.Wo, g.Kh * g.Kw * Cg)
 
 
+# Plane columns, for stride-1 layers with narrow groups: the pixel-row patches above are copied in
+# runs of Kw*C/G values, 24 for a 3x3 layer with 8 channels a group, and those short copies cost
+# twice the GEMM. Here a block of samples stands as one tall image, each sample's padded rows
+# below the last one's, every row R = max(W, Wo) wide, each channel one flat run of values; the
+# output is computed at every position of it. Kernel offset (i, j) of every output is then
+# the same shift of the flat runs, i*dh*R + j*dw: Kw copies of the block shifted by j*dw make,
+# for each kernel row i, one (C/G*Kw, outputs) matrix (rows (channel, j)), a view i*dh*R
+# further on, so that a block takes Kh GEMMs with Kw times less copying than im2col. The left
+# and right padding is not stored: where a shifted run crosses a row's end it reads the next
+# row, and those (j, column) entries of the copies are set to zero, which the padding holds.
+# Outputs at the Hp - Ho rows that straddle two samples, and at columns Wo..R-1, are computed and
+# dropped. With one sample a block and R = Wo (a 'same' or 'valid' layer), the GEMMs write y.
+_PLANE_RUN = 64  # below this Kw*C/G, stride-1 layers go by plane columns
+_PLANE_ELEMENTS = 1 << 18  # values of a block's copies (1 MiB in float32: they stay in cache)
+
+
+def _plane_columns_apply(g):
+    return (g.sh, g.sw) == (1, 1) and g.Kw * (g.C // g.G) < _PLANE_RUN and g.N * g.C * g.F > 0
+
+
+class _PlaneColumns:
+    """Blocks of samples of x (N, C, H, W) as shifted copies of their tall image: for each
+    kernel row i, columns(i) (G, C/G*Kw, L) holds, at column (s*Hp + h)*R + w, the values that
+    kernel row i meets for the output at (h, w) of sample start + s (row (channel, kernel
+    column)); L = ((n - 1)*Hp + Ho)*R. The buffers are reused: consume a block before the next."""
+
+    def __init__(self, x, g, xp):
+        self.x, self.g, self.xp = x, g, xp
+        self.R = R = max(g.W, g.Wo)
+        self.Hp = g.H + g.pt + g.pb
+        self.rows = (g.C // g.G) * g.Kw
+        # whole samples, at most _PLANE_ELEMENTS values in the copies
+        self.step = max(1, min(g.N, _PLANE_ELEMENTS // (g.Kw * g.C * self.Hp * R)))
+        # what x does not fill, the padding and the wrapped reads, stays zero
+        self.shifted = xp.zeros((g.C, g.Kw, self.step * self.Hp * R), x.dtype)
+
+    def outputs(self, n):
+        """L: the tall image's output positions for a block of n samples."""
+        return ((n - 1) * self.Hp + self.g.Ho) * self.R
+
+    def blocks(self):
+        """(start, n, columns) for each block of n samples; columns(i) the view for kernel row i."""
+        g, R, Hp = self.g, self.R, self.Hp
+        by_group = self.shifted.reshape(g.G, self.rows, -1)
+        for start in range(0, g.N, self.step):
+            n = min(self.step, g.N - start)
+            x = self.x[start:start + n].transpose(1, 0, 2, 3)
+            for j in range(g.Kw):
+                # copy j holds at column w of a row what kernel column j reads there: x's column
+                # w + j*dw - pl, or zero outside 0..W-1 (the padding, or a read past the row's end)
+                shift = g.pl - j * g.dw
+                first, last = max(0, shift), min(R, g.W + shift)
+                if first < last:
+                    rows = self.shifted[:, j, :n * Hp * R].reshape(g.C, n, Hp, R)
+                    rows[:, :, g.pt:g.pt + g.H, first:last] = x[..., first - shift:last - shift]
+            L = self.outputs(n)
+            yield start, n, lambda i: by_group[:, :, i * g.dh * R:i * g.dh * R + L]
+
+
+def _plane_forward(x, w, g, xp, y):
+    """y (N, F, Ho, Wo) by plane columns: Kh GEMMs a block, their sum cropped to the outputs (or
+    written straight into y for one sample Wo wide)."""
+    planes = _PlaneColumns(x, g, xp)
+    G, Fg = g.G, g.F // g.G
+    # filters for kernel row i: (G, F/G, C/G*Kw), columns (channel, kernel column)
+    filters = xp.ascontiguousarray(w.reshape(G, Fg, g.C // G, g.Kh, g.Kw).transpose(3, 0, 1, 2, 4))
+    filters = filters.reshape(g.Kh, G, Fg, planes.rows)
+    L_full = planes.outputs(planes.step)
+    out, term = xp.empty(g.F * L_full, x.dtype), xp.empty(g.F * L_full, x.dtype)
+    for start, n, columns in planes.blocks():
+        L = planes.outputs(n)
+        direct = n == 1 and planes.R == g.Wo
+        total = y[start].reshape(G, Fg, L) if direct else out[:g.F * L].reshape(G, Fg, L)
+        xp.matmul(filters[0], columns(0), out=total)
+        for i in range(1, g.Kh):
+            xp.add(total, xp.matmul(filters[i], columns(i), out=term[:g.F * L].reshape(G, Fg, L)), out=total)
+        if not direct:
+            for s in range(n):
+                rows = total.reshape(g.F, L)[:, s * planes.Hp * planes.R:(s * planes.Hp + g.Ho) * planes.R]
+                y[start + s] = rows.reshape(g.F, g.Ho, planes.R)[..., :g.Wo]
+
+
+def _plane_backward_filter(x, dy, g, xp):
+    """dw (F, C/G, Kh, Kw) by plane columns: dy laid out on the tall image's outputs (zero at the
+    positions that are not outputs), times each kernel row's columns transposed, summed over
+    the blocks."""
+    planes = _PlaneColumns(x, g, xp)
+    G, Fg, R = g.G, g.F // g.G, planes.R
+    dy_tall = xp.zeros((g.F, planes.step * planes.Hp, R), x.dtype)
+    dw = xp.zeros((g.Kh, G, Fg, planes.rows), x.dtype)
+    product = xp.empty((G, Fg, planes.rows), x.dtype)
+    for start, n, columns in planes.blocks():
+        L = planes.outputs(n)
+        if n == 1 and R == g.Wo:
+            block = dy[start].reshape(G, Fg, L)
+        else:
+            dy_tall.reshape(g.F, planes.step, planes.Hp, R)[:, :n, :g.Ho, :g.Wo] = dy[start:start + n].transpose(1, 0, 2, 3)
+            block = dy_tall.reshape(g.F, -1)[:, :L].reshape(G, Fg, L)
+        for i in range(g.Kh):
+            xp.matmul(block, columns(i).transpose(0, 2, 1), out=product)
+            dw[i] += product
+    # (Kh, G, F/G, C/G, Kw) -> (F, C/G, Kh, Kw)
+    dw = dw.reshape(g.Kh, G, Fg, g.C // G, g.Kw).transpose(1, 2, 3, 0, 4)
+    return xp.ascontiguousarray(dw).reshape(g.F, g.C // G, g.Kh, g.Kw)
+
+
 def _pad_index(extent, before, after, mode):
     """For each position of an axis padded by (before, after) in `mode`, the input position
     it copies: the padding modes of PyTorch (reflect without repeating the edge, replicate the
@@ -353,6 +459,8 @@ def _forward(x, w, b, g, xp):
     elif _is_pointwise(g):
         # Each sample's (C, H*W) slab of x is its patch matrix: no copy, y comes out in place.
         xp.matmul(_filter_matrices(w, 1)[0].T, x.reshape(g.N, g.C, g.H * g.W), out=y)
+    elif _plane_columns_apply(g):
+        _plane_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     else:
         filters = xp.ascontiguousarray(_filter_matrices(w, g.G))  # (G, Kh*Kw*C/G, F/G)
         Fg = g.F // g.G
@@ -780,6 +888,8 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
             xp.matmul(dy[n].reshape(g.F, g.H * g.W), x[n].reshape(g.C, g.H * g.W).T, out=product)
             dw += product
         return dw.reshape(g.F, g.C, 1, 1)
+    if _plane_columns_apply(g):
+        return _plane_backward_filter(x, dy, g, xp)
     # dw as (G, F/G, Kh*Kw*C/G) = sum over blocks of dy_block @ patches, one GEMM per block and
     # group whose inner dimension runs over all the block's output pixels.
     dw_matrix = xp.zeros((G, Fg, g.Kh * g.Kw * Cg), dtype)
