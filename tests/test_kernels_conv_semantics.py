@@ -365,6 +365,49 @@ def test_plane_columns_serve_narrow_stride_1_groups_only():
     assert not applies((0, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4)  # nothing to convolve
 
 
+@pytest.mark.parametrize("samples", [1, 2, 64], ids=["sample-blocks", "short-last-block", "one-block"])
+@pytest.mark.parametrize("args,x_shape,w_shape", [
+    ({"padding": 1}, (3, 4, 5, 6), (4, 1, 3, 3)),  # 'same': x's own grid, y in place
+    ({"padding": "same", "dilation": (2, 1)}, (3, 3, 7, 5), (3, 1, 2, 4)),  # even kernel, asymmetric
+    ({"padding": "valid"}, (3, 2, 6, 7), (4, 1, 3, 2)),  # a channel multiplier, Ho < H
+    ({"padding": (3, 4)}, (3, 3, 4, 3), (6, 1, 3, 3)),  # Ho > H, Wo > W: a grid larger than x
+    ({"padding": (2, 1), "padding_mode": "circular", "dilation": 2}, (3, 2, 6, 6), (2, 1, 3, 2)),
+])
+def test_flat_depthwise_matches_the_loops(samples, args, x_shape, w_shape, monkeypatch):
+    """Stride-1 depthwise layers run flat (each tap one shift of the block's run, weights zero
+    where the shift reads padding): every padding shape, dilation, multiplier and block size
+    gives the loops' three passes, and the path is taken (backward-data's too, without a
+    multiplier)."""
+    case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1,
+                                                 "groups": x_shape[1], **args}}
+    g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
+    if g.mode != "zeros":
+        g = g._replace(H=g.H + g.pt + g.pb, W=g.W + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0)
+    monkeypatch.setattr(conv_module, "_DEPTHWISE_ELEMENTS", samples * g.F * max(g.H, g.Ho) * max(g.W, g.Wo))
+    taken = []
+    real = conv_module._FlatDepthwise
+    monkeypatch.setattr(conv_module, "_FlatDepthwise", lambda *a: taken.append(real(*a)) or taken[-1])
+    x, w, b, dy = _problem(case, seed=samples)
+    a = case["args"]
+    fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
+            conv2d_backward_filter(x, dy, w.shape, **a))
+    assert len(taken) == (3 if w_shape[0] == x_shape[1] else 2)
+    assert taken[0].step == min(samples, x.shape[0])
+    loops = (conv2d_forward_loop(x, w, b, **a), conv2d_backward_data_loop(dy, w, x.shape, **a),
+             conv2d_backward_filter_loop(x, dy, w.shape, **a))
+    for actual, expected in zip(fast, loops):
+        assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
+
+
+def test_flat_depthwise_serves_stride_1_only():
+    def applies(**args):
+        return conv_module._flat_depthwise_applies(conv_module.conv_geometry((2, 4, 8, 8), (8, 1, 3, 3), groups=4, **args))
+    assert applies(padding=1) and applies(padding=0, dilation=2)
+    assert not applies(padding=1, stride=2) and not applies(padding=1, stride=(1, 2))
+    assert not conv_module._flat_depthwise_applies(conv_module.conv_geometry((2, 4, 8, 8), (4, 2, 3, 3), groups=2))
+    assert not conv_module._flat_depthwise_applies(conv_module.conv_geometry((0, 4, 8, 8), (4, 1, 3, 3), groups=4))
+
+
 def test_winograd_refuses_an_unknown_tile():
     with pytest.raises(ValueError, match=r"Winograd tile 3 is not one of \[2, 4\]"):
         conv_module.winograd(True, tile=3)

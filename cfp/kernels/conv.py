@@ -454,6 +454,8 @@ def _forward(x, w, b, g, xp):
         _from_subgrids(_forward(classes, w, None, s, xp), (g.dh, g.dw), y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _winograd_applies(g, dtype):
         _winograd_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
+    elif _flat_depthwise_applies(g):
+        _flat_depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _is_depthwise(g):
         _depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _is_pointwise(g):
@@ -710,9 +712,10 @@ def _from_subgrids(s, d, out):
     return out
 
 
-# The depthwise kernel works channel-last, on a few samples at a time: each of the Kh*Kw taps is
-# one multiply-add of (samples, Ho, Wo, C) arrays along contiguous channels, on data small enough
-# to stay in cache between taps (about _DEPTHWISE_ELEMENTS values per array).
+# The strided depthwise kernel works channel-last, on a few samples at a time: each of the Kh*Kw
+# taps is one multiply-add of (samples, Ho, Wo, C) arrays along contiguous channels, on data
+# small enough to stay in cache between taps (about _DEPTHWISE_ELEMENTS values per array; the
+# flat stride-1 kernel below uses the same budget).
 _DEPTHWISE_ELEMENTS = 1 << 18
 
 
@@ -754,6 +757,101 @@ def _depthwise_forward(x, w, g, xp, y):
         y[start:start + n] = o.reshape(n, g.Ho, g.Wo, g.F).transpose(0, 3, 1, 2)
 
 
+# Stride-1 depthwise layers, flat: a block of samples stays in x's own layout, (n, C, H, W) as
+# one flat run (with zeros before and after it), and the output is computed at every position
+# of a (Hg, Wg) = (max(H, Ho), max(W, Wo)) grid a channel. Kernel offset (i, j) of every output
+# is then one and the same shift of the whole run, (i*dh - pt)*Wg + j*dw - pl, and each tap is
+# one multiply and one add over the whole block in contiguous memory, at NumPy's full speed
+# (the channel-last windows above run at a third of it: each row of C values is an inner loop
+# of its own). Where a shifted read falls outside x, in the padding, it reads a neighbouring
+# row, channel or sample instead; the weights are laid out a position at a time (Kh*Kw*F*Hg*Wg
+# values) and are zero there. For 'same' and 'valid' layers the grid is x's own: no padding is
+# copied and y is written in place.
+
+def _flat_depthwise_applies(g):
+    return _is_depthwise(g) and (g.sh, g.sw) == (1, 1) and g.N * g.C > 0
+
+
+class _FlatDepthwise:
+    """Blocks of samples of a depthwise layer on its flat run: load() a block, tap(i, j) the
+    (n, C, 1, Hg*Wg) values kernel offset (i, j) reads for every grid position, inside
+    (Kh, Kw, Hg*Wg) one where that read is of x (zero where it is of the padding)."""
+
+    def __init__(self, g, xp, dtype):
+        import numpy as np
+        self.g = g
+        self.Hg, self.Wg = Hg, Wg = max(g.H, g.Ho), max(g.W, g.Wo)
+        self.plane, self.k = Hg * Wg, g.F // g.C
+        self.offsets = [[(i * g.dh - g.pt) * Wg + j * g.dw - g.pl for j in range(g.Kw)] for i in range(g.Kh)]
+        every = [o for row in self.offsets for o in row]
+        self.before = max(0, -min(every))
+        self.step = max(1, min(g.N, _DEPTHWISE_ELEMENTS // (g.F * self.plane)))
+        # what the block does not fill is never read unmasked; zeros keep it finite
+        self.flat = xp.zeros(self.before + self.step * g.C * self.plane + max(0, max(every)), dtype)
+        rows = np.arange(Hg)[None, :] + (np.arange(g.Kh) * g.dh - g.pt)[:, None]  # (Kh, Hg): x's row read
+        cols = np.arange(Wg)[None, :] + (np.arange(g.Kw) * g.dw - g.pl)[:, None]  # (Kw, Wg)
+        inside = ((rows >= 0) & (rows < g.H))[:, None, :, None] & ((cols >= 0) & (cols < g.W))[None, :, None, :]
+        self.inside = xp.asarray(inside.reshape(g.Kh, g.Kw, self.plane), dtype=dtype)
+        self.everywhere = inside.reshape(g.Kh, g.Kw, -1).all(axis=2).tolist()  # taps that never read padding
+
+    def load(self, x, start, n):
+        g = self.g
+        block = self.flat[self.before:self.before + n * g.C * self.plane].reshape(n, g.C, self.Hg, self.Wg)
+        block[:, :, :g.H, :g.W] = x[start:start + n]
+
+    def tap(self, i, j, n):
+        first = self.before + self.offsets[i][j]
+        return self.flat[first:first + n * self.g.C * self.plane].reshape(n, self.g.C, 1, self.plane)
+
+    def blocks(self):
+        return [(start, min(self.step, self.g.N - start)) for start in range(0, self.g.N, self.step)]
+
+
+def _flat_depthwise_forward(x, w, g, xp, y):
+    """Depthwise y (N, F, Ho, Wo), stride 1, F = k C: Kh*Kw multiply-adds over each block."""
+    d = _FlatDepthwise(g, xp, x.dtype)
+    # the weights at every grid position, zero where the tap reads padding: (Kh, Kw, C, k, Hg*Wg)
+    taps = xp.ascontiguousarray(  # contiguous, so that each tap's multiply is one inner loop
+        w.reshape(g.C, d.k, g.Kh, g.Kw).transpose(2, 3, 0, 1)[..., None] * d.inside[:, :, None, None, :])
+    in_place = (d.Hg, d.Wg) == (g.Ho, g.Wo)
+    out = xp.empty((d.step, g.C, d.k, d.plane), x.dtype)
+    term = xp.empty_like(out)
+    for start, n in d.blocks():
+        d.load(x, start, n)
+        total = y[start:start + n].reshape(n, g.C, d.k, d.plane) if in_place else out[:n]
+        xp.multiply(d.tap(0, 0, n), taps[0, 0], out=total)
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                if i or j:
+                    xp.add(total, xp.multiply(d.tap(i, j, n), taps[i, j], out=term[:n]), out=total)
+        if not in_place:
+            y[start:start + n] = total.reshape(n, g.F, d.Hg, d.Wg)[:, :, :g.Ho, :g.Wo]
+
+
+def _flat_depthwise_backward_filter(x, dy, g, xp):
+    """Depthwise dw (F, 1, Kh, Kw), stride 1: for each tap, dy where the tap read x (the mask
+    laid out like the forward's weights) dotted with what it read, over each block."""
+    d = _FlatDepthwise(g, xp, x.dtype)
+    inside = xp.ascontiguousarray(xp.broadcast_to(d.inside[:, :, None, None, :], (g.Kh, g.Kw, g.C, d.k, d.plane)))
+    in_place = (d.Hg, d.Wg) == (g.Ho, g.Wo)
+    dy_grid = None if in_place else xp.zeros((d.step, g.F, d.Hg, d.Wg), x.dtype)
+    masked = xp.empty((d.step, g.C, d.k, d.plane), x.dtype)
+    dw = xp.zeros((g.Kh, g.Kw, g.C, d.k), x.dtype)
+    for start, n in d.blocks():
+        d.load(x, start, n)
+        if in_place:
+            grads = dy[start:start + n].reshape(n, g.C, d.k, d.plane)
+        else:
+            dy_grid[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
+            grads = dy_grid[:n].reshape(n, g.C, d.k, d.plane)
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                seen = grads if d.everywhere[i][j] else xp.multiply(grads, inside[i, j], out=masked[:n])
+                # (n, C, k, plane) @ (n, C, plane, 1): a dot product for each sample, channel, filter
+                dw[i, j] += xp.matmul(seen, d.tap(i, j, n).transpose(0, 1, 3, 2))[..., 0].sum(axis=0)
+    return xp.ascontiguousarray(dw.transpose(2, 3, 0, 1)).reshape(g.F, 1, g.Kh, g.Kw)
+
+
 def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """dx (N, C, H, W): the gradient of the loss with respect to x, from dy (N, F, Ho, Wo).
 
@@ -779,7 +877,8 @@ def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
 
 
 def _backward_data(dy, w, g, xp):
-    if _is_depthwise(g):
+    # stride-1 depthwise without a multiplier: the full convolution is depthwise again, and flat
+    if _is_depthwise(g) and not (_flat_depthwise_applies(g) and g.F == g.C):
         return _depthwise_backward_data(dy, w, g, xp)
     if (g.sh, g.sw) == (1, 1):
         return _full_convolution(dy, w, g, xp)
@@ -878,6 +977,8 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
                                          _to_subgrids(dy, 0, 0, d, (s.Ho, s.Wo), xp), s, xp)
     if _winograd_applies(g, dtype):
         return _winograd_backward_filter(x, dy, g, xp)
+    if _flat_depthwise_applies(g):
+        return _flat_depthwise_backward_filter(x, dy, g, xp)
     if _is_depthwise(g):
         return _depthwise_backward_filter(x, dy, g, xp)
     if _is_pointwise(g):
