@@ -1,12 +1,17 @@
 """Fast local 2-D convolution on NCHW blocks: forward, backward-data, backward-filter, bias.
 
-im2col + GEMM on the arrays of one rank (NumPy or CuPy); no MPI here, cfp.algorithms moves data.
+GEMM-based kernels on the arrays of one rank (NumPy or CuPy); no MPI here, cfp.algorithms moves
+data. Which path a layer takes depends only on its geometry (docs/design.md, section 3c):
+pointwise GEMMs for 1x1 layers; Winograd F(4x4, 3x3) for float32 3x3 stride-1 ungrouped layers
+(dilated ones by residue-class sub-grids); flat multiply-adds for stride-1 depthwise layers;
+plane columns (shifted copies of a tall image, Kh GEMMs a block) for stride-1 layers with narrow
+groups; pixel-major im2col + GEMM for everything else.
 
 Shapes: x (N, C, H, W), w (F, C, Kh, Kw), b (F,), y and dy (N, F, Ho, Wo) with
 Ho = (H + 2 ph - Kh) // sh + 1 and Wo = (W + 2 pw - Kw) // sw + 1 (zero padding). Any of N, C, F
 may be 0: channel and filter shards of a distributed layer can be empty.
 
-How it is fast (measured with OpenBLAS, see BENCHMARKS.md): the patches are built pixel-major,
+How im2col is fast (measured with OpenBLAS, see BENCHMARKS.md): the patches are built pixel-major,
 one row of Kh*Kw*C values per output pixel, because GEMMs with those rows run near the BLAS peak
 even when F is small; samples go through in blocks whose patches are still in cache when the
 GEMM reads them (the patches of a whole mini-batch would be Kh*Kw times the size of x); the
