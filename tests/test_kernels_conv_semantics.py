@@ -361,6 +361,7 @@ def test_plane_columns_serve_narrow_stride_1_groups_only():
     assert applies((2, 256, 8, 8), (256, 8, 3, 3), padding=1, groups=32)  # 24-value runs
     assert not applies((2, 256, 8, 8), (256, 32, 3, 3), padding=1, groups=8)  # 96-value runs
     assert applies((2, 21, 8, 8), (4, 21, 3, 3), padding=1) and not applies((2, 22, 8, 8), (4, 22, 3, 3), padding=1)
+    assert applies((2, 31, 8, 8), (4, 31, 2, 2)) and not applies((2, 32, 8, 8), (4, 32, 2, 2))  # 62, 64 values
     assert not applies((2, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4, stride=2)
     assert not applies((0, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4)  # nothing to convolve
 
@@ -397,6 +398,22 @@ def test_flat_depthwise_matches_the_loops(samples, args, x_shape, w_shape, monke
              conv2d_backward_filter_loop(x, dy, w.shape, **a))
     for actual, expected in zip(fast, loops):
         assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
+
+
+def test_depthwise_backward_data_is_flat_only_without_a_multiplier_or_stride(monkeypatch):
+    """Stride-1 depthwise backward-data without a channel multiplier is the flat forward of dy;
+    with a multiplier (its full convolution is no longer depthwise) or a stride it is the
+    channel-last depthwise kernel."""
+    calls = []
+    real = conv_module._depthwise_backward_data
+    monkeypatch.setattr(conv_module, "_depthwise_backward_data", lambda *a: calls.append(a[2]) or real(*a))
+    x = np.ones((2, 4, 6, 6))
+    for F, stride, channel_last in ((4, 1, False), (8, 1, True), (4, 2, True)):
+        w = np.ones((F, 1, 3, 3))
+        y_shape = conv2d_output_shape(x.shape, w.shape, stride=stride, padding=1, groups=4)
+        before = len(calls)
+        conv2d_backward_data(np.ones(y_shape), w, x.shape, stride=stride, padding=1, groups=4)
+        assert (len(calls) > before) == channel_last, (F, stride)
 
 
 def test_flat_depthwise_serves_stride_1_only():

@@ -345,8 +345,8 @@ def _plane_forward(x, w, g, xp, y):
     # filters for kernel row i: (G, F/G, C/G*Kw), columns (channel, kernel column)
     filters = xp.ascontiguousarray(w.reshape(G, Fg, g.C // G, g.Kh, g.Kw).transpose(3, 0, 1, 2, 4))
     filters = filters.reshape(g.Kh, G, Fg, planes.rows)
-    L_full = planes.outputs(planes.step)
-    out, term = xp.empty(g.F * L_full, x.dtype), xp.empty(g.F * L_full, x.dtype)
+    widest = planes.outputs(planes.step)
+    out, term = xp.empty(g.F * widest, x.dtype), xp.empty(g.F * widest, x.dtype)
     for start, n, columns in planes.blocks():
         L = planes.outputs(n)
         direct = n == 1 and planes.R == g.Wo
@@ -355,9 +355,11 @@ def _plane_forward(x, w, g, xp, y):
         for i in range(1, g.Kh):
             xp.add(total, xp.matmul(filters[i], columns(i), out=term[:g.F * L].reshape(G, Fg, L)), out=total)
         if not direct:
-            for s in range(n):
-                rows = total.reshape(g.F, L)[:, s * planes.Hp * planes.R:(s * planes.Hp + g.Ho) * planes.R]
-                y[start + s] = rows.reshape(g.F, g.Ho, planes.R)[..., :g.Wo]
+            # sample s's outputs: Ho rows from row s*Hp of the tall image, R columns each
+            item, R = total.itemsize, planes.R
+            samples = xp.lib.stride_tricks.as_strided(
+                total, (g.F, n, g.Ho, R), (L * item, planes.Hp * R * item, R * item, item))
+            y[start:start + n] = samples[..., :g.Wo].transpose(1, 0, 2, 3)
 
 
 def _plane_backward_filter(x, dy, g, xp):
