@@ -673,7 +673,7 @@ def _winograd_backward_filter(x, dy, g, xp):
 # classes (every d-th position), the layer is d undilated convolutions with the same filters,
 # one per class; along both axes, dh * dw of them, run as one convolution over a batch dh * dw
 # times larger. A dilated 3x3 layer then takes Winograd (measured in BENCHMARKS.md: 8x256x256
-# x32x32 at dilation 2 from 0.75 to 1.3 times PyTorch's speed); other dilated layers stay on
+# x32x32 at dilation 2 from 0.75-0.8 to 1.1-1.25 times PyTorch's speed); other dilated layers stay on
 # im2col, whose patches read the dilated windows directly at no extra cost.
 
 def _subgrids_apply(g, dtype):
