@@ -286,8 +286,8 @@ def _pixel_patches(x, g, xp):
 # the same shift of the flat runs, i*dh*R + j*dw: Kw copies of the block shifted by j*dw make,
 # for each kernel row i, one (C/G*Kw, outputs) matrix (rows (channel, j)), a view i*dh*R
 # further on, so that a block takes Kh GEMMs with Kw times less copying than im2col. The left
-# and right padding is not stored: where a shifted run crosses a row's end it reads the next
-# row, and those (j, column) entries of the copies are set to zero, which the padding holds.
+# and right padding is not stored: where a shifted run would cross a row's end into the next
+# row, copy j is not written and stays zero, which the padding holds.
 # Outputs at the Hp - Ho rows that straddle two samples, and at columns Wo..R-1, are computed and
 # dropped. With one sample a block and R = Wo (a 'same' or 'valid' layer), the GEMMs write y.
 _PLANE_RUN = 64  # below this Kw*C/G, stride-1 layers go by plane columns
