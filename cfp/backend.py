@@ -52,8 +52,20 @@ def from_host(x, xp):
     return xp.asarray(x)
 
 
+# What launchers tell each process about the job's processes on its node (MPICH's Hydra, Open
+# MPI): every one of them shares this node's cores, whatever communicator a rank computes on.
+LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
 def local_rank_count(comm=None):
-    """Number of MPI ranks sharing this node (1 when MPI is not initialised here)."""
+    """Number of MPI processes sharing this node: the launcher's count of the job's processes
+    here where it gives one (so a rank that trains alone on COMM_SELF, beside the others,
+    still counts them), otherwise the ranks of `comm` (default COMM_WORLD) on this node; 1 when
+    MPI is not initialised here."""
+    for name in LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
     try:
         from mpi4py import MPI
     except ImportError:

@@ -19,6 +19,21 @@ def test_default_threads_divide_cores_among_local_ranks():
     assert backend.default_blas_threads(local_ranks=3, cores=8) == 2
 
 
+def test_ranks_on_the_node_come_from_the_launcher_first(monkeypatch):
+    """A rank that computes alone on COMM_SELF (a serial reference run beside the others) still
+    shares the node's cores with the job's other processes: the launcher's count of them wins
+    over the communicator's, and without one the communicator's ranks on the node count."""
+    from mpi4py import MPI
+    for name in backend.LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert backend.local_rank_count(MPI.COMM_SELF) == 1
+    for name in backend.LOCAL_SIZE_VARIABLES:
+        monkeypatch.setenv(name, "3")
+        assert backend.local_rank_count(MPI.COMM_SELF) == 3, name
+        monkeypatch.setenv(name, "none")  # not a count: the next source decides
+    assert backend.local_rank_count(MPI.COMM_SELF) == 1
+
+
 def test_set_blas_threads():
     assert backend.set_blas_threads(1) == 1
     assert all(threads == 1 for _, _, threads, _ in backend.blas_info())
