@@ -307,7 +307,7 @@ class _PlaneColumns:
     def __init__(self, x, g, xp):
         self.x, self.g, self.xp = x, g, xp
         self.R = R = max(g.W, g.Wo)
-        self.Hp = g.H + g.pt + g.pb
+        self.Hp = _padded_size(g)[0]
         self.rows = (g.C // g.G) * g.Kw
         # whole samples, at most _PLANE_ELEMENTS values in the copies
         self.step = max(1, min(g.N, _PLANE_ELEMENTS // (g.Kw * g.C * self.Hp * R)))
@@ -317,6 +317,10 @@ class _PlaneColumns:
     def outputs(self, n):
         """L: the tall image's output positions for a block of n samples."""
         return ((n - 1) * self.Hp + self.g.Ho) * self.R
+
+    def in_place(self, n):
+        """A block of one sample with rows Wo wide: its outputs are laid out as y[start] (and dy)."""
+        return n == 1 and self.R == self.g.Wo
 
     def blocks(self):
         """(start, n, columns) for each block of n samples; columns(i) the view for kernel row i."""
@@ -349,7 +353,7 @@ def _plane_forward(x, w, g, xp, y):
     out, term = xp.empty(g.F * widest, x.dtype), xp.empty(g.F * widest, x.dtype)
     for start, n, columns in planes.blocks():
         L = planes.outputs(n)
-        direct = n == 1 and planes.R == g.Wo
+        direct = planes.in_place(n)
         total = y[start].reshape(G, Fg, L) if direct else out[:g.F * L].reshape(G, Fg, L)
         xp.matmul(filters[0], columns(0), out=total)
         for i in range(1, g.Kh):
@@ -373,7 +377,7 @@ def _plane_backward_filter(x, dy, g, xp):
     product = xp.empty((G, Fg, planes.rows), x.dtype)
     for start, n, columns in planes.blocks():
         L = planes.outputs(n)
-        if n == 1 and R == g.Wo:
+        if planes.in_place(n):
             block = dy[start].reshape(G, Fg, L)
         else:
             dy_tall.reshape(g.F, planes.step, planes.Hp, R)[:, :n, :g.Ho, :g.Wo] = dy[start:start + n].transpose(1, 0, 2, 3)
@@ -789,6 +793,7 @@ class _FlatDepthwise:
         self.g = g
         self.Hg, self.Wg = Hg, Wg = max(g.H, g.Ho), max(g.W, g.Wo)
         self.plane, self.k = Hg * Wg, g.F // g.C
+        self.in_place = (Hg, Wg) == (g.Ho, g.Wo)  # the grid is y's (and dy's) own
         self.offsets = [[(i * g.dh - g.pt) * Wg + j * g.dw - g.pl for j in range(g.Kw)] for i in range(g.Kh)]
         every = [o for row in self.offsets for o in row]
         self.before = max(0, -min(every))
@@ -820,18 +825,17 @@ def _flat_depthwise_forward(x, w, g, xp, y):
     # the weights at every grid position, zero where the tap reads padding: (Kh, Kw, C, k, Hg*Wg)
     taps = xp.ascontiguousarray(  # contiguous, so that each tap's multiply is one inner loop
         w.reshape(g.C, d.k, g.Kh, g.Kw).transpose(2, 3, 0, 1)[..., None] * d.inside[:, :, None, None, :])
-    in_place = (d.Hg, d.Wg) == (g.Ho, g.Wo)
     out = xp.empty((d.step, g.C, d.k, d.plane), x.dtype)
     term = xp.empty_like(out)
     for start, n in d.blocks():
         d.load(x, start, n)
-        total = y[start:start + n].reshape(n, g.C, d.k, d.plane) if in_place else out[:n]
+        total = y[start:start + n].reshape(n, g.C, d.k, d.plane) if d.in_place else out[:n]
         xp.multiply(d.tap(0, 0, n), taps[0, 0], out=total)
         for i in range(g.Kh):
             for j in range(g.Kw):
                 if i or j:
                     xp.add(total, xp.multiply(d.tap(i, j, n), taps[i, j], out=term[:n]), out=total)
-        if not in_place:
+        if not d.in_place:
             y[start:start + n] = total.reshape(n, g.F, d.Hg, d.Wg)[:, :, :g.Ho, :g.Wo]
 
 
@@ -840,13 +844,12 @@ def _flat_depthwise_backward_filter(x, dy, g, xp):
     laid out like the forward's weights) dotted with what it read, over each block."""
     d = _FlatDepthwise(g, xp, x.dtype)
     inside = xp.ascontiguousarray(xp.broadcast_to(d.inside[:, :, None, None, :], (g.Kh, g.Kw, g.C, d.k, d.plane)))
-    in_place = (d.Hg, d.Wg) == (g.Ho, g.Wo)
-    dy_grid = None if in_place else xp.zeros((d.step, g.F, d.Hg, d.Wg), x.dtype)
+    dy_grid = None if d.in_place else xp.zeros((d.step, g.F, d.Hg, d.Wg), x.dtype)
     masked = xp.empty((d.step, g.C, d.k, d.plane), x.dtype)
     dw = xp.zeros((g.Kh, g.Kw, g.C, d.k), x.dtype)
     for start, n in d.blocks():
         d.load(x, start, n)
-        if in_place:
+        if d.in_place:
             grads = dy[start:start + n].reshape(n, g.C, d.k, d.plane)
         else:
             dy_grid[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
