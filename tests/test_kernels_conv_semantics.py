@@ -366,63 +366,66 @@ def test_plane_columns_serve_narrow_stride_1_groups_only():
     assert not applies((0, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4)  # nothing to convolve
 
 
-@pytest.mark.parametrize("samples", [1, 2, 64], ids=["sample-blocks", "short-last-block", "one-block"])
+@pytest.mark.parametrize("blocks", ["one", "channels", "samples"])
+@pytest.mark.parametrize("columns", [16, 2], ids=["one-strip", "strips"])
 @pytest.mark.parametrize("args,x_shape,w_shape", [
-    ({"padding": 1}, (3, 4, 5, 6), (4, 1, 3, 3)),  # 'same': x's own grid, y in place
+    ({"padding": 1}, (3, 4, 5, 6), (4, 1, 3, 3)),  # 'same'
     ({"padding": "same", "dilation": (2, 1)}, (3, 3, 7, 5), (3, 1, 2, 4)),  # even kernel, asymmetric
     ({"padding": "valid"}, (3, 2, 6, 7), (4, 1, 3, 2)),  # a channel multiplier, Ho < H
-    ({"padding": (3, 4)}, (3, 3, 4, 3), (6, 1, 3, 3)),  # Ho > H, Wo > W: a grid larger than x
+    ({"padding": (3, 4)}, (3, 3, 4, 3), (6, 1, 3, 3)),  # Ho > H, Wo > W: padding wider than the kernel
     ({"padding": (2, 1), "padding_mode": "circular", "dilation": 2}, (3, 2, 6, 6), (2, 1, 3, 2)),
+    ({"padding": 1, "stride": 2}, (3, 4, 7, 8), (4, 1, 3, 3)),  # stride 2: m = 2 classes of rows
+    ({"padding": (0, 2), "stride": (3, 1)}, (3, 2, 8, 5), (4, 1, 2, 3)),  # sh > eh: m = 1, rows skipped
+    ({"padding": (1, 0), "stride": (1, 2), "dilation": (1, 2)}, (3, 3, 5, 9), (6, 1, 3, 2)),
 ])
-def test_flat_depthwise_matches_the_loops(samples, args, x_shape, w_shape, monkeypatch):
-    """Stride-1 depthwise layers run flat (each tap one shift of the block's run, weights zero
-    where the shift reads padding): every padding shape, dilation, multiplier and block size
-    gives the loops' three passes, and the path is taken (backward-data's too, without a
-    multiplier)."""
+def test_depthwise_bands_match_the_loops(blocks, columns, args, x_shape, w_shape, monkeypatch):
+    """Depthwise layers run as banded GEMMs on residue classes of rows (docs/design.md 3c):
+    every padding shape and mode, stride, dilation, multiplier, strip width (one strip, or
+    strips 2 output columns wide, whose edge strips hold padding) and block shape (all at
+    once, blocks of channels, blocks of 2 of 3 samples) gives the loops' three passes, and
+    the bands are taken in each pass."""
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1,
                                                  "groups": x_shape[1], **args}}
+    monkeypatch.setattr(conv_module, "_BAND_COLUMNS", columns)
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
     if g.mode != "zeros":
-        g = g._replace(H=g.H + g.pt + g.pb, W=g.W + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0)
-    monkeypatch.setattr(conv_module, "_DEPTHWISE_ELEMENTS", samples * g.F * max(g.H, g.Ho) * max(g.W, g.Wo))
+        g = conv_module.conv_geometry((g.N, g.C, g.H + g.pt + g.pb, g.W + g.pl + g.pr), w_shape,
+                                      stride=(g.sh, g.sw), dilation=(g.dh, g.dw), groups=g.G)
+    whole = conv_module._DepthwiseBands(g, np, np.float64)
+    per_sample = whole.strips * whole.P * whole.Wi
+    budget = {"one": 1 << 30, "channels": 2 * g.N * per_sample, "samples": 2 * per_sample}[blocks]
+    monkeypatch.setattr(conv_module, "_BAND_ELEMENTS", budget)
     taken = []
-    real = conv_module._FlatDepthwise
-    monkeypatch.setattr(conv_module, "_FlatDepthwise", lambda *a: taken.append(real(*a)) or taken[-1])
-    x, w, b, dy = _problem(case, seed=samples)
+    real = conv_module._DepthwiseBands
+    monkeypatch.setattr(conv_module, "_DepthwiseBands", lambda *a: taken.append(real(*a)) or taken[-1])
+    x, w, b, dy = _problem(case, seed=columns)
     a = case["args"]
     fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
             conv2d_backward_filter(x, dy, w.shape, **a))
-    assert len(taken) == (3 if w_shape[0] == x_shape[1] else 2)
-    assert taken[0].step == min(samples, x.shape[0])
+    assert len(taken) == 3  # forward, backward-data (its own or the full convolution's), backward-filter
+    expected_blocks = {"one": (g.N, g.C), "channels": (g.N, min(2, g.C)), "samples": (min(2, g.N), 1)}[blocks]
+    assert (taken[0].n, taken[0].c) == expected_blocks
+    assert taken[0].strips == -(-g.Wo // min(g.Wo, columns))
     loops = (conv2d_forward_loop(x, w, b, **a), conv2d_backward_data_loop(dy, w, x.shape, **a),
              conv2d_backward_filter_loop(x, dy, w.shape, **a))
     for actual, expected in zip(fast, loops):
         assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
 
 
-def test_depthwise_backward_data_is_flat_only_without_a_multiplier_or_stride(monkeypatch):
-    """Stride-1 depthwise backward-data without a channel multiplier is the flat forward of dy;
-    with a multiplier (its full convolution is no longer depthwise) or a stride it is the
-    channel-last depthwise kernel."""
+def test_depthwise_backward_data_is_a_forward_only_without_a_multiplier_or_stride(monkeypatch):
+    """Stride-1 depthwise backward-data without a channel multiplier is the full convolution, a
+    depthwise forward of dy (GEMMs with K = eh*Wi); with a multiplier (its full convolution is
+    no longer depthwise) or a stride it is the transposed banded GEMMs."""
     calls = []
     real = conv_module._depthwise_backward_data
     monkeypatch.setattr(conv_module, "_depthwise_backward_data", lambda *a: calls.append(a[2]) or real(*a))
     x = np.ones((2, 4, 6, 6))
-    for F, stride, channel_last in ((4, 1, False), (8, 1, True), (4, 2, True)):
+    for F, stride, transposed in ((4, 1, False), (8, 1, True), (4, 2, True), (4, (1, 2), True)):
         w = np.ones((F, 1, 3, 3))
         y_shape = conv2d_output_shape(x.shape, w.shape, stride=stride, padding=1, groups=4)
         before = len(calls)
         conv2d_backward_data(np.ones(y_shape), w, x.shape, stride=stride, padding=1, groups=4)
-        assert (len(calls) > before) == channel_last, (F, stride)
-
-
-def test_flat_depthwise_serves_stride_1_only():
-    def applies(**args):
-        return conv_module._flat_depthwise_applies(conv_module.conv_geometry((2, 4, 8, 8), (8, 1, 3, 3), groups=4, **args))
-    assert applies(padding=1) and applies(padding=0, dilation=2)
-    assert not applies(padding=1, stride=2) and not applies(padding=1, stride=(1, 2))
-    assert not conv_module._flat_depthwise_applies(conv_module.conv_geometry((2, 4, 8, 8), (4, 2, 3, 3), groups=2))
-    assert not conv_module._flat_depthwise_applies(conv_module.conv_geometry((0, 4, 8, 8), (4, 1, 3, 3), groups=4))
+        assert (len(calls) > before) == transposed, (F, stride)
 
 
 def test_winograd_refuses_an_unknown_tile():

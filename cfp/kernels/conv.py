@@ -3,8 +3,8 @@
 GEMM-based kernels on the arrays of one rank (NumPy or CuPy); no MPI here, cfp.algorithms moves
 data. Which path a layer takes depends only on its geometry (docs/design.md, section 3c):
 pointwise GEMMs for 1x1 layers; Winograd F(4x4, 3x3) for float32 3x3 stride-1 ungrouped layers
-(dilated ones by residue-class sub-grids); flat multiply-adds for stride-1 depthwise layers;
-plane columns (shifted copies of a tall image, Kh GEMMs a block) for stride-1 layers with narrow
+(dilated ones by residue-class sub-grids); banded GEMMs on residue classes of rows for
+depthwise layers; plane columns (shifted copies of a tall image, Kh GEMMs a block) for stride-1 layers with narrow
 groups; pixel-major im2col + GEMM for everything else.
 
 Shapes: x (N, C, H, W), w (F, C, Kh, Kw), b (F,), y and dy (N, F, Ho, Wo) with
@@ -465,8 +465,6 @@ def _forward(x, w, b, g, xp):
         _from_subgrids(_forward(classes, w, None, s, xp), (g.dh, g.dw), y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _winograd_applies(g, dtype):
         _winograd_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
-    elif _flat_depthwise_applies(g):
-        _flat_depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _is_depthwise(g):
         _depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _is_pointwise(g):
@@ -723,143 +721,211 @@ def _from_subgrids(s, d, out):
     return out
 
 
-# The strided depthwise kernel works channel-last, on a few samples at a time: each of the Kh*Kw
-# taps is one multiply-add of (samples, Ho, Wo, C) arrays along contiguous channels, on data
-# small enough to stay in cache between taps (about _DEPTHWISE_ELEMENTS values per array; the
-# flat stride-1 kernel below uses the same budget).
-_DEPTHWISE_ELEMENTS = 1 << 18
+# ---------------------------------------------------------------------------------------------
+# Depthwise layers (one input channel a group; F = k C with a channel multiplier k) as banded
+# GEMMs. A depthwise layer has no sum over channels, so im2col's GEMM has nothing to reduce; but
+# along one output row it is a product with a banded (Toeplitz) matrix. Cut each channel's
+# output into strips Ws = _BAND_COLUMNS columns wide (one strip for Wo <= Ws); a strip reads
+# Wi = (Ws - 1) sw + dw (Kw - 1) + 1 input columns of eh = dh (Kh - 1) + 1 consecutive input
+# rows. Those eh rows of Wi values, one after the other, are one row of eh*Wi values, and
+#     output row of a strip (k*Ws values) = that row @ T_c (eh*Wi, k*Ws),
+# T_c holding filter (c, m)'s tap (i, j) at [i dh Wi + v sw + j dw, m Ws + v] for each output
+# column v, zero elsewhere. A block's input is laid out a channel and strip at a time, its
+# samples' rows one under the other, Wi wide, with zero rows between samples (at least
+# max(pt, pb), and a sample's period P a multiple of sh) and zero columns where a strip reads
+# padding. The row for output row q then starts at row q*sh of the buffer: rows of the patch
+# matrix are runs of the buffer eh*Wi long, sh*Wi apart. BLAS needs rows at least as far apart
+# as they are long, so the output rows are taken in m = ceil(eh / sh) residue classes, q = s
+# mod m, each one GEMM over an as_strided view of the buffer: no patch is copied. Outputs at
+# the rows between samples and the columns past Wo are computed and dropped.
+# The GEMMs multiply Kh*Wi (54 for the 16x16 3x3 benchmark layer) values per output where 9
+# are needed, at BLAS speed: 3.9 ms a forward where 17 NumPy passes over the block (one
+# multiply and one add a tap) took 6.4 ms (BENCHMARKS.md). Backward-filter is the transposed
+# product, dT_c = sum of patch rows^T @ dy rows, whose band holds dw; backward-data is
+# dy rows @ T_c^T added back at the rows' runs (no scatter), then the strips' overlapping
+# columns added into dx.
+_BAND_COLUMNS = 16  # output columns of a strip
+_BAND_ELEMENTS = 1 << 18  # input values of a block's strips (1 MiB in float32: they stay in cache)
 
 
-def _depthwise_blocks(g):
-    Hp, Wp = _padded_size(g)
-    step = max(1, min(g.N, _DEPTHWISE_ELEMENTS // max(1, Hp * Wp * g.F)))
-    return [(start, min(step, g.N - start)) for start in range(0, g.N, step)], step
+class _DepthwiseBands:
+    """The banded GEMMs of a depthwise layer: blocks() of (samples, channels), load() of x or
+    dy into a block's buffer, patches(s) the residue-class views of the buffer, filters(w) the
+    T_c. Buffers are reused from block to block: consume one before asking for the next."""
 
+    def __init__(self, g, xp, dtype):
+        self.g, self.xp = g, xp
+        self.k = g.F // g.C
+        self.eh = g.dh * (g.Kh - 1) + 1  # input rows of a band
+        self.Ws = max(1, min(g.Wo, _BAND_COLUMNS))
+        self.strips = -(-g.Wo // self.Ws)
+        if self.strips == 1:  # x's own columns: T leaves out the taps that read padding
+            self.Wi, self.left = g.W, 0
+        else:  # a strip's columns, the padding's zeros included
+            self.Wi, self.left = (self.Ws - 1) * g.sw + g.dw * (g.Kw - 1) + 1, g.pl
+        self.Hgo = max(g.Ho, -(-(g.H + max(g.pt, g.pb)) // g.sh))  # output rows a sample
+        self.P = self.Hgo * g.sh  # input rows a sample: H of x, then zeros
+        self.m = -(-self.eh // g.sh)  # residue classes of output rows: GEMMs a block
+        per_sample = self.strips * self.P * self.Wi
+        self.n = max(1, min(g.N, _BAND_ELEMENTS // per_sample))
+        self.c = max(1, min(g.C, _BAND_ELEMENTS // (self.n * per_sample)))
+        self.Q = -(-self.n * self.Hgo // self.m)  # output rows a class (a whole block)
+        rows = max(g.pt + self.n * self.P, (self.Q * self.m - 1) * g.sh + self.eh)
+        # what a load does not write, the padding and the rows between samples, stays zero
+        self.input = xp.zeros((self.c, self.strips, rows, self.Wi), dtype)
+        self.output = xp.zeros((self.c, self.strips, self.Q * self.m, self.k * self.Ws), dtype)
 
-def _channel_last_padded(x, start, n, g, xp, out):
-    """Samples start..start+n of x, zero-padded, channel-last, in `out` (its border zero)."""
-    out[:n, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x[start:start + n].transpose(0, 2, 3, 1)
-    return out[:n]
+    def blocks(self):
+        """(start, n, c0, c, Q): samples start..start+n, channels c0..c0+c, Q rows a class."""
+        g = self.g
+        for start in range(0, g.N, self.n):
+            n = min(self.n, g.N - start)
+            for c0 in range(0, g.C, self.c):
+                yield start, n, c0, min(self.c, g.C - c0), -(-n * self.Hgo // self.m)
 
+    def _columns(self, strip):
+        """(x's first column, last + 1, the buffer's first) of what strip `strip` reads of x."""
+        g = self.g
+        left = strip * self.Ws * g.sw - self.left
+        first, last = max(0, left), min(g.W, left + self.Wi)
+        return first, last, first - left
 
-def _tap(a, i, j, g):
-    """The positions of a channel-last (n, Hp, Wp, ...) array that kernel offset (i, j) reads."""
-    return a[_window(i, j, g)]
+    def load(self, x, start, n, c0, c):
+        """x's block (n samples, c channels) into the input buffer, each sample at rows
+        pt + p*P."""
+        g = self.g
+        planes = self.input[:c, :, g.pt:g.pt + n * self.P].reshape(c, self.strips, n, self.P, self.Wi)
+        block = x[start:start + n, c0:c0 + c].transpose(1, 0, 2, 3)
+        for strip in range(self.strips):
+            first, last, at = self._columns(strip)
+            if first < last:
+                planes[:, strip, :, :g.H, at:at + last - first] = block[..., first:last]
+
+    def _outputs(self, n, c):
+        """The output buffer's rows of a block as (c, strips, n, Hgo, k, Ws)."""
+        return self.output[:c, :, :n * self.Hgo].reshape(c, self.strips, n, self.Hgo, self.k, self.Ws)
+
+    def _strip_columns(self, strip):
+        first = strip * self.Ws
+        return first, min(self.Ws, self.g.Wo - first)
+
+    def store(self, y, start, n, c0, c):
+        """The block's outputs, cropped, into y (N, F, Ho, Wo)."""
+        g = self.g
+        target = y[start:start + n].reshape(n, g.C, self.k, g.Ho, g.Wo)[:, c0:c0 + c]
+        out = self._outputs(n, c)
+        for strip in range(self.strips):
+            first, width = self._strip_columns(strip)
+            target[..., first:first + width] = out[:, strip, :, :g.Ho, :, :width].transpose(1, 0, 3, 2, 4)
+
+    def load_grads(self, dy, start, n, c0, c):
+        """dy's block into the output buffer, zero at every row and column of its samples that is
+        not an output. (Rows past the samples, which the last classes of a shorter block reach,
+        keep an earlier block's values: what they give lands past the samples' rows, unread.)"""
+        g = self.g
+        rows = self._outputs(n, c)
+        block = dy[start:start + n].reshape(n, g.C, self.k, g.Ho, g.Wo)[:, c0:c0 + c]
+        for strip in range(self.strips):
+            first, width = self._strip_columns(strip)
+            rows[:, strip, :, :g.Ho, :, :width] = block[..., first:first + width].transpose(1, 0, 3, 2, 4)
+
+    def patches(self, s, c, Q, buffer=None):
+        """Class s of the block's patch rows, (c, strips, Q, eh*Wi): output rows s, s+m, ...,
+        each the eh input rows from row q*sh, as a view of the buffer."""
+        a = self.input if buffer is None else buffer
+        item, sh = a.itemsize, self.g.sh
+        return self.xp.lib.stride_tricks.as_strided(
+            a[:c, :, s * sh:], (c, self.strips, Q, self.eh * self.Wi),
+            (a.strides[0], a.strides[1], self.m * sh * self.Wi * item, item))
+
+    def rows(self, s, c, Q):
+        """Class s of the output buffer's rows, (c, strips, Q, k*Ws)."""
+        return self.output[:c, :, s:s + Q * self.m:self.m]
+
+    def _band(self, j):
+        """(v, u): the output columns v of a strip whose kernel column j reads buffer column u
+        (a column of x or of stored padding), and those u."""
+        import numpy as np
+        g = self.g
+        v = np.arange(self.Ws)
+        u = v * g.sw + j * g.dw - g.pl + self.left
+        inside = (u >= 0) & (u < self.Wi)
+        return self.xp.asarray(v[inside]), self.xp.asarray(u[inside])
+
+    def filters(self, w):
+        """T (C, eh*Wi, k*Ws): T_c of every channel."""
+        g, xp = self.g, self.xp
+        T = xp.zeros((self.eh, self.Wi, self.Ws, g.C, self.k), w.dtype)
+        taps = w.reshape(g.C, self.k, g.Kh, g.Kw)
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                v, u = self._band(j)
+                T[i * g.dh, u, v] = taps[:, :, i, j]
+        return xp.ascontiguousarray(T.transpose(3, 0, 1, 4, 2)).reshape(g.C, self.eh * self.Wi, self.k * self.Ws)
+
+    def taps(self, dT):
+        """dw (F, 1, Kh, Kw) from dT (Kh, C, Wi, k*Ws), kernel row i's input columns times output
+        columns: the band, summed over output columns."""
+        g, xp = self.g, self.xp
+        dT = dT.reshape(g.Kh, g.C, self.Wi, self.k, self.Ws)
+        dw = xp.empty((g.C, self.k, g.Kh, g.Kw), dT.dtype)
+        for i in range(g.Kh):
+            for j in range(g.Kw):
+                v, u = self._band(j)
+                dw[:, :, i, j] = dT[i][:, u, :, v].sum(axis=0)
+        return dw.reshape(g.F, 1, g.Kh, g.Kw)
 
 
 def _depthwise_forward(x, w, g, xp, y):
     """Depthwise y (N, F, Ho, Wo), F = k C: output channel c*k + m is input channel c
-    correlated with filter c*k + m."""
-    k = g.F // g.C
-    Hp, Wp = _padded_size(g)
-    taps = xp.ascontiguousarray(w.reshape(g.C, k, g.Kh, g.Kw).transpose(2, 3, 0, 1))  # (Kh, Kw, C, k)
-    blocks, step = _depthwise_blocks(g)
-    padded = xp.zeros((step, Hp, Wp, g.C), x.dtype)
-    out = xp.empty((step, g.Ho, g.Wo, g.C, k), x.dtype)
-    scratch = xp.empty_like(out)
-    for start, n in blocks:
-        source = _channel_last_padded(x, start, n, g, xp, padded)
-        o, t = out[:n], scratch[:n]
-        o[...] = 0
+    correlated with filter c*k + m, m GEMMs a block."""
+    bands = _DepthwiseBands(g, xp, x.dtype)
+    T = bands.filters(w)[:, None]  # one T_c for every strip
+    for start, n, c0, c, Q in bands.blocks():
+        bands.load(x, start, n, c0, c)
+        for s in range(bands.m):
+            xp.matmul(bands.patches(s, c, Q), T[c0:c0 + c], out=bands.rows(s, c, Q))
+        bands.store(y, start, n, c0, c)
+
+
+def _depthwise_backward_filter(x, dy, g, xp):
+    """Depthwise dw (F, 1, Kh, Kw): for each kernel row i, dT_i = the input rows it read,
+    transposed, times dy's rows (one GEMM over all the block's rows, where a class's patch rows
+    would split them in m), summed over strips and blocks; dw is dT's band."""
+    bands = _DepthwiseBands(g, xp, x.dtype)
+    dT = xp.zeros((g.Kh, g.C, bands.Wi, bands.k * bands.Ws), x.dtype)
+    product = xp.empty((bands.c, bands.strips) + dT.shape[2:], x.dtype)
+    for start, n, c0, c, Q in bands.blocks():
+        bands.load(x, start, n, c0, c)
+        bands.load_grads(dy, start, n, c0, c)
+        rows = n * bands.Hgo
         for i in range(g.Kh):
-            for j in range(g.Kw):
-                xp.multiply(_tap(source, i, j, g)[..., None], taps[i, j], out=t)
-                o += t
-        y[start:start + n] = o.reshape(n, g.Ho, g.Wo, g.F).transpose(0, 3, 1, 2)
+            read = bands.input[:c, :, i * g.dh:i * g.dh + rows * g.sh:g.sh]  # (c, strips, rows, Wi)
+            xp.matmul(read.transpose(0, 1, 3, 2), bands.output[:c, :, :rows], out=product[:c])
+            dT[i, c0:c0 + c] += product[:c].sum(axis=1)
+    return bands.taps(dT)
 
 
-# Stride-1 depthwise layers, flat: a block of samples stays in x's own layout, (n, C, H, W) as
-# one flat run (with zeros before and after it), and the output is computed at every position
-# of a (Hg, Wg) = (max(H, Ho), max(W, Wo)) grid a channel. Kernel offset (i, j) of every output
-# is then one and the same shift of the whole run, (i*dh - pt)*Wg + j*dw - pl, and each tap is
-# one multiply and one add over the whole block in contiguous memory, at NumPy's full speed
-# (the channel-last windows above run at a third of it: each row of C values is an inner loop
-# of its own). Where a shifted read falls outside x, in the padding, it reads a neighbouring
-# row, channel or sample instead; the weights are laid out a position at a time (Kh*Kw*F*Hg*Wg
-# values) and are zero there. For 'same' and 'valid' layers the grid is x's own: no padding is
-# copied and y is written in place.
-
-def _flat_depthwise_applies(g):
-    return _is_depthwise(g) and (g.sh, g.sw) == (1, 1) and g.N * g.C > 0
-
-
-class _FlatDepthwise:
-    """Blocks of samples of a depthwise layer on its flat run: load() a block, tap(i, j) the
-    (n, C, 1, Hg*Wg) values kernel offset (i, j) reads for every grid position, inside
-    (Kh, Kw, Hg*Wg) one where that read is of x (zero where it is of the padding)."""
-
-    def __init__(self, g, xp, dtype):
-        import numpy as np
-        self.g = g
-        self.Hg, self.Wg = Hg, Wg = max(g.H, g.Ho), max(g.W, g.Wo)
-        self.plane, self.k = Hg * Wg, g.F // g.C
-        self.in_place = (Hg, Wg) == (g.Ho, g.Wo)  # the grid is y's (and dy's) own
-        self.offsets = [[(i * g.dh - g.pt) * Wg + j * g.dw - g.pl for j in range(g.Kw)] for i in range(g.Kh)]
-        every = [o for row in self.offsets for o in row]
-        self.before = max(0, -min(every))
-        self.step = max(1, min(g.N, _DEPTHWISE_ELEMENTS // (g.F * self.plane)))
-        # what the block does not fill is never read unmasked; zeros keep it finite
-        self.flat = xp.zeros(self.before + self.step * g.C * self.plane + max(0, max(every)), dtype)
-        rows = np.arange(Hg)[None, :] + (np.arange(g.Kh) * g.dh - g.pt)[:, None]  # (Kh, Hg): x's row read
-        cols = np.arange(Wg)[None, :] + (np.arange(g.Kw) * g.dw - g.pl)[:, None]  # (Kw, Wg)
-        inside = ((rows >= 0) & (rows < g.H))[:, None, :, None] & ((cols >= 0) & (cols < g.W))[None, :, None, :]
-        self.inside = xp.asarray(inside.reshape(g.Kh, g.Kw, self.plane), dtype=dtype)
-        self.everywhere = inside.reshape(g.Kh, g.Kw, -1).all(axis=2).tolist()  # taps that never read padding
-
-    def load(self, x, start, n):
-        g = self.g
-        block = self.flat[self.before:self.before + n * g.C * self.plane].reshape(n, g.C, self.Hg, self.Wg)
-        block[:, :, :g.H, :g.W] = x[start:start + n]
-
-    def tap(self, i, j, n):
-        first = self.before + self.offsets[i][j]
-        return self.flat[first:first + n * self.g.C * self.plane].reshape(n, self.g.C, 1, self.plane)
-
-    def blocks(self):
-        return [(start, min(self.step, self.g.N - start)) for start in range(0, self.g.N, self.step)]
-
-
-def _flat_depthwise_forward(x, w, g, xp, y):
-    """Depthwise y (N, F, Ho, Wo), stride 1, F = k C: Kh*Kw multiply-adds over each block."""
-    d = _FlatDepthwise(g, xp, x.dtype)
-    # the weights at every grid position, zero where the tap reads padding: (Kh, Kw, C, k, Hg*Wg)
-    taps = xp.ascontiguousarray(  # contiguous, so that each tap's multiply is one inner loop
-        w.reshape(g.C, d.k, g.Kh, g.Kw).transpose(2, 3, 0, 1)[..., None] * d.inside[:, :, None, None, :])
-    out = xp.empty((d.step, g.C, d.k, d.plane), x.dtype)
-    term = xp.empty_like(out)
-    for start, n in d.blocks():
-        d.load(x, start, n)
-        total = y[start:start + n].reshape(n, g.C, d.k, d.plane) if d.in_place else out[:n]
-        xp.multiply(d.tap(0, 0, n), taps[0, 0], out=total)
-        for i in range(g.Kh):
-            for j in range(g.Kw):
-                if i or j:
-                    xp.add(total, xp.multiply(d.tap(i, j, n), taps[i, j], out=term[:n]), out=total)
-        if not d.in_place:
-            y[start:start + n] = total.reshape(n, g.F, d.Hg, d.Wg)[:, :, :g.Ho, :g.Wo]
-
-
-def _flat_depthwise_backward_filter(x, dy, g, xp):
-    """Depthwise dw (F, 1, Kh, Kw), stride 1: for each tap, dy where the tap read x (the mask
-    laid out like the forward's weights) dotted with what it read, over each block."""
-    d = _FlatDepthwise(g, xp, x.dtype)
-    inside = xp.ascontiguousarray(xp.broadcast_to(d.inside[:, :, None, None, :], (g.Kh, g.Kw, g.C, d.k, d.plane)))
-    dy_grid = None if d.in_place else xp.zeros((d.step, g.F, d.Hg, d.Wg), x.dtype)
-    masked = xp.empty((d.step, g.C, d.k, d.plane), x.dtype)
-    dw = xp.zeros((g.Kh, g.Kw, g.C, d.k), x.dtype)
-    for start, n in d.blocks():
-        d.load(x, start, n)
-        if d.in_place:
-            grads = dy[start:start + n].reshape(n, g.C, d.k, d.plane)
-        else:
-            dy_grid[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
-            grads = dy_grid[:n].reshape(n, g.C, d.k, d.plane)
-        for i in range(g.Kh):
-            for j in range(g.Kw):
-                seen = grads if d.everywhere[i][j] else xp.multiply(grads, inside[i, j], out=masked[:n])
-                # (n, C, k, plane) @ (n, C, plane, 1): a dot product for each sample, channel, filter
-                dw[i, j] += xp.matmul(seen, d.tap(i, j, n).transpose(0, 1, 3, 2))[..., 0].sum(axis=0)
-    return xp.ascontiguousarray(dw.transpose(2, 3, 0, 1)).reshape(g.F, 1, g.Kh, g.Kw)
+def _depthwise_backward_data(dy, w, g, xp):
+    """Depthwise dx (N, C, H, W): each class's dy rows @ T_c^T added back at the runs its patch
+    rows were read from, then each strip's columns added into dx."""
+    bands = _DepthwiseBands(g, xp, dy.dtype)
+    T_t = bands.filters(w)[:, None].transpose(0, 1, 3, 2)
+    grads = xp.empty((bands.c, bands.strips, bands.Q, bands.eh * bands.Wi), dy.dtype)
+    dx = xp.zeros((g.N, g.C, g.H, g.W), dy.dtype)
+    for start, n, c0, c, Q in bands.blocks():
+        bands.load_grads(dy, start, n, c0, c)
+        bands.input[:c] = 0
+        for s in range(bands.m):
+            # the rows of one class do not overlap (m*sh >= eh), so the view takes += safely
+            bands.patches(s, c, Q)[...] += xp.matmul(bands.rows(s, c, Q), T_t[c0:c0 + c], out=grads[:c, :, :Q])
+        planes = bands.input[:c, :, g.pt:g.pt + n * bands.P].reshape(c, bands.strips, n, bands.P, bands.Wi)
+        target = dx[start:start + n, c0:c0 + c]
+        for strip in range(bands.strips):
+            first, last, at = bands._columns(strip)
+            if first < last:
+                target[..., first:last] += planes[:, strip, :, :g.H, at:at + last - first].transpose(1, 0, 2, 3)
+    return dx
 
 
 def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
@@ -887,8 +953,9 @@ def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
 
 
 def _backward_data(dy, w, g, xp):
-    # stride-1 depthwise without a multiplier: the full convolution is depthwise again, and flat
-    if _is_depthwise(g) and not (_flat_depthwise_applies(g) and g.F == g.C):
+    # stride-1 depthwise without a multiplier: the full convolution is a depthwise forward,
+    # whose GEMMs are the long ones (K = eh*Wi, where the transposed product has K = k*Ws)
+    if _is_depthwise(g) and ((g.sh, g.sw) != (1, 1) or g.F != g.C):
         return _depthwise_backward_data(dy, w, g, xp)
     if (g.sh, g.sw) == (1, 1):
         return _full_convolution(dy, w, g, xp)
@@ -945,28 +1012,6 @@ def _col2im_backward_data(dy, w, g, xp):
     return dx
 
 
-def _depthwise_backward_data(dy, w, g, xp):
-    """dx of the depthwise kernel: each tap sends dy * w back to the positions it read."""
-    k = g.F // g.C
-    Hp, Wp = _padded_size(g)
-    taps = xp.ascontiguousarray(w.reshape(g.C, k, g.Kh, g.Kw).transpose(2, 3, 0, 1))  # (Kh, Kw, C, k)
-    blocks, step = _depthwise_blocks(g)
-    d_padded = xp.empty((step, Hp, Wp, g.C), dy.dtype)
-    grads = xp.empty((step, g.Ho, g.Wo, g.C, k), dy.dtype)
-    scratch = xp.empty_like(grads)
-    dx = xp.empty((g.N, g.C, g.H, g.W), dy.dtype)
-    for start, n in blocks:
-        d, gr, t = d_padded[:n], grads[:n], scratch[:n]
-        d[...] = 0
-        gr[...] = dy[start:start + n].reshape(n, g.C, k, g.Ho, g.Wo).transpose(0, 3, 4, 1, 2)
-        for i in range(g.Kh):
-            for j in range(g.Kw):
-                xp.multiply(gr, taps[i, j], out=t)
-                _tap(d, i, j, g)[...] += t[..., 0] if k == 1 else t.sum(axis=-1)
-        dx[start:start + n] = d[:, g.pt:g.pt + g.H, g.pl:g.pl + g.W].transpose(0, 3, 1, 2)
-    return dx
-
-
 def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """dw (F, C/groups, Kh, Kw): the gradient of the loss with respect to w, from x and dy
     (N, F, Ho, Wo). w_shape gives the kernel size (Kh, Kw). With N = 0, dw is zeros.
@@ -987,8 +1032,6 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
                                          _to_subgrids(dy, 0, 0, d, (s.Ho, s.Wo), xp), s, xp)
     if _winograd_applies(g, dtype):
         return _winograd_backward_filter(x, dy, g, xp)
-    if _flat_depthwise_applies(g):
-        return _flat_depthwise_backward_filter(x, dy, g, xp)
     if _is_depthwise(g):
         return _depthwise_backward_filter(x, dy, g, xp)
     if _is_pointwise(g):
@@ -1012,25 +1055,6 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
         dw_matrix += product
     dw = dw_matrix.reshape(G, Fg, g.Kh, g.Kw, Cg).transpose(0, 1, 4, 2, 3)
     return xp.ascontiguousarray(dw.reshape(g.F, Cg, g.Kh, g.Kw))
-
-
-def _depthwise_backward_filter(x, dy, g, xp):
-    """dw of the depthwise kernel: each tap's gradient is dy times the positions it read,
-    summed over samples and positions."""
-    k = g.F // g.C
-    Hp, Wp = _padded_size(g)
-    blocks, step = _depthwise_blocks(g)
-    padded = xp.zeros((step, Hp, Wp, g.C), x.dtype)
-    grads = xp.empty((step, g.Ho, g.Wo, g.C, k), dy.dtype)
-    dw = xp.zeros((g.Kh, g.Kw, g.C, k), dy.dtype)
-    for start, n in blocks:
-        source = _channel_last_padded(x, start, n, g, xp, padded)
-        gr = grads[:n]
-        gr[...] = dy[start:start + n].reshape(n, g.C, k, g.Ho, g.Wo).transpose(0, 3, 4, 1, 2)
-        for i in range(g.Kh):
-            for j in range(g.Kw):
-                dw[i, j] += xp.einsum("nhwc,nhwcm->cm", _tap(source, i, j, g), gr)
-    return xp.ascontiguousarray(dw.transpose(2, 3, 0, 1)).reshape(g.F, 1, g.Kh, g.Kw)
 
 
 def conv2d_backward_bias(dy):
