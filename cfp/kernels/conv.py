@@ -855,13 +855,13 @@ class _DepthwiseBands:
     def filters(self, w):
         """T (C, eh*Wi, k*Ws): T_c of every channel."""
         g, xp = self.g, self.xp
-        T = xp.zeros((self.eh, self.Wi, self.Ws, g.C, self.k), w.dtype)
+        T = xp.zeros((g.C, self.eh, self.Wi, self.k, self.Ws), w.dtype)
         taps = w.reshape(g.C, self.k, g.Kh, g.Kw)
         for i in range(g.Kh):
             for j in range(g.Kw):
                 v, u = self._band(j)
-                T[i * g.dh, u, v] = taps[:, :, i, j]
-        return xp.ascontiguousarray(T.transpose(3, 0, 1, 4, 2)).reshape(g.C, self.eh * self.Wi, self.k * self.Ws)
+                T[:, i * g.dh, u, :, v] = taps[:, :, i, j]
+        return T.reshape(g.C, self.eh * self.Wi, self.k * self.Ws)
 
     def taps(self, dT):
         """dw (F, 1, Kh, Kw) from dT (Kh, C, Wi, k*Ws), kernel row i's input columns times output
