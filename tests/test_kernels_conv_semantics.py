@@ -366,7 +366,7 @@ def test_plane_columns_serve_narrow_stride_1_groups_only():
     assert not applies((0, 8, 8, 8), (8, 2, 3, 3), padding=1, groups=4)  # nothing to convolve
 
 
-@pytest.mark.parametrize("blocks", ["one", "channels", "samples"])
+@pytest.mark.parametrize("blocks", ["one", "channels", "samples", "tiny"])
 @pytest.mark.parametrize("columns", [16, 2], ids=["one-strip", "strips"])
 @pytest.mark.parametrize("args,x_shape,w_shape", [
     ({"padding": 1}, (3, 4, 5, 6), (4, 1, 3, 3)),  # 'same'
@@ -382,8 +382,8 @@ def test_depthwise_bands_match_the_loops(blocks, columns, args, x_shape, w_shape
     """Depthwise layers run as banded GEMMs on residue classes of rows (docs/design.md 3c):
     every padding shape and mode, stride, dilation, multiplier, strip width (one strip, or
     strips 2 output columns wide, whose edge strips hold padding) and block shape (all at
-    once, blocks of channels, blocks of 2 of 3 samples) gives the loops' three passes, and
-    the bands are taken in each pass."""
+    once, blocks of channels, blocks of 2 of 3 samples, one sample and channel) gives the
+    loops' three passes, and the bands are taken in each pass."""
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1,
                                                  "groups": x_shape[1], **args}}
     monkeypatch.setattr(conv_module, "_BAND_COLUMNS", columns)
@@ -393,7 +393,7 @@ def test_depthwise_bands_match_the_loops(blocks, columns, args, x_shape, w_shape
                                       stride=(g.sh, g.sw), dilation=(g.dh, g.dw), groups=g.G)
     whole = conv_module._DepthwiseBands(g, np, np.float64)
     per_sample = whole.strips * whole.P * whole.Wi
-    budget = {"one": 1 << 30, "channels": 2 * g.N * per_sample, "samples": 2 * per_sample}[blocks]
+    budget = {"one": 1 << 30, "channels": 2 * g.N * per_sample, "samples": 2 * per_sample, "tiny": 1}[blocks]
     monkeypatch.setattr(conv_module, "_BAND_ELEMENTS", budget)
     taken = []
     real = conv_module._DepthwiseBands
@@ -403,7 +403,8 @@ def test_depthwise_bands_match_the_loops(blocks, columns, args, x_shape, w_shape
     fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
             conv2d_backward_filter(x, dy, w.shape, **a))
     assert len(taken) == 3  # forward, backward-data (its own or the full convolution's), backward-filter
-    expected_blocks = {"one": (g.N, g.C), "channels": (g.N, min(2, g.C)), "samples": (min(2, g.N), 1)}[blocks]
+    expected_blocks = {"one": (g.N, g.C), "channels": (g.N, min(2, g.C)), "samples": (min(2, g.N), 1),
+                       "tiny": (1, 1)}[blocks]  # a sample larger than the budget: one sample and channel
     assert (taken[0].n, taken[0].c) == expected_blocks
     assert taken[0].strips == -(-g.Wo // min(g.Wo, columns))
     loops = (conv2d_forward_loop(x, w, b, **a), conv2d_backward_data_loop(dy, w, x.shape, **a),

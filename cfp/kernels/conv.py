@@ -757,7 +757,7 @@ class _DepthwiseBands:
         self.g, self.xp = g, xp
         self.k = g.F // g.C
         self.eh = g.dh * (g.Kh - 1) + 1  # input rows of a band
-        self.Ws = max(1, min(g.Wo, _BAND_COLUMNS))
+        self.Ws = min(g.Wo, _BAND_COLUMNS)  # Wo >= 1: conv_geometry refuses a kernel wider than the padded input
         self.strips = -(-g.Wo // self.Ws)
         if self.strips == 1:  # x's own columns: T leaves out the taps that read padding
             self.Wi, self.left = g.W, 0
