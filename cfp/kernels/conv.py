@@ -838,6 +838,12 @@ class _DepthwiseBands:
             a[:c, :, s * sh:], (c, self.strips, Q, self.eh * self.Wi),
             (a.strides[0], a.strides[1], self.m * sh * self.Wi * item, item))
 
+    def read(self, i, c, rows):
+        """The input rows kernel row i reads for the block's first `rows` output rows (output
+        row q reads row q*sh + i*dh), (c, strips, rows, Wi), a view."""
+        g = self.g
+        return self.input[:c, :, i * g.dh:i * g.dh + rows * g.sh:g.sh]
+
     def rows(self, s, c, Q):
         """Class s of the output buffer's rows, (c, strips, Q, k*Ws)."""
         return self.output[:c, :, s:s + Q * self.m:self.m]
@@ -878,13 +884,29 @@ class _DepthwiseBands:
 
 def _depthwise_forward(x, w, g, xp, y):
     """Depthwise y (N, F, Ho, Wo), F = k C: output channel c*k + m is input channel c
-    correlated with filter c*k + m, m GEMMs a block."""
+    correlated with filter c*k + m, m GEMMs a block. A dilated layer's band has rows that no
+    tap reads (dh - 1 of every dh), which the GEMMs would multiply by zeros: it takes one
+    GEMM a kernel row instead (K = Wi), their products summed (measured 20% faster at dilation
+    2; undilated, the one long GEMM a class is the faster)."""
     bands = _DepthwiseBands(g, xp, x.dtype)
     T = bands.filters(w)[:, None]  # one T_c for every strip
+    by_rows = g.dh > 1 and g.Kh > 1
+    if by_rows:
+        T_rows = T.reshape(g.C, 1, bands.eh, bands.Wi, bands.k * bands.Ws)
+        term = xp.empty_like(bands.output)
     for start, n, c0, c, Q in bands.blocks():
         bands.load(x, start, n, c0, c)
-        for s in range(bands.m):
-            xp.matmul(bands.patches(s, c, Q), T[c0:c0 + c], out=bands.rows(s, c, Q))
+        if by_rows:
+            rows = n * bands.Hgo
+            total = bands.output[:c, :, :rows]
+            for i in range(g.Kh):
+                product = xp.matmul(bands.read(i, c, rows), T_rows[c0:c0 + c, :, i * g.dh],
+                                    out=term[:c, :, :rows] if i else total)
+                if i:
+                    total += product
+        else:
+            for s in range(bands.m):
+                xp.matmul(bands.patches(s, c, Q), T[c0:c0 + c], out=bands.rows(s, c, Q))
         bands.store(y, start, n, c0, c)
 
 
@@ -900,8 +922,7 @@ def _depthwise_backward_filter(x, dy, g, xp):
         bands.load_grads(dy, start, n, c0, c)
         rows = n * bands.Hgo
         for i in range(g.Kh):
-            read = bands.input[:c, :, i * g.dh:i * g.dh + rows * g.sh:g.sh]  # (c, strips, rows, Wi)
-            xp.matmul(read.transpose(0, 1, 3, 2), bands.output[:c, :, :rows], out=product[:c])
+            xp.matmul(bands.read(i, c, rows).transpose(0, 1, 3, 2), bands.output[:c, :, :rows], out=product[:c])
             dT[i, c0:c0 + c] += product[:c].sum(axis=1)
     return bands.taps(dT)
 
