@@ -414,6 +414,22 @@ def test_depthwise_bands_match_the_loops(blocks, columns, args, x_shape, w_shape
         assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
 
 
+def test_dilated_depthwise_forward_takes_one_gemm_a_kernel_row(monkeypatch):
+    """A forward whose band has rows without taps (dh > 1, Kh > 1) reads each kernel row's
+    input rows (Kh GEMMs a block); every other depthwise forward takes the classes' patch rows."""
+    calls = []
+    for name in ("read", "patches"):
+        real = getattr(conv_module._DepthwiseBands, name)
+        monkeypatch.setattr(conv_module._DepthwiseBands, name,
+                            lambda self, *a, _real=real, _name=name: calls.append(_name) or _real(self, *a))
+    x = np.ones((2, 4, 9, 9))
+    cases = ((3, (2, 1), True), (2, 2, True), (1, (2, 2), False), (3, (1, 2), False), (3, 1, False))
+    for Kh, dilation, by_rows in cases:
+        del calls[:]
+        conv2d_forward(x, np.ones((4, 1, Kh, 3)), padding=2, dilation=dilation, groups=4)
+        assert calls == (["read"] * Kh if by_rows else ["patches"] * len(calls)) and calls, (Kh, dilation)
+
+
 def test_depthwise_backward_data_is_a_forward_only_without_a_multiplier_or_stride(monkeypatch):
     """Stride-1 depthwise backward-data without a channel multiplier is the full convolution, a
     depthwise forward of dy (GEMMs with K = eh*Wi); with a multiplier (its full convolution is
