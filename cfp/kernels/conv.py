@@ -738,20 +738,22 @@ def _from_subgrids(s, d, out):
 # as they are long, so the output rows are taken in m = ceil(eh / sh) residue classes, q = s
 # mod m, each one GEMM over an as_strided view of the buffer: no patch is copied. Outputs at
 # the rows between samples and the columns past Wo are computed and dropped.
-# The GEMMs multiply Kh*Wi (54 for the 16x16 3x3 benchmark layer) values per output where 9
-# are needed, at BLAS speed: 3.9 ms a forward where 17 NumPy passes over the block (one
-# multiply and one add a tap) took 6.4 ms (BENCHMARKS.md). Backward-filter is the transposed
-# product, dT_c = sum of patch rows^T @ dy rows, whose band holds dw; backward-data is
-# dy rows @ T_c^T added back at the rows' runs (no scatter), then the strips' overlapping
-# columns added into dx.
+# The GEMMs multiply eh*Wi values per output where Kh*Kw are needed (48 against 9 on the 16x16
+# 3x3 benchmark layer), at BLAS speed: the three passes of that layer took 12.2 ms where the
+# flat kernel before them, 17 NumPy passes over a block a pass, took 16.3 ms (BENCHMARKS.md).
+# Backward-filter is the transposed product, for each kernel row the rows it read^T @ dy's rows,
+# whose band holds dw; backward-data is dy's rows @ T_c^T added back at the rows' runs (no
+# scatter), then the strips' overlapping columns added into dx.
 _BAND_COLUMNS = 16  # output columns of a strip
 _BAND_ELEMENTS = 1 << 18  # input values of a block's strips (1 MiB in float32: they stay in cache)
 
 
 class _DepthwiseBands:
-    """The banded GEMMs of a depthwise layer: blocks() of (samples, channels), load() of x or
-    dy into a block's buffer, patches(s) the residue-class views of the buffer, filters(w) the
-    T_c. Buffers are reused from block to block: consume one before asking for the next."""
+    """The banded GEMMs of a depthwise layer: blocks() of (samples, channels); load() x into a
+    block's input buffer and load_grads() dy into its output buffer; patches(s) and rows(s)
+    the residue class s of both, read(i) the input rows kernel row i reads; store() the
+    outputs into y; filters(w) the T_c and taps(dT) dw. Buffers are reused from block to
+    block: consume one before asking for the next."""
 
     def __init__(self, g, xp, dtype):
         self.g, self.xp = g, xp
@@ -829,10 +831,10 @@ class _DepthwiseBands:
             first, width = self._strip_columns(strip)
             rows[:, strip, :, :g.Ho, :, :width] = block[..., first:first + width].transpose(1, 0, 3, 2, 4)
 
-    def patches(self, s, c, Q, buffer=None):
+    def patches(self, s, c, Q):
         """Class s of the block's patch rows, (c, strips, Q, eh*Wi): output rows s, s+m, ...,
-        each the eh input rows from row q*sh, as a view of the buffer."""
-        a = self.input if buffer is None else buffer
+        each the eh input rows from row q*sh, as a view of the input buffer."""
+        a = self.input
         item, sh = a.itemsize, self.g.sh
         return self.xp.lib.stride_tricks.as_strided(
             a[:c, :, s * sh:], (c, self.strips, Q, self.eh * self.Wi),
