@@ -24,6 +24,37 @@ def test_every_listed_equivalent_names_a_line_of_a_mutated_module():
             assert any(k[:3] == (module, int(ref[0]), int(ref[1])) for k in equivalents), (module, line, col, ref)
 
 
+# What each operator listed in equivalent.txt mutates, as the source text at its (line, col)
+# starts: an entry whose line has moved since it was written (an edit above it) points at other
+# text, and would silently skip whatever mutant now sits there.
+_SYMBOLS = {"Sub": "-", "Add": "+", "Mul": "*", "Div": "/", "FloorDiv": "//", "Mod": "%", "Pow": "**",
+            "Eq": "==", "NotEq": "!=", "Lt": "<", "LtE": "<=", "Gt": ">", "GtE": ">=",
+            "USub": "-", "UAdd": "+"}
+_WORDS = {"ReplaceFalseWithTrue": "False", "ReplaceTrueWithFalse": "True",
+          "ReplaceAndWithOr": "and", "ReplaceOrWithAnd": "or"}
+
+
+def _mutated_text_matches(operator, text):
+    name = operator.split("/", 1)[1]
+    if name == "NumberReplacer":
+        return re.match(r"\d|\.\d", text) is not None
+    if name in _WORDS:
+        return re.match(_WORDS[name] + r"\b", text) is not None
+    family, _, pair = name.partition("Operator_")
+    if family in ("ReplaceBinary", "ReplaceComparison", "ReplaceUnary") and pair.split("_")[0] in _SYMBOLS:
+        symbol = re.match(r"[-+*/%<>=!]+", text)
+        return symbol is not None and symbol[0] == _SYMBOLS[pair.split("_")[0]]
+    raise AssertionError(f"no rule for what {operator} mutates: add it to _SYMBOLS or _WORDS")
+
+
+def test_every_listed_equivalent_points_at_what_its_operator_mutates():
+    for (module, line, col, operator), reason in run.load_equivalents().items():
+        with open(os.path.join(run.ROOT, module)) as f:
+            text = f.read().splitlines()[line - 1][col:]
+        assert _mutated_text_matches(operator, text), (f"{module}:{line}:{col} {operator} points at {text!r}: "
+                                                       f"the line moved? ({reason})")
+
+
 def test_rerun_reads_the_survivors_of_a_report(tmp_path):
     report = tmp_path / "report.txt"
     report.write_text("score: 99.0% ...\n\nsurvivors:\n"
