@@ -4,8 +4,8 @@ GEMM-based kernels on the arrays of one rank (NumPy or CuPy); no MPI here, cfp.a
 data. Which path a layer takes depends only on its geometry (docs/design.md, section 3c):
 pointwise GEMMs for 1x1 layers; Winograd F(4x4, 3x3) for float32 3x3 stride-1 ungrouped layers
 (dilated ones by residue-class sub-grids); banded GEMMs on residue classes of rows for
-depthwise layers; plane columns (shifted copies of a tall image, Kh GEMMs a block) for stride-1 layers with narrow
-groups; pixel-major im2col + GEMM for everything else.
+depthwise layers; plane columns (shifted copies of a tall image, Kh GEMMs a block) for stride-1
+layers with narrow groups; pixel-major im2col + GEMM for everything else.
 
 Shapes: x (N, C, H, W), w (F, C, Kh, Kw), b (F,), y and dy (N, F, Ho, Wo) with
 Ho = (H + 2 ph - Kh) // sh + 1 and Wo = (W + 2 pw - Kw) // sw + 1 (zero padding). Any of N, C, F
