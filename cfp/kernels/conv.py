@@ -749,8 +749,9 @@ _BAND_ELEMENTS = 1 << 18  # input values of a block's strips (1 MiB in float32: 
 
 
 class _DepthwiseBands:
-    """The banded GEMMs of a depthwise layer: blocks() of (samples, channels); load() x into a
-    block's input buffer and load_grads() dy into its output buffer; patches(s) and rows(s)
+    """The banded GEMMs of a depthwise layer: blocks() of (samples, channels); input_strips()
+    and output_strips() pair a block of x or dx, y or dy with where its buffer holds it, which
+    load() x, store() y and load_grads() dy copy; patches(s) and rows(s)
     the residue class s of both, read(i) the input rows kernel row i reads; store() the
     outputs into y; filters(w) the T_c and taps(dT) dw. Buffers are reused from block to
     block: consume one before asking for the next."""
@@ -785,51 +786,47 @@ class _DepthwiseBands:
             for c0 in range(0, g.C, self.c):
                 yield start, n, c0, min(self.c, g.C - c0), -(-n * self.Hgo // self.m)
 
-    def _columns(self, strip):
-        """(x's first column, last + 1, the buffer's first) of what strip `strip` reads of x."""
+    def input_strips(self, a, start, n, c0, c):
+        """For each strip, (the columns of a's block it reads, (n, c, H, w)) and (where the input
+        buffer holds them, the same shape): a is x or dx (N, C, H, W), each sample at buffer
+        rows pt + p*P."""
         g = self.g
-        left = strip * self.Ws * g.sw - self.left
-        first, last = max(0, left), min(g.W, left + self.Wi)
-        return first, last, first - left
+        block = a[start:start + n, c0:c0 + c]
+        planes = self.input[:c, :, g.pt:g.pt + n * self.P].reshape(c, self.strips, n, self.P, self.Wi)
+        for strip in range(self.strips):
+            left = strip * self.Ws * g.sw - self.left  # a's column at the strip's first
+            first, last = max(0, left), min(g.W, left + self.Wi)
+            if first < last:
+                held = planes[:, strip, :, :g.H, first - left:last - left]
+                yield block[..., first:last], held.transpose(1, 0, 2, 3)
+
+    def output_strips(self, a, start, n, c0, c):
+        """For each strip, (its columns of a's block, (n, c, k, Ho, w)) and (where the output
+        buffer holds them, the same shape): a is y or dy (N, F, Ho, Wo)."""
+        g = self.g
+        block = a[start:start + n].reshape(n, g.C, self.k, g.Ho, g.Wo)[:, c0:c0 + c]
+        out = self.output[:c, :, :n * self.Hgo].reshape(c, self.strips, n, self.Hgo, self.k, self.Ws)
+        for strip in range(self.strips):
+            first = strip * self.Ws
+            width = min(self.Ws, g.Wo - first)
+            yield block[..., first:first + width], out[:, strip, :, :g.Ho, :, :width].transpose(1, 0, 3, 2, 4)
 
     def load(self, x, start, n, c0, c):
-        """x's block (n samples, c channels) into the input buffer, each sample at rows
-        pt + p*P."""
-        g = self.g
-        planes = self.input[:c, :, g.pt:g.pt + n * self.P].reshape(c, self.strips, n, self.P, self.Wi)
-        block = x[start:start + n, c0:c0 + c].transpose(1, 0, 2, 3)
-        for strip in range(self.strips):
-            first, last, at = self._columns(strip)
-            if first < last:
-                planes[:, strip, :, :g.H, at:at + last - first] = block[..., first:last]
-
-    def _outputs(self, n, c):
-        """The output buffer's rows of a block as (c, strips, n, Hgo, k, Ws)."""
-        return self.output[:c, :, :n * self.Hgo].reshape(c, self.strips, n, self.Hgo, self.k, self.Ws)
-
-    def _strip_columns(self, strip):
-        first = strip * self.Ws
-        return first, min(self.Ws, self.g.Wo - first)
+        """x's block (n samples, c channels) into the input buffer."""
+        for part, held in self.input_strips(x, start, n, c0, c):
+            held[...] = part
 
     def store(self, y, start, n, c0, c):
         """The block's outputs, cropped, into y (N, F, Ho, Wo)."""
-        g = self.g
-        target = y[start:start + n].reshape(n, g.C, self.k, g.Ho, g.Wo)[:, c0:c0 + c]
-        out = self._outputs(n, c)
-        for strip in range(self.strips):
-            first, width = self._strip_columns(strip)
-            target[..., first:first + width] = out[:, strip, :, :g.Ho, :, :width].transpose(1, 0, 3, 2, 4)
+        for part, held in self.output_strips(y, start, n, c0, c):
+            part[...] = held
 
     def load_grads(self, dy, start, n, c0, c):
         """dy's block into the output buffer, zero at every row and column of its samples that is
         not an output. (Rows past the samples, which the last classes of a shorter block reach,
         keep an earlier block's values: what they give lands past the samples' rows, unread.)"""
-        g = self.g
-        rows = self._outputs(n, c)
-        block = dy[start:start + n].reshape(n, g.C, self.k, g.Ho, g.Wo)[:, c0:c0 + c]
-        for strip in range(self.strips):
-            first, width = self._strip_columns(strip)
-            rows[:, strip, :, :g.Ho, :, :width] = block[..., first:first + width].transpose(1, 0, 3, 2, 4)
+        for part, held in self.output_strips(dy, start, n, c0, c):
+            held[...] = part
 
     def patches(self, s, c, Q):
         """Class s of the block's patch rows, (c, strips, Q, eh*Wi): output rows s, s+m, ...,
@@ -942,12 +939,8 @@ def _depthwise_backward_data(dy, w, g, xp):
         for s in range(bands.m):
             # the rows of one class do not overlap (m*sh >= eh), so the view takes += safely
             bands.patches(s, c, Q)[...] += xp.matmul(bands.rows(s, c, Q), T_t[c0:c0 + c], out=grads[:c, :, :Q])
-        planes = bands.input[:c, :, g.pt:g.pt + n * bands.P].reshape(c, bands.strips, n, bands.P, bands.Wi)
-        target = dx[start:start + n, c0:c0 + c]
-        for strip in range(bands.strips):
-            first, last, at = bands._columns(strip)
-            if first < last:
-                target[..., first:last] += planes[:, strip, :, :g.H, at:at + last - first].transpose(1, 0, 2, 3)
+        for part, held in bands.input_strips(dx, start, n, c0, c):
+            part += held  # strips overlap by their halo
     return dx
 
 
