@@ -10,20 +10,6 @@ run = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(run)
 
 
-def test_every_listed_equivalent_names_a_line_of_a_mutated_module():
-    equivalents = run.load_equivalents()
-    assert equivalents
-    modules = [m for g in run.load_config()["cfp"]["group"] for m in g["modules"]]
-    for (module, line, col, operator), reason in equivalents.items():
-        assert any(module == m or module.startswith(m.rstrip("/") + "/") for m in modules), module
-        with open(os.path.join(run.ROOT, module)) as f:
-            source = f.read().splitlines()
-        assert 1 <= line <= len(source) and col < len(source[line - 1]), (module, line, col)
-        assert operator.startswith("core/") and reason.strip()
-        for ref in re.findall(r"\bas (\d+):(\d+)", reason):  # "as L:C": another entry of this module
-            assert any(k[:3] == (module, int(ref[0]), int(ref[1])) for k in equivalents), (module, line, col, ref)
-
-
 # What each operator listed in equivalent.txt mutates, as the source text at its (line, col)
 # starts: an entry whose line has moved since it was written (an edit above it) points at other
 # text, and would silently skip whatever mutant now sits there.
@@ -41,16 +27,26 @@ def _mutated_text_matches(operator, text):
     if name in _WORDS:
         return re.match(_WORDS[name] + r"\b", text) is not None
     family, _, pair = name.partition("Operator_")
-    if family in ("ReplaceBinary", "ReplaceComparison", "ReplaceUnary") and pair.split("_")[0] in _SYMBOLS:
+    replaced = pair.split("_")[0]  # ReplaceBinaryOperator_Sub_Add replaces Sub
+    if family in ("ReplaceBinary", "ReplaceComparison", "ReplaceUnary") and replaced in _SYMBOLS:
         symbol = re.match(r"[-+*/%<>=!]+", text)
-        return symbol is not None and symbol[0] == _SYMBOLS[pair.split("_")[0]]
+        return symbol is not None and symbol[0] == _SYMBOLS[replaced]
     raise AssertionError(f"no rule for what {operator} mutates: add it to _SYMBOLS or _WORDS")
 
 
-def test_every_listed_equivalent_points_at_what_its_operator_mutates():
-    for (module, line, col, operator), reason in run.load_equivalents().items():
+def test_every_listed_equivalent_names_a_line_of_a_mutated_module():
+    equivalents = run.load_equivalents()
+    assert equivalents
+    modules = [m for g in run.load_config()["cfp"]["group"] for m in g["modules"]]
+    for (module, line, col, operator), reason in equivalents.items():
+        assert any(module == m or module.startswith(m.rstrip("/") + "/") for m in modules), module
         with open(os.path.join(run.ROOT, module)) as f:
-            text = f.read().splitlines()[line - 1][col:]
+            source = f.read().splitlines()
+        assert 1 <= line <= len(source) and col < len(source[line - 1]), (module, line, col)
+        assert operator.startswith("core/") and reason.strip()
+        for ref in re.findall(r"\bas (\d+):(\d+)", reason):  # "as L:C": another entry of this module
+            assert any(k[:3] == (module, int(ref[0]), int(ref[1])) for k in equivalents), (module, line, col, ref)
+        text = source[line - 1][col:]
         assert _mutated_text_matches(operator, text), (f"{module}:{line}:{col} {operator} points at {text!r}: "
                                                        f"the line moved? ({reason})")
 
