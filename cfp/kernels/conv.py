@@ -23,6 +23,7 @@ import os
 from collections import namedtuple
 
 from cfp.backend import get_array_module
+from cfp.kernels import workspace
 from cfp.checks import float_dtype, int_pair, positive_int
 
 # A block of samples holds about this many output pixels: the rows of the forward GEMM and the
@@ -228,7 +229,7 @@ def _channel_major(a, start, n, out):
 
 
 def _spread_planes(xp, shape, dtype):
-    """A zeroed (n, C, Hp, Wp) array whose (Hp, Wp) planes lie an odd number of cache lines apart.
+    """A zeroed (n, C, Hp, Wp) temporary whose (Hp, Wp) planes lie an odd number of cache lines apart.
 
     Transposing to channel-last reads one value from each of C planes in turn; planes a multiple
     of 4 KiB apart (32x32 float32, for one) all fall into the same L1 cache sets and evict each
@@ -238,7 +239,7 @@ def _spread_planes(xp, shape, dtype):
     itemsize = xp.dtype(dtype).itemsize
     lines = -(-Hp * Wp * itemsize // _CACHE_LINE_BYTES)  # rounded up
     lines += 1 - lines % 2
-    storage = xp.zeros((n, C, lines * _CACHE_LINE_BYTES // itemsize), dtype)
+    storage = workspace.zeros(xp, (n, C, lines * _CACHE_LINE_BYTES // itemsize), dtype)
     return storage[:, :, :Hp * Wp].reshape(shape)
 
 
@@ -263,9 +264,9 @@ def _pixel_patches(x, g, xp):
     # (group, sample, output row, output column, kernel row, kernel column, channel), holds all
     # the patches, which a single copy gathers in runs of Kw*Cg values (nine separate window
     # copies cost twice as much for 3x3).
-    channel_last = xp.empty((step, G, Hp, Wp, Cg), x.dtype)
+    channel_last = workspace.empty(xp, (step, G, Hp, Wp, Cg), x.dtype)
     per_sample = g.Ho * g.Wo * g.Kh * g.Kw * Cg
-    patches = xp.empty((G, step * per_sample), x.dtype)  # sliced per block: views, never copies
+    patches = workspace.empty(xp, (G, step * per_sample), x.dtype)  # sliced per block: views, never copies
     item = channel_last.itemsize
     row, column = Wp * Cg * item, Cg * item
     window_strides = (Hp * row, G * Hp * row, g.sh * row, g.sw * column, g.dh * row, g.dw * column, item)
@@ -312,7 +313,7 @@ class _PlaneColumns:
         # whole samples, at most _PLANE_ELEMENTS values in the copies
         self.step = max(1, min(g.N, _PLANE_ELEMENTS // (g.Kw * g.C * self.Hp * R)))
         # what x does not fill, the padding and the wrapped reads, stays zero
-        self.shifted = xp.zeros((g.C, g.Kw, self.step * self.Hp * R), x.dtype)
+        self.shifted = workspace.zeros(xp, (g.C, g.Kw, self.step * self.Hp * R), x.dtype)
 
     def outputs(self, n):
         """L: the tall image's output positions for a block of n samples."""
@@ -347,10 +348,11 @@ def _plane_forward(x, w, g, xp, y):
     planes = _PlaneColumns(x, g, xp)
     G, Fg = g.G, g.F // g.G
     # filters for kernel row i: (G, F/G, C/G*Kw), columns (channel, kernel column)
-    filters = xp.ascontiguousarray(w.reshape(G, Fg, g.C // G, g.Kh, g.Kw).transpose(3, 0, 1, 2, 4))
+    filters = workspace.empty(xp, (g.Kh, G, Fg, g.C // G, g.Kw), x.dtype)
+    filters[...] = w.reshape(G, Fg, g.C // G, g.Kh, g.Kw).transpose(3, 0, 1, 2, 4)
     filters = filters.reshape(g.Kh, G, Fg, planes.rows)
     widest = planes.outputs(planes.step)
-    out, term = xp.empty(g.F * widest, x.dtype), xp.empty(g.F * widest, x.dtype)
+    out, term = workspace.empty(xp, g.F * widest, x.dtype), workspace.empty(xp, g.F * widest, x.dtype)
     for start, n, columns in planes.blocks():
         L = planes.outputs(n)
         direct = planes.in_place(n)
@@ -372,9 +374,9 @@ def _plane_backward_filter(x, dy, g, xp):
     the blocks."""
     planes = _PlaneColumns(x, g, xp)
     G, Fg, R = g.G, g.F // g.G, planes.R
-    dy_tall = xp.zeros((g.F, planes.step * planes.Hp, R), x.dtype)
+    dy_tall = workspace.zeros(xp, (g.F, planes.step * planes.Hp, R), x.dtype)
     dw = xp.zeros((g.Kh, G, Fg, planes.rows), x.dtype)
-    product = xp.empty((G, Fg, planes.rows), x.dtype)
+    product = workspace.empty(xp, (G, Fg, planes.rows), x.dtype)
     for start, n, columns in planes.blocks():
         L = planes.outputs(n)
         if planes.in_place(n):
@@ -436,6 +438,7 @@ def _check_bias(b, g):
         )
 
 
+@workspace.call
 def conv2d_forward(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """y (N, F, Ho, Wo) = x (N, C, H, W) cross-correlated with w (F, C/groups, Kh, Kw), plus b (F,).
 
@@ -473,9 +476,10 @@ def _forward(x, w, b, g, xp):
     elif _plane_columns_apply(g):
         _plane_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     else:
-        filters = xp.ascontiguousarray(_filter_matrices(w, g.G))  # (G, Kh*Kw*C/G, F/G)
         Fg = g.F // g.G
-        pixel_major = xp.empty((g.G, _samples_per_block(g) * g.Ho * g.Wo, Fg), dtype)
+        filters = workspace.empty(xp, (g.G, g.Kh * g.Kw * g.C // g.G, Fg), dtype)
+        filters[...] = _filter_matrices(w, g.G)
+        pixel_major = workspace.empty(xp, (g.G, _samples_per_block(g) * g.Ho * g.Wo, Fg), dtype)
         for start, n, patches in _pixel_patches(x, g, xp):
             rows = pixel_major[:, :n * g.Ho * g.Wo]
             xp.matmul(patches, filters, out=rows)
@@ -581,8 +585,10 @@ def _winograd_filters(w, G2, xp):
     of G (x) G with the taps laid out (9, C F), in w's dtype, so U comes out in the layout the
     products' GEMMs read."""
     F, C = w.shape[:2]
-    taps = xp.ascontiguousarray(w.reshape(F, C, 9).transpose(2, 1, 0))  # (9, C, F)
-    return xp.matmul(G2, taps.reshape(9, C * F)).reshape(-1, C, F)
+    taps = workspace.empty(xp, (9, C, F), w.dtype)
+    taps[...] = w.reshape(F, C, 9).transpose(2, 1, 0)
+    U = workspace.empty(xp, (G2.shape[0], C * F), w.dtype)
+    return xp.matmul(G2, taps.reshape(9, C * F), out=U).reshape(-1, C, F)
 
 
 class _WinogradTiles:
@@ -600,9 +606,9 @@ class _WinogradTiles:
         self.step = max(1, min(g.N, _WINOGRAD_ROWS // (self.th * self.tw)))
         tiles = self.step * self.th * self.tw
         self.padded = _spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
-        self.channel_last = xp.empty((self.step, self.Hp, self.Wp, g.C), x.dtype)
-        self._d = xp.empty(a * a * tiles * g.C, x.dtype)
-        self._v = xp.empty(a * a * tiles * g.C, x.dtype)
+        self.channel_last = workspace.empty(xp, (self.step, self.Hp, self.Wp, g.C), x.dtype)
+        self._d = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
+        self._v = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
 
     def blocks(self):
         """(start, n, V) for each block of n samples: V ((m+2)^2, n * th * tw, C)."""
@@ -630,15 +636,20 @@ def _winograd_forward(x, w, g, xp, y):
     m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
     U = _winograd_filters(w, tiles.G2, xp)
     rows = tiles.step * th * tw
-    M, Y = xp.empty(a * a * rows * g.F, x.dtype), xp.empty(m * m * rows * g.F, x.dtype)
+    M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
     for start, n, V in tiles.blocks():
         P = n * th * tw
         products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(V, U, out=products)
         out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
         xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
-        pixels = out.reshape(m, m, n, th, tw, g.F).transpose(2, 5, 3, 0, 4, 1).reshape(n, g.F, m * th, m * tw)
-        y[start:start + n] = pixels[:, :, :g.Ho, :g.Wo]
+        tiled = out.reshape(m, m, n, th, tw, g.F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, th, m, tw, m)
+        if (m * th, m * tw) == (g.Ho, g.Wo):  # whole tiles: straight into y
+            y[start:start + n].reshape(tiled.shape)[...] = tiled
+        else:  # through the whole tiles, then cropped
+            whole = workspace.empty(xp, (n, g.F, m * th, m * tw), x.dtype)
+            whole.reshape(tiled.shape)[...] = tiled
+            y[start:start + n] = whole[:, :, :g.Ho, :g.Wo]
 
 
 def _winograd_backward_filter(x, dy, g, xp):
@@ -651,10 +662,11 @@ def _winograd_backward_filter(x, dy, g, xp):
     # dy's block channel-last (through planes an odd number of cache lines apart, as x's), zero
     # beyond Ho x Wo, so that the tiles' gather runs over contiguous F
     dy_planes = _spread_planes(xp, (tiles.step, g.F, m * th, m * tw), x.dtype)
-    dy_last = xp.empty((tiles.step, m * th, m * tw, g.F), x.dtype)
-    dy_tiles = xp.empty(m * m * rows * g.F, x.dtype)
-    dM = xp.empty(a * a * rows * g.F, x.dtype)
-    dU, product = xp.zeros((a * a, g.C, g.F), x.dtype), xp.empty((a * a, g.C, g.F), x.dtype)
+    dy_last = workspace.empty(xp, (tiles.step, m * th, m * tw, g.F), x.dtype)
+    dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
+    dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
+    dU = workspace.zeros(xp, (a * a, g.C, g.F), x.dtype)
+    product = workspace.empty(xp, (a * a, g.C, g.F), x.dtype)
     for start, n, V in tiles.blocks():
         P = n * th * tw
         dy_planes[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
@@ -697,7 +709,7 @@ def _to_subgrids(a, top, left, d, shape, xp):
     classes: (dh * dw * N, K, *shape), class (p, q) holding the grid positions p::dh, q::dw."""
     dh, dw = d
     N, K = a.shape[:2]
-    out = xp.zeros((dh, dw, N, K, *shape), a.dtype)
+    out = workspace.zeros(xp, (dh, dw, N, K, *shape), a.dtype)
     for p in range(dh):
         r = (p - top) % dh  # the first row of a in class p, at row (r + top) // dh of the class
         rows = a[:, :, r::dh]
@@ -775,8 +787,8 @@ class _DepthwiseBands:
         self.Q = -(-self.n * self.Hgo // self.m)  # output rows a class (a whole block)
         rows = max(g.pt + self.n * self.P, (self.Q * self.m - 1) * g.sh + self.eh)
         # what a load does not write, the padding and the rows between samples, stays zero
-        self.input = xp.zeros((self.c, self.strips, rows, self.Wi), dtype)
-        self.output = xp.zeros((self.c, self.strips, self.Q * self.m, self.k * self.Ws), dtype)
+        self.input = workspace.zeros(xp, (self.c, self.strips, rows, self.Wi), dtype)
+        self.output = workspace.zeros(xp, (self.c, self.strips, self.Q * self.m, self.k * self.Ws), dtype)
 
     def blocks(self):
         """(start, n, c0, c, Q): samples start..start+n, channels c0..c0+c, Q rows a class."""
@@ -860,7 +872,7 @@ class _DepthwiseBands:
     def filters(self, w):
         """T (C, eh*Wi, k*Ws): T_c of every channel."""
         g, xp = self.g, self.xp
-        T = xp.zeros((g.C, self.eh, self.Wi, self.k, self.Ws), w.dtype)
+        T = workspace.zeros(xp, (g.C, self.eh, self.Wi, self.k, self.Ws), w.dtype)
         taps = w.reshape(g.C, self.k, g.Kh, g.Kw)
         for i in range(g.Kh):
             for j in range(g.Kw):
@@ -892,7 +904,7 @@ def _depthwise_forward(x, w, g, xp, y):
     by_rows = g.dh > 1 and g.Kh > 1
     if by_rows:
         T_rows = T.reshape(g.C, 1, bands.eh, bands.Wi, bands.k * bands.Ws)
-        term = xp.empty_like(bands.output)
+        term = workspace.empty(xp, bands.output.shape, x.dtype)
     for start, n, c0, c, Q in bands.blocks():
         bands.load(x, start, n, c0, c)
         if by_rows:
@@ -914,8 +926,8 @@ def _depthwise_backward_filter(x, dy, g, xp):
     transposed, times dy's rows (one GEMM over all the block's rows, where a class's patch rows
     would split them in m), summed over strips and blocks; dw is dT's band."""
     bands = _DepthwiseBands(g, xp, x.dtype)
-    dT = xp.zeros((g.Kh, g.C, bands.Wi, bands.k * bands.Ws), x.dtype)
-    product = xp.empty((bands.c, bands.strips) + dT.shape[2:], x.dtype)
+    dT = workspace.zeros(xp, (g.Kh, g.C, bands.Wi, bands.k * bands.Ws), x.dtype)
+    product = workspace.empty(xp, (bands.c, bands.strips) + dT.shape[2:], x.dtype)
     for start, n, c0, c, Q in bands.blocks():
         bands.load(x, start, n, c0, c)
         bands.load_grads(dy, start, n, c0, c)
@@ -931,7 +943,7 @@ def _depthwise_backward_data(dy, w, g, xp):
     rows were read from, then each strip's columns added into dx."""
     bands = _DepthwiseBands(g, xp, dy.dtype)
     T_t = bands.filters(w)[:, None].transpose(0, 1, 3, 2)
-    grads = xp.empty((bands.c, bands.strips, bands.Q, bands.eh * bands.Wi), dy.dtype)
+    grads = workspace.empty(xp, (bands.c, bands.strips, bands.Q, bands.eh * bands.Wi), dy.dtype)
     dx = xp.zeros((g.N, g.C, g.H, g.W), dy.dtype)
     for start, n, c0, c, Q in bands.blocks():
         bands.load_grads(dy, start, n, c0, c)
@@ -944,6 +956,7 @@ def _depthwise_backward_data(dy, w, g, xp):
     return dx
 
 
+@workspace.call
 def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """dx (N, C, H, W): the gradient of the loss with respect to x, from dy (N, F, Ho, Wo).
 
@@ -990,8 +1003,9 @@ def _full_convolution(dy, w, g, xp):
     top, bottom, left, right = (max(0, -p) for p in sides)
     dy = xp.ascontiguousarray(dy[:, :, top:g.Ho - bottom, left:g.Wo - right])
     G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
-    flipped = w[:, :, ::-1, ::-1].reshape(G, Fg, Cg, g.Kh, g.Kw).transpose(0, 2, 1, 3, 4)
-    flipped = xp.ascontiguousarray(flipped.reshape(g.C, Fg, g.Kh, g.Kw))
+    flipped = workspace.empty(xp, (g.C, Fg, g.Kh, g.Kw), w.dtype)
+    flipped.reshape(G, Cg, Fg, g.Kh, g.Kw)[...] = \
+        w[:, :, ::-1, ::-1].reshape(G, Fg, Cg, g.Kh, g.Kw).transpose(0, 2, 1, 3, 4)
     pt, pb, pl, pr = (max(0, p) for p in sides)
     N, _, Hs, Ws = dy.shape
     full = ConvGeometry(N, g.F, Hs, Ws, g.C, g.Kh, g.Kw, 1, 1, pt, pb, pl, pr, g.dh, g.dw, G, "zeros",
@@ -1007,8 +1021,8 @@ def _col2im_backward_data(dy, w, g, xp):
     step = _samples_per_block(g)
     Hp, Wp = _padded_size(g)
     rows_per_sample, row = g.Ho * g.Wo, g.Kh * g.Kw * Cg
-    patch_grads = xp.empty((G, step * rows_per_sample * row), dy.dtype)  # sliced per block: views
-    channel_last = xp.empty((step, Hp, Wp, G, Cg), dy.dtype)
+    patch_grads = workspace.empty(xp, (G, step * rows_per_sample * row), dy.dtype)  # sliced per block: views
+    channel_last = workspace.empty(xp, (step, Hp, Wp, G, Cg), dy.dtype)
     dx = xp.empty((g.N, g.C, g.H, g.W), dy.dtype)
     for start, n in _blocks(g):
         flat = patch_grads[:, :n * rows_per_sample * row]
@@ -1028,6 +1042,7 @@ def _col2im_backward_data(dy, w, g, xp):
     return dx
 
 
+@workspace.call
 def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """dw (F, C/groups, Kh, Kw): the gradient of the loss with respect to w, from x and dy
     (N, F, Ho, Wo). w_shape gives the kernel size (Kh, Kw). With N = 0, dw is zeros.
@@ -1053,7 +1068,7 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
     if _is_pointwise(g):
         # dw = sum over samples of dy_n (F, H*W) @ x_n^T (H*W, C): BLAS reads x_n transposed,
         # so neither tensor is copied
-        dw, product = xp.zeros((g.F, g.C), dtype), xp.empty((g.F, g.C), dtype)
+        dw, product = xp.zeros((g.F, g.C), dtype), workspace.empty(xp, (g.F, g.C), dtype)
         for n in range(g.N):
             xp.matmul(dy[n].reshape(g.F, g.H * g.W), x[n].reshape(g.C, g.H * g.W).T, out=product)
             dw += product
@@ -1063,8 +1078,8 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
     # dw as (G, F/G, Kh*Kw*C/G) = sum over blocks of dy_block @ patches, one GEMM per block and
     # group whose inner dimension runs over all the block's output pixels.
     dw_matrix = xp.zeros((G, Fg, g.Kh * g.Kw * Cg), dtype)
-    product = xp.empty_like(dw_matrix)
-    dy_by_filter = xp.empty((g.F, _samples_per_block(g) * g.Ho * g.Wo), dtype)
+    product = workspace.empty(xp, dw_matrix.shape, dtype)
+    dy_by_filter = workspace.empty(xp, (g.F, _samples_per_block(g) * g.Ho * g.Wo), dtype)
     for start, n, patches in _pixel_patches(x, g, xp):
         dy_block = _channel_major(dy, start, n, dy_by_filter).reshape(G, Fg, n * g.Ho * g.Wo)
         xp.matmul(dy_block, patches, out=product)

@@ -1,0 +1,96 @@
+"""The kernels' workspace: one block of memory, kept from call to call, that holds the
+temporaries of a kernel call (docs/design.md, section 3c).
+
+Why: a NumPy temporary of a few MiB is mapped by malloc when it is made and unmapped when it
+is freed, so every call of a kernel touches its buffers' pages for the first time again, and
+each first touch is a page fault in the operating system. On cfp's machine, when the system
+has no huge pages to give, that is about 2.7 us a 4 KiB page: the 8x256x16x16 3x3 Winograd
+forward asked for about 20 MiB of temporaries, took 5000 faults and spent 13 ms of its 26 ms
+in the kernel; with its temporaries here it takes 15 ms (BENCHMARKS.md). PyTorch's oneDNN
+keeps its scratchpad the same way.
+
+How: each public kernel is wrapped in `call`; inside it, `empty` and `zeros` hand out
+consecutive, 64-byte aligned pieces of the block, and the next call starts again from its
+beginning. The block grows to what the largest call asked for (a call that asks for more than
+it holds gets fresh arrays for the rest and leaves the block larger for the next one), so it
+holds what one call needs at most: the "largest temporary" the cost model adds to a plan's
+memory. `release()` hands it back. Only temporaries live here, never a result: a kernel's
+outputs are fresh arrays, which the next call cannot overwrite. CuPy arrays are not pooled
+here: CuPy's own memory pool already reuses device memory.
+"""
+import functools
+import math
+import threading
+
+import numpy as np
+
+_ALIGNMENT = 64  # bytes: a cache line, and what AVX-512 loads like
+
+
+class _Workspace(threading.local):
+    """One thread's block (uint8), the bytes handed out in the current call, the most any call
+    asked for, and how deep in nested kernel calls the thread is."""
+
+    def __init__(self):
+        self.block = None
+        self.used = 0
+        self.needed = 0
+        self.depth = 0
+
+
+_state = _Workspace()
+
+
+def call(kernel):
+    """Run `kernel` with the workspace: the outermost call starts handing out the block from its
+    beginning (made large enough for the largest call so far); nested ones go on from there."""
+    @functools.wraps(kernel)
+    def with_workspace(*args, **kwargs):
+        state = _state
+        if state.depth == 0:
+            state.used = 0
+            if state.needed > held_bytes():
+                state.block = None  # the old block goes before the new one is made
+                state.block = np.empty(state.needed + _ALIGNMENT, np.uint8)
+        state.depth += 1
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            state.depth -= 1
+    return with_workspace
+
+
+def empty(xp, shape, dtype):
+    """An uninitialised temporary of `shape` and `dtype`: a piece of the workspace inside a
+    kernel call on NumPy arrays, a fresh array otherwise."""
+    state = _state
+    if xp is not np or state.depth == 0:
+        return xp.empty(shape, dtype)
+    dtype = np.dtype(dtype)
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    nbytes = math.prod(shape) * dtype.itemsize
+    start = state.used
+    state.used += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+    state.needed = max(state.needed, state.used)
+    if state.used > held_bytes():
+        return np.empty(shape, dtype)
+    offset = -state.block.ctypes.data % _ALIGNMENT + start
+    return state.block[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def zeros(xp, shape, dtype):
+    """A zeroed temporary (the workspace holds whatever the last call left there)."""
+    a = empty(xp, shape, dtype)
+    a.fill(0)
+    return a
+
+
+def held_bytes():
+    """Bytes of the block this thread holds (0 before the first call and after release())."""
+    block = _state.block
+    return 0 if block is None else block.size - _ALIGNMENT
+
+
+def release():
+    """Hand the block back; the next kernel call starts a new one."""
+    _state.block, _state.needed = None, 0

@@ -1,0 +1,139 @@
+"""The kernels' workspace (cfp.kernels.workspace): temporaries of one kernel call in one block
+kept from call to call. What must hold: no result lies in the block, so a later call cannot
+change it; whatever an earlier call left in the block changes no result; the block holds what
+the largest call asked for and is handed back by release(). Each path of the kernels is run
+(float64 against the plain loops, Winograd forced on for its paths)."""
+import numpy as np
+import pytest
+
+from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv_geometry
+from cfp.kernels import conv as conv_module
+from cfp.kernels import workspace
+from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
+                                        conv2d_forward_loop)
+from test_kernels_conv import relative_error
+
+# name: (x shape, w shape, arguments, Winograd on)
+PATHS = {
+    "winograd": ((2, 3, 8, 8), (4, 3, 3, 3), {"padding": 1}, True),
+    "winograd, cropped tiles": ((2, 3, 7, 6), (4, 3, 3, 3), {"padding": 1}, True),
+    "dilated by sub-grids": ((2, 3, 9, 8), (4, 3, 3, 3), {"padding": 2, "dilation": 2}, True),
+    "depthwise, multiplier 2": ((2, 4, 7, 9), (8, 1, 3, 3), {"padding": 1, "groups": 4}, False),
+    "depthwise, strided strips": ((2, 4, 9, 40), (4, 1, 3, 3), {"stride": 2, "padding": 1, "groups": 4}, False),
+    "depthwise, dilated": ((2, 4, 9, 9), (4, 1, 3, 3), {"padding": 2, "dilation": 2, "groups": 4}, False),
+    "pointwise": ((2, 5, 6, 6), (3, 5, 1, 1), {}, False),
+    "plane columns": ((2, 4, 6, 7), (4, 2, 3, 3), {"padding": 1, "groups": 2}, False),
+    "im2col": ((2, 70, 5, 5), (3, 70, 3, 3), {"padding": 1}, False),
+    "col2im, reflect": ((2, 70, 7, 7), (3, 70, 3, 3), {"stride": 2, "padding": 1, "padding_mode": "reflect"}, False),
+}
+
+
+def test_the_cases_take_every_path():
+    taken = set()
+    for x_shape, w_shape, args, on in PATHS.values():
+        g = conv_geometry(x_shape, w_shape, **args)
+        dtype = "float64"
+        with conv_module.winograd(on):
+            if conv_module._subgrids_apply(g, dtype):
+                taken.add("subgrids")
+            elif conv_module._winograd_applies(g, dtype):
+                taken.add("winograd cropped" if g.Ho % 4 or g.Wo % 4 else "winograd")
+            elif conv_module._is_depthwise(g):
+                taken.add("depthwise")
+            elif conv_module._is_pointwise(g):
+                taken.add("pointwise")
+            elif conv_module._plane_columns_apply(g):
+                taken.add("plane")
+            else:
+                taken.add("col2im" if g.sh > 1 else "im2col")
+    assert taken == {"subgrids", "winograd", "winograd cropped", "depthwise", "pointwise", "plane", "im2col",
+                     "col2im"}
+
+
+def _problem(x_shape, w_shape, args, seed):
+    rng = np.random.default_rng(seed)
+    y_shape = conv_module.conv2d_output_shape(x_shape, w_shape, **args)
+    return tuple(rng.standard_normal(s) for s in (x_shape, w_shape, (w_shape[0],), y_shape))
+
+
+def _passes(name, seed):
+    """(y, dx, dw) of path `name` by the kernels, and by the loops."""
+    x_shape, w_shape, args, on = PATHS[name]
+    x, w, b, dy = _problem(x_shape, w_shape, args, seed)
+    with conv_module.winograd(on):
+        fast = (conv2d_forward(x, w, b, **args), conv2d_backward_data(dy, w, x.shape, **args),
+                conv2d_backward_filter(x, dy, w.shape, **args))
+    loops = (conv2d_forward_loop(x, w, b, **args), conv2d_backward_data_loop(dy, w, x.shape, **args),
+             conv2d_backward_filter_loop(x, dy, w.shape, **args))
+    return fast, loops
+
+
+def _check(name, fast, loops):
+    for which, actual, expected in zip(("y", "dx", "dw"), fast, loops):
+        assert relative_error(actual, expected) < 1e-12, (name, which)
+
+
+def test_no_result_lies_in_the_workspace_and_later_calls_leave_them_alone():
+    results = {}
+    for name in PATHS:
+        fast, loops = _passes(name, seed=1)
+        _check(name, fast, loops)
+        block = workspace._state.block
+        for which, result in zip(("y", "dx", "dw"), fast):
+            assert block is None or not np.shares_memory(result, block), (name, which)
+        results[name] = (fast, [r.copy() for r in fast])
+    for name in PATHS:  # every path again, on other values
+        _passes(name, seed=2)
+    for name, (fast, copies) in results.items():
+        for which, result, copy in zip(("y", "dx", "dw"), fast, copies):
+            assert np.array_equal(result, copy), (name, which)
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_what_an_earlier_call_left_in_the_workspace_changes_nothing(name):
+    _passes(name, seed=3)  # the block now holds what this path needs
+    held = workspace.held_bytes()
+    assert held > 0
+    workspace._state.block.fill(0xFF)  # NaN in every float
+    fast, loops = _passes(name, seed=4)
+    _check(name, fast, loops)
+    # the temporaries came from the block, and it did not have to grow
+    assert 0 < workspace._state.used <= held == workspace.held_bytes()
+
+
+def _forward(name, seed):
+    x_shape, w_shape, args, on = PATHS[name]
+    x, w, b, _ = _problem(x_shape, w_shape, args, seed)
+    with conv_module.winograd(on):
+        return conv2d_forward(x, w, b, **args), conv2d_forward_loop(x, w, b, **args)
+
+
+def test_the_workspace_holds_what_the_largest_call_asked_for_until_release():
+    workspace.release()
+    assert workspace.held_bytes() == 0
+    small, large = "plane columns", "im2col"
+    _forward(small, seed=5)
+    assert workspace.held_bytes() == 0  # the first call asks; the next one finds the block
+    _forward(small, seed=5)
+    small_need = workspace.held_bytes()
+    assert small_need > 0 and workspace._state.used == small_need
+    # a call that needs more than the block takes fresh arrays for the rest, correctly
+    y, expected = _forward(large, seed=6)
+    assert relative_error(y, expected) < 1e-12
+    assert workspace.held_bytes() == small_need < workspace._state.needed
+    _forward(small, seed=5)  # the next call makes the block as large as the largest call's need
+    held = workspace.held_bytes()
+    assert held == workspace._state.needed > small_need
+    _forward(small, seed=5)
+    assert workspace.held_bytes() == held  # a smaller call does not shrink it
+    workspace.release()
+    assert workspace.held_bytes() == 0 and workspace._state.block is None
+
+
+def test_outside_a_kernel_call_temporaries_are_fresh_arrays():
+    _passes("im2col", seed=7)
+    before = workspace._state.used
+    a = workspace.zeros(np, (4, 5), np.float32)
+    assert a.shape == (4, 5) and a.dtype == np.float32 and not a.any()
+    assert workspace._state.block is None or not np.shares_memory(a, workspace._state.block)
+    assert workspace._state.used == before
