@@ -665,8 +665,10 @@ def _winograd_backward_filter(x, dy, g, xp):
     dy_last = workspace.empty(xp, (tiles.step, m * th, m * tw, g.F), x.dtype)
     dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
     dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
-    dU = workspace.zeros(xp, (a * a, g.C, g.F), x.dtype)
-    product = workspace.empty(xp, (a * a, g.C, g.F), x.dtype)
+    dU = workspace.empty(xp, (a * a, g.C, g.F), x.dtype)
+    # the first block's product is dU itself: a mini-batch in one block (8 samples of 16x16)
+    # needs neither a second buffer of (m+2)^2 C F values nor a pass adding it up
+    product = workspace.empty(xp, (a * a, g.C, g.F), x.dtype) if g.N > tiles.step else None
     for start, n, V in tiles.blocks():
         P = n * th * tw
         dy_planes[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
@@ -675,8 +677,10 @@ def _winograd_backward_filter(x, dy, g, xp):
         t[...] = dy_last[:n].reshape(n, th, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
         back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
-        xp.matmul(V.transpose(0, 2, 1), back, out=product)
-        dU += product
+        if start == 0:
+            xp.matmul(V.transpose(0, 2, 1), back, out=dU)
+        else:
+            dU += xp.matmul(V.transpose(0, 2, 1), back, out=product)
     dw = xp.matmul(tiles.G2.T, dU.reshape(a * a, g.C * g.F))  # (9, C F)
     return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1))
 
