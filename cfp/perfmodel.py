@@ -374,12 +374,13 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
                         + n * y_filters * Ho * Wo) * item
         # batch norm's normalised output (item bytes) and ReLU's mask (one byte) per element of y
         + (n * y_filters * Ho * Wo * (item + 1) if layer.normed else 0),
-        # Alive only inside the layer: the partial y and dx before their reduce-scatters, and
-        # the kernels' workspaces: weight-sized buffers (three for cfp's NumPy kernels:
-        # backward-filter's accumulator and its transpose, backward-data's flipped filters)
-        # and a block of im2col patches of at most 4 MiB.
-        "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item
-        + profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item),
+        # Alive only inside the layer: the partial y and dx before their reduce-scatters.
+        "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item,
+        # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as
+        # the largest call's temporaries: weight-sized buffers (three for cfp's NumPy im2col:
+        # backward-filter's accumulator and its transpose, backward-data's flipped filters) and
+        # a block of im2col patches of at most 4 MiB.
+        "workspace": profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item),
     }
     return {"compute": compute, "comm": comm, "memory": memory, "p_f": p_f,
             "time": sum(compute.values()) + sum(comm.values()),

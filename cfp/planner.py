@@ -81,18 +81,23 @@ def redistribution_time(previous, choice, profile):
     return 2 * profile.collective_time("alltoall", ranks, share, intra)
 
 
+_PASSING = ("temporary", "workspace")  # memory that is not each layer's own: see _memory
+
+
 def _memory(choices):
-    """Bytes per rank of a plan: everything each layer keeps, plus the largest temporary."""
-    kept = sum(c.cost["bytes"] - c.cost["memory"]["temporary"] for c in choices)
-    return kept + max((c.cost["memory"]["temporary"] for c in choices), default=0)
+    """Bytes per rank of a plan: everything each layer keeps, plus the largest temporary (alive
+    inside one layer at a time) and the largest kernel workspace (one block, kept between the
+    layers, as large as the largest layer's)."""
+    kept = sum(c.cost["bytes"] - sum(c.cost["memory"][k] for k in _PASSING) for c in choices)
+    return kept + sum(max((c.cost["memory"][k] for c in choices), default=0) for k in _PASSING)
 
 
 def _best_path(options, profile, price, count_temporary=False):
     """The choices minimising time + price * bytes, by dynamic programming. The bytes priced
     are what each layer keeps (summed over layers, as in the plan's memory), plus, with
-    count_temporary, its temporaries too (an upper bound on the plan's largest temporary)."""
+    count_temporary, its temporary and workspace too (upper bounds on the plan's largest)."""
     def own_cost(o):
-        priced = o.cost["bytes"] - (0 if count_temporary else o.cost["memory"]["temporary"])
+        priced = o.cost["bytes"] - (0 if count_temporary else sum(o.cost["memory"][k] for k in _PASSING))
         return o.cost["time"] + price * priced
 
     best = [(own_cost(o), [o]) for o in options[0]]
@@ -193,8 +198,8 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
                              f"(global batch {L.N}, grid {grid})")
     path = _best_path(options, profile, 0.0)
     if memory_limit is not None and _memory(path) > memory_limit:
-        # Memory first, time to break ties; the largest temporary is not additive, so try
-        # pricing it both ways and keep the smaller plan.
+        # Memory first, time to break ties; the largest temporary and workspace are not additive,
+        # so try pricing them both ways and keep the smaller plan.
         smallest = min((_best_path(options, profile, 1e6, with_temp) for with_temp in (False, True)),
                        key=_memory)
         if _memory(smallest) > memory_limit:

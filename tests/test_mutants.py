@@ -58,9 +58,9 @@ def test_layer_cost_of_an_image_split_by_hand():
     # Weights, gradients, one optimizer buffer: 540 each. Activations: x (4 * 3 * 70) and y
     # (4 * 5 * 20) in float32, 4960, plus batch norm's x-hat and ReLU's mask (4 + 1 bytes per
     # element of y), 2000. Temporary: the partial y (400) and dx (4 * 3 * 42 = 504) in float32,
-    # 3616, three weight-sized workspaces, 1620, and im2col patches 4 * 20 * 3 * 9 * 4 = 8640.
+    # 3616. Workspace: three weight-sized buffers, 1620, and im2col patches 4 * 20 * 3 * 9 * 4 = 8640.
     assert cost["memory"] == {"weights": 540, "gradients": 540, "optimizer": 540,
-                              "activations": 6960, "temporary": 13876}
+                              "activations": 6960, "temporary": 3616, "workspace": 10260}
     assert cost["bytes"] == 22456
     assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112, rel=1e-12)
     # One more rank than the node holds: the same allreduce between nodes at 2 s/byte.
@@ -74,7 +74,8 @@ def test_im2col_workspace_is_capped_at_4_mib():
     # weight-sized buffers of 64 * 64 * 9 float32.
     layer = LayerShape("L", 64, 64, 64, 32, 32, 3)
     cost = layer_cost(layer, "sample", 1, 1, profile())
-    assert cost["memory"]["temporary"] == 2 * 64 * 64 * 1024 * 4 + 3 * 64 * 64 * 9 * 4 + 4194304
+    assert cost["memory"]["temporary"] == 2 * 64 * 64 * 1024 * 4
+    assert cost["memory"]["workspace"] == 3 * 64 * 64 * 9 * 4 + 4194304
 
 
 @pytest.mark.parametrize("ranks_per_node,row_factor,column_factor", [(1, 10, 10), (2, 1, 10), (3, 1, 1)])
@@ -747,13 +748,14 @@ def test_halo_of_a_height_split_with_a_strided_kernel_by_hand():
 
 
 def test_a_first_layer_computes_no_dx_and_keeps_no_input_copy():
-    """The first layer (no dx): no backward-data time, and its temporary memory is the partial
-    y (2 * 4 * 25 float32) and three weight-sized buffers (3 * 108 * 4) and the patches
-    (2 * 25 * 3 * 9 * 4), without a dx."""
+    """The first layer (no dx): no backward-data time; its temporary memory is the partial y
+    (2 * 4 * 25 float32) without a dx, its workspace three weight-sized buffers (3 * 108 * 4)
+    and the patches (2 * 25 * 3 * 9 * 4)."""
     layer = LayerShape("L", 2, 3, 4, 5, 5, 3, first=True)
     cost = layer_cost(layer, "sample", 1, 1, profile())
     assert cost["compute"]["backward-data"] == 0.0 and cost["compute"]["forward"] > 0
-    assert cost["memory"]["temporary"] == 2 * 4 * 25 * 4 + 3 * 108 * 4 + 2 * 25 * 3 * 9 * 4
+    assert cost["memory"]["temporary"] == 2 * 4 * 25 * 4
+    assert cost["memory"]["workspace"] == 3 * 108 * 4 + 2 * 25 * 3 * 9 * 4
 
 
 def test_reflect_padding_as_wide_as_the_input_is_refused():

@@ -125,6 +125,20 @@ def test_memory_limit():
         plan(layers, 16, profile, memory_limit=0.01 * 2 ** 20)
 
 
+def test_a_plans_memory_adds_the_largest_temporary_and_the_largest_workspace():
+    """What each layer keeps adds up; the temporaries (alive inside one layer) and the kernels'
+    workspace (one block kept between layers) are each counted once, at their largest. A wide
+    layer with few pixels has the larger workspace (weight-sized), a narrow one with many
+    pixels the larger temporary (partial y and dx): the plan holds both at once."""
+    profile = MachineProfile.load("cpu-dev")
+    layers = [LayerShape("wide", 2, 512, 512, 4, 4, 3), LayerShape("narrow", 64, 16, 16, 64, 64, 3)]
+    result = plan(layers, 1, profile)
+    memory = [c.cost["memory"] for c in result.choices]
+    assert memory[0]["workspace"] > memory[1]["workspace"] and memory[1]["temporary"] > memory[0]["temporary"]
+    kept = sum(sum(v for k, v in m.items() if k not in ("temporary", "workspace")) for m in memory)
+    assert result.memory == kept + memory[1]["temporary"] + memory[0]["workspace"]
+
+
 def test_fixed_grid():
     profile = MachineProfile.load("cpu-dev")
     layer = LayerShape("c", 8, 512, 512, 16, 16, 3)
