@@ -137,3 +137,51 @@ def test_outside_a_kernel_call_temporaries_are_fresh_arrays():
     assert a.shape == (4, 5) and a.dtype == np.float32 and not a.any()
     assert workspace._state.block is None or not np.shares_memory(a, workspace._state.block)
     assert workspace._state.used == before
+
+
+_SHAPES = [(3, 5), (7,), (2, 2, 2), (1,)]
+
+
+@workspace.call
+def _take(dtype, inner=False):
+    """Pieces of the workspace for _SHAPES (and, with inner, those of a nested call)."""
+    pieces = [workspace.empty(np, s, dtype) for s in _SHAPES]
+    return pieces + (_take(dtype) if inner else [])
+
+
+def test_a_call_hands_out_aligned_disjoint_pieces_of_one_block():
+    workspace.release()
+    _take(np.float64, inner=True)  # asks: fresh arrays, and the block's size for the next call
+    block = None
+    for _ in range(2):
+        pieces = _take(np.float64, inner=True)  # the nested call goes on where the outer one is
+        block = block if block is not None else workspace._state.block
+        assert workspace._state.block is block  # kept, not made again
+        for piece, shape in zip(pieces, _SHAPES * 2):
+            assert piece.shape == shape and piece.dtype == np.float64 and piece.flags.c_contiguous
+            assert np.shares_memory(piece, block) and piece.ctypes.data % 64 == 0
+        for i, a in enumerate(pieces):
+            assert not any(np.shares_memory(a, b) for b in pieces[i + 1:])
+    aligned = sum(-(-8 * int(np.prod(s)) // 64) * 64 for s in _SHAPES)
+    assert workspace.held_bytes() == 2 * aligned
+
+
+def test_each_thread_has_its_own_workspace():
+    import threading
+    _take(np.float32)
+    _take(np.float32)
+    main_block = workspace._state.block
+    seen = {}
+
+    def run():
+        seen["before"] = workspace.held_bytes()
+        _take(np.float32)
+        seen["after one call"] = workspace.held_bytes()
+        seen["pieces"] = _take(np.float32)
+        seen["block"] = workspace._state.block
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen["before"] == seen["after one call"] == 0  # empty until its first call has asked
+    assert seen["block"] is not main_block and workspace._state.block is main_block
+    assert all(np.shares_memory(p, seen["block"]) for p in seen["pieces"])
