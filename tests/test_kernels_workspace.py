@@ -164,6 +164,14 @@ def test_a_call_hands_out_aligned_disjoint_pieces_of_one_block():
             assert not any(np.shares_memory(a, b) for b in pieces[i + 1:])
     aligned = sum(-(-8 * int(np.prod(s)) // 64) * 64 for s in _SHAPES)
     assert workspace.held_bytes() == 2 * aligned
+    # a block that does not start on a cache line (NumPy's allocator may give one): the pieces
+    # still do
+    raw = np.empty(workspace._state.block.size + 64, np.uint8)
+    start = (1 - raw.ctypes.data) % 64  # raw's address + start: one byte past a line
+    workspace._state.block = raw[start:start + workspace._state.block.size]
+    assert workspace._state.block.ctypes.data % 64 == 1
+    pieces = _take(np.float64, inner=True)
+    assert all(p.ctypes.data % 64 == 0 and np.shares_memory(p, workspace._state.block) for p in pieces)
 
 
 def test_each_thread_has_its_own_workspace():
