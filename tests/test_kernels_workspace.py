@@ -22,6 +22,8 @@ PATHS = {
     "depthwise, strided strips": ((2, 4, 9, 40), (4, 1, 3, 3), {"stride": 2, "padding": 1, "groups": 4}, False),
     "depthwise, dilated": ((2, 4, 9, 9), (4, 1, 3, 3), {"padding": 2, "dilation": 2, "groups": 4}, False),
     "pointwise": ((2, 5, 6, 6), (3, 5, 1, 1), {}, False),
+    "pointwise, one filter": ((2, 5, 6, 6), (1, 5, 1, 1), {}, False),
+    "pointwise, widening": ((2, 3, 6, 6), (7, 3, 1, 1), {}, False),
     "plane columns": ((2, 4, 6, 7), (4, 2, 3, 3), {"padding": 1, "groups": 2}, False),
     "im2col": ((2, 70, 5, 5), (3, 70, 3, 3), {"padding": 1}, False),
     "col2im, reflect": ((2, 70, 7, 7), (3, 70, 3, 3), {"stride": 2, "padding": 1, "padding_mode": "reflect"}, False),
