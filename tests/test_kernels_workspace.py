@@ -195,3 +195,24 @@ def test_each_thread_has_its_own_workspace():
     assert seen["before"] == seen["after one call"] == 0  # empty until its first call has asked
     assert seen["block"] is not main_block and workspace._state.block is main_block
     assert all(np.shares_memory(p, seen["block"]) for p in seen["pieces"])
+
+
+def test_empty_pieces_and_empty_shards_need_no_block():
+    """A channel shard can be empty: pieces of 0 bytes, asked for before any block exists, are
+    fresh empty arrays, and the kernels on C = 0 or F = 0 still give zeros of the right shape."""
+    @workspace.call
+    def take_nothing():
+        return workspace.zeros(np, (0, 3), np.float64)
+    workspace.release()
+    assert take_nothing().shape == (0, 3) and workspace.held_bytes() == 0
+    for x_shape, w_shape in (((2, 0, 5, 5), (3, 0, 3, 3)), ((2, 4, 5, 5), (0, 4, 3, 3)), ((2, 0, 5, 5), (0, 0, 1, 1))):
+        for on in (False, True):
+            workspace.release()
+            x, w, _, dy = _problem(x_shape, w_shape, {"padding": 1}, seed=8)
+            with conv_module.winograd(on):
+                results = (conv2d_forward(x, w, padding=1), conv2d_backward_data(dy, w, x_shape, padding=1),
+                           conv2d_backward_filter(x, dy, w_shape, padding=1))
+            expected = (conv2d_forward_loop(x, w, padding=1), conv2d_backward_data_loop(dy, w, x_shape, padding=1),
+                        conv2d_backward_filter_loop(x, dy, w_shape, padding=1))
+            for a, b in zip(results, expected):
+                assert a.shape == b.shape and not a.any() and not b.any()

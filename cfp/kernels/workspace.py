@@ -72,7 +72,7 @@ def empty(xp, shape, dtype):
     start = state.used
     state.used += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
     state.needed = max(state.needed, state.used)
-    if state.used > held_bytes():
+    if state.used > held_bytes() or state.block is None:  # (a piece of 0 bytes fits in no block)
         return np.empty(shape, dtype)
     offset = -state.block.ctypes.data % _ALIGNMENT + start
     return state.block[offset:offset + nbytes].view(dtype).reshape(shape)
