@@ -13,6 +13,17 @@ from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backwa
                                         conv2d_forward_loop)
 from test_kernels_conv import relative_error
 
+@pytest.fixture(autouse=True)
+def unlimited_workspace():
+    """Each test starts from no block and no limit (a model built under a memory limit, in
+    another test of the same process, sets one), and leaves none behind."""
+    workspace.set_limit(None)
+    workspace.release()
+    yield
+    workspace.set_limit(None)
+    workspace.release()
+
+
 # name: (x shape, w shape, arguments, Winograd on)
 PATHS = {
     "winograd": ((2, 3, 8, 8), (4, 3, 3, 3), {"padding": 1}, True),
@@ -93,7 +104,8 @@ def test_no_result_lies_in_the_workspace_and_later_calls_leave_them_alone():
 
 @pytest.mark.parametrize("name", PATHS)
 def test_what_an_earlier_call_left_in_the_workspace_changes_nothing(name):
-    _passes(name, seed=3)  # the block now holds what this path needs
+    _passes(name, seed=3)  # each call finds a block as large as the largest call before it
+    _passes(name, seed=3)  # ... so the block now holds what the largest pass of this path needs
     held = workspace.held_bytes()
     assert held > 0
     workspace._state.block.fill(0xFF)  # NaN in every float
@@ -216,3 +228,35 @@ def test_empty_pieces_and_empty_shards_need_no_block():
                         conv2d_backward_filter_loop(x, dy, w_shape, padding=1))
             for a, b in zip(results, expected):
                 assert a.shape == b.shape and not a.any() and not b.any()
+
+
+def test_a_limit_caps_the_block_and_0_keeps_none():
+    for _ in range(2):
+        _take(np.float64, inner=True)
+    full = workspace.held_bytes()
+    workspace.set_limit(full // 2)
+    pieces = _take(np.float64, inner=True)  # the block shrinks to the limit at the call's start
+    assert workspace.held_bytes() == full // 2 and workspace._state.needed == full
+    inside = [np.shares_memory(p, workspace._state.block) for p in pieces]
+    assert inside[0] and not inside[-1]  # the first pieces in the block, the last ones fresh
+    workspace.set_limit(0)
+    for name in ("winograd", "depthwise, multiplier 2", "im2col"):
+        fast, loops = _passes(name, seed=9)
+        _check(name, fast, loops)
+        assert workspace.held_bytes() == 0 and workspace._state.block is None
+    for bad in (-1, 2.5, True, "64"):
+        with pytest.raises(ValueError, match=f"workspace limit must be a number of bytes >= 0 or None, got {bad!r}"):
+            workspace.set_limit(bad)
+
+
+def test_a_model_built_under_a_memory_limit_keeps_no_workspace():
+    from cfp.grid import ProcessGrid
+    from cfp.models import build_model
+    from cfp.perfmodel import MachineProfile
+    grid = ProcessGrid("sample=1")
+    try:
+        build_model("wide", grid, batch=4, profile=MachineProfile.load("cpu-dev"), algorithm="auto",
+                    memory_limit=2 ** 40, width=8, depth=1, in_channels=1, classes=3, image=8)
+        assert workspace._limit == 0
+    finally:
+        grid.free()

@@ -13,10 +13,10 @@ How: each public kernel is wrapped in `call`; inside it, `empty` and `zeros` han
 consecutive, 64-byte aligned pieces of the block, and the next call starts again from its
 beginning. The block grows to what the largest call asked for (a call that asks for more than
 it holds gets fresh arrays for the rest and leaves the block larger for the next one), so it
-holds what one call needs at most: the "largest temporary" the cost model adds to a plan's
-memory. `release()` hands it back. Only temporaries live here, never a result: a kernel's
-outputs are fresh arrays, which the next call cannot overwrite. CuPy arrays are not pooled
-here: CuPy's own memory pool already reuses device memory.
+holds what one call needs at most: the "workspace" the cost model adds to a plan's memory.
+`release()` hands it back; `set_limit(n)` keeps it at most n bytes. Only temporaries live here,
+never a result: a kernel's outputs are fresh arrays, which the next call cannot overwrite.
+CuPy arrays are not pooled here: CuPy's own memory pool already reuses device memory.
 """
 import functools
 import math
@@ -25,6 +25,7 @@ import threading
 import numpy as np
 
 _ALIGNMENT = 64  # bytes: a cache line, and what AVX-512 loads like
+_limit = None  # the most bytes the block may hold (None: what the largest call asked for)
 
 
 class _Workspace(threading.local):
@@ -49,9 +50,10 @@ def call(kernel):
         state = _state
         if state.depth == 0:
             state.used = 0
-            if state.needed > held_bytes():
+            size = state.needed if _limit is None else min(state.needed, _limit)
+            if size > held_bytes() or (_limit is not None and held_bytes() > _limit):
                 state.block = None  # the old block goes before the new one is made
-                state.block = np.empty(state.needed + _ALIGNMENT, np.uint8)
+                state.block = np.empty(size + _ALIGNMENT, np.uint8) if size else None
         state.depth += 1
         try:
             return kernel(*args, **kwargs)
@@ -89,6 +91,18 @@ def held_bytes():
     """Bytes of the block this thread holds (0 before the first call and after release())."""
     block = _state.block
     return 0 if block is None else block.size - _ALIGNMENT
+
+
+def set_limit(nbytes):
+    """Let the block hold at most `nbytes` (None: as much as the largest call asks for, the
+    default). Pieces past the limit are fresh arrays, freed as their kernel lets go of them. A
+    model built under a memory limit sets 0 (cfp.models.build_model): no block is kept, the
+    temporaries live inside each call only, as the plan's memory counts them; the speed of the
+    kept block is traded for the memory the plan promised."""
+    global _limit
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
+        raise ValueError(f"workspace limit must be a number of bytes >= 0 or None, got {nbytes!r}")
+    _limit = nbytes
 
 
 def release():
