@@ -637,6 +637,9 @@ def _winograd_forward(x, w, g, xp, y):
     U = _winograd_filters(w, tiles.G2, xp)
     rows = tiles.step * th * tw
     M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
+    # whole tiles go straight into y; otherwise through a block of whole tiles, then cropped
+    cropped = (m * th, m * tw) != (g.Ho, g.Wo)
+    whole = workspace.empty(xp, (tiles.step, g.F, m * th, m * tw), x.dtype) if cropped else None
     for start, n, V in tiles.blocks():
         P = n * th * tw
         products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
@@ -644,12 +647,11 @@ def _winograd_forward(x, w, g, xp, y):
         out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
         xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
         tiled = out.reshape(m, m, n, th, tw, g.F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, th, m, tw, m)
-        if (m * th, m * tw) == (g.Ho, g.Wo):  # whole tiles: straight into y
+        if cropped:
+            whole[:n].reshape(tiled.shape)[...] = tiled
+            y[start:start + n] = whole[:n, :, :g.Ho, :g.Wo]
+        else:
             y[start:start + n].reshape(tiled.shape)[...] = tiled
-        else:  # through the whole tiles, then cropped
-            whole = workspace.empty(xp, (n, g.F, m * th, m * tw), x.dtype)
-            whole.reshape(tiled.shape)[...] = tiled
-            y[start:start + n] = whole[:, :, :g.Ho, :g.Wo]
 
 
 def _winograd_backward_filter(x, dy, g, xp):
