@@ -15,7 +15,7 @@ from .comm import PHASES as LEDGER_PHASES
 from .grid import AXES, parse_grid_spec, rank_of
 from .io import load_json
 from .layout import piece_size
-from .kernels import conv2d_output_shape
+from .kernels import conv2d_output_shape, winograd_workspace_bytes
 from .partition import (block_size, block_sizes, filter_groups_of, gather_group, scatter_group,
                         union_of_blocks)
 
@@ -231,6 +231,8 @@ class MachineProfile:
             self.itemsize = int(data.get("itemsize", 4))
             self.ranks_per_node = int(data["ranks_per_node"])
             self.workspace_weights = float(data.get("workspace_weights", 3))
+            # cfp's own kernels: their Winograd layers' workspace as the kernels ask for it
+            self.winograd_workspace = bool(data.get("winograd_workspace", True))
             self.packing = {c: float(v) for c, v in data.get("packing", {}).items()}
             self.links = {}
             for link, table in data["links"].items():
@@ -368,6 +370,17 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         halo = profile.collective_time("alltoall", p, received * p / (p - 1), grad_intra)
         comm["halo"] = halo * (1 if layer.first else 2)
     weights = w_count * item
+    # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as the
+    # largest call's temporaries. A pass by Winograd asks for what winograd_workspace_bytes
+    # sums (tiles, transformed filters, products: 30 MiB for 8x256x256x16x16, 13 weights); any
+    # other pass is bounded by weight-sized buffers (three for cfp's NumPy im2col:
+    # backward-filter's accumulator and its transpose, backward-data's flipped filters) and a
+    # block of im2col patches of at most 4 MiB.
+    bound = profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item)
+    dtype = {4: "float32", 8: "float64"}.get(item)
+    winograd = {} if not (profile.winograd_workspace and dtype and layer.groups == 1) else winograd_workspace_bytes(
+        (n, rows, H, W), (cols, seen, layer.K, layer.K), dtype, layer.stride, layer.pad, layer.dilation)
+    passes = ("forward", "backward-filter") if layer.first else ("forward", "backward-data", "backward-filter")
     memory = {
         "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,
         "activations": (n * (rows if algorithm in ("y", "w") else x_channels) * layer.H * layer.W
@@ -376,11 +389,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         + (n * y_filters * Ho * Wo * (item + 1) if layer.normed else 0),
         # Alive only inside the layer: the partial y and dx before their reduce-scatters.
         "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item,
-        # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as
-        # the largest call's temporaries: weight-sized buffers (three for cfp's NumPy im2col:
-        # backward-filter's accumulator and its transpose, backward-data's flipped filters) and
-        # a block of im2col patches of at most 4 MiB.
-        "workspace": profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item),
+        "workspace": max(winograd.get(p, bound) for p in passes),
     }
     return {"compute": compute, "comm": comm, "memory": memory, "p_f": p_f,
             "time": sum(compute.values()) + sum(comm.values()),

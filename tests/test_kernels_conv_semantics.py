@@ -300,15 +300,33 @@ def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
             assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE, case
 
 
+@pytest.mark.parametrize("side,takes", [(1, False), (2, False), (3, False), (4, True), (5, False), (6, True),
+                                        (8, True), (16, True), (15, True), (9, True)])
+def test_float32_layers_take_winograd_by_default_where_it_pays(side, takes):
+    """4 Ho Wo >= tiles * 36 and outputs at least 4 wide: not on 1x1 to 3x3 outputs or 5x5
+    (measured slower than im2col), on 4x4, 6x6 and larger; every size when forced."""
+    g = conv_module.conv_geometry((2, 8, side, side), (8, 8, 3, 3), padding=1)
+    assert conv_module._winograd_applies(g, np.dtype(np.float32)) == takes
+    assert not conv_module._winograd_applies(g, np.dtype(np.float64))
+    wide = conv_module.conv_geometry((2, 8, 16, side), (8, 8, 3, 3), padding=1)  # the narrow side decides
+    assert conv_module._winograd_applies(wide, np.dtype(np.float32)) == (side >= 4)  # 16x5: 288 <= 320
+    with conv_module.winograd(True):
+        assert conv_module._winograd_applies(g, np.dtype(np.float32))
+
+
 def test_dilated_layers_take_subgrids_only_where_winograd_would():
     """The sub-grids serve Winograd: float32 3x3 stride-1 ungrouped dilated layers by default;
     not float64 (im2col reads dilated windows directly), not strided, grouped or 5x5 layers."""
-    g = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 3, 3), padding=2, dilation=2)
+    g = conv_module.conv_geometry((2, 4, 17, 17), (4, 4, 3, 3), padding=2, dilation=2)  # classes 9x9 outputs
     assert conv_module._subgrids_apply(g, np.dtype(np.float32))
+    small = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 3, 3), padding=2, dilation=2)  # classes 5x5 outputs
+    assert not conv_module._subgrids_apply(small, np.dtype(np.float32))  # Winograd would not pay there
+    with conv_module.winograd(True):
+        assert conv_module._subgrids_apply(small, np.dtype(np.float32))
     assert not conv_module._subgrids_apply(g, np.dtype(np.float64))
     assert not conv_module._subgrids_apply(g._replace(dh=1, dw=1), np.dtype(np.float32))  # undilated
     for other in ({"stride": 2}, {"groups": 2}):
-        geometry = conv_module.conv_geometry((2, 4, 9, 9), (4, 4 // other.get("groups", 1), 3, 3),
+        geometry = conv_module.conv_geometry((2, 4, 17, 17), (4, 4 // other.get("groups", 1), 3, 3),
                                              padding=2, dilation=2, **other)
         assert not conv_module._subgrids_apply(geometry, np.dtype(np.float32)), other
     g5 = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 5, 5), padding=4, dilation=2)

@@ -260,3 +260,86 @@ def test_a_model_built_under_a_memory_limit_keeps_no_workspace():
         assert workspace._limit == 0
     finally:
         grid.free()
+
+
+def _winograd_sizing_cases(count=30, seed=12):
+    """3x3 stride-1 layers that take Winograd: odd and even sizes (cropped tiles), several
+    blocks of samples, 'valid', wide and asymmetric padding, the padding modes, dilation."""
+    import random
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        H, W = rng.randint(1, 13), rng.randint(1, 13)
+        args = {"padding": rng.choice([0, 1, 2, (1, 0), (0, 3), "same", "valid"]),
+                "dilation": rng.choice([1, 1, 1, 2, (1, 2)]),
+                "padding_mode": rng.choice(["zeros", "zeros", "reflect", "circular"])}
+        N = rng.choice([1, 2, 3, 40])
+        x_shape, w_shape = (N, rng.randint(1, 5), H, W), (rng.randint(1, 5), 0, 3, 3)
+        w_shape = (w_shape[0], x_shape[1], 3, 3)
+        try:
+            conv_module.conv2d_output_shape(x_shape, w_shape, **args)
+        except ValueError:
+            continue
+        cases.append((x_shape, w_shape, args))
+    return cases
+
+
+@pytest.mark.parametrize("dtype,forced", [("float32", False), ("float32", True), ("float64", False)],
+                         ids=["float32", "float32-forced", "float64"])
+def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, monkeypatch):
+    """The cost model's Winograd workspace (winograd_workspace_bytes) against the workspace each
+    pass asks for, exactly, for the passes that take Winograd (seen by the tiles they make);
+    the others are left out: by default the layers where Winograd does not pay and float64,
+    forced (winograd(True)) none."""
+    made = []
+
+    class Tiles(conv_module._WinogradTiles):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
+    monkeypatch.setattr(conv_module, "_WinogradTiles", Tiles)
+    seen = set()
+    with conv_module.winograd(True if forced else None):
+        for x_shape, w_shape, args in _winograd_sizing_cases():
+            x, w, _, dy = (a.astype(dtype) for a in _problem(x_shape, w_shape, args, seed=10))
+            predicted = conv_module.winograd_workspace_bytes(x_shape, w_shape, dtype, **args)
+            measured = {}
+            for name, run in (("forward", lambda: conv2d_forward(x, w, **args)),
+                              ("backward-data", lambda: conv2d_backward_data(dy, w, x_shape, **args)),
+                              ("backward-filter", lambda: conv2d_backward_filter(x, dy, w_shape, **args))):
+                workspace.release()
+                made.clear()
+                run()
+                if made:
+                    measured[name] = workspace._state.needed
+            assert predicted == measured, (x_shape, w_shape, args)
+            g = conv_geometry(x_shape, w_shape, **args)
+            if measured:
+                seen.add("dilated" if g.dh * g.dw > 1 else "cropped" if (g.Ho % 4 or g.Wo % 4) else "whole tiles")
+                seen.add("blocks" if x_shape[0] == 40 else "one block")
+            if len(measured) < 3:
+                seen.add("some passes on other paths")
+    expected = {"float32": {"dilated", "cropped", "whole tiles", "blocks", "one block", "some passes on other paths"},
+                "float32-forced": {"dilated", "cropped", "whole tiles", "blocks", "one block"},
+                "float64": {"some passes on other paths"}}
+    assert seen == expected[dtype + ("-forced" if forced else "")]
+
+
+def test_winograd_workspace_bytes_leave_out_other_paths():
+    assert conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 1, 3, 3), "float32", padding=1, groups=4) == {}
+    assert conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 4, 1, 1), "float32") == {}
+    assert conv_module.winograd_workspace_bytes((0, 4, 8, 8), (4, 4, 3, 3), "float32", padding=1) == {}
+    strided = conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 4, 3, 3), "float32", stride=2, padding=1)
+    assert strided == {}  # stride 2: im2col and col2im
+
+
+def test_spread_planes_lie_an_odd_number_of_cache_lines_apart():
+    """_spread_planes' plane spacing, which its kernels and the Winograd workspace sums read:
+    Hp*Wp values rounded up to whole 64-byte lines, one more line where that count is even."""
+    size = conv_module._spread_plane_size
+    assert size(32, 32, 4) == 65 * 16  # 4096 bytes: 64 lines, even, so 65
+    assert size(18, 18, 4) == 21 * 16  # 1296 bytes: 20.25 lines, 21
+    assert size(3, 3, 8) == 3 * 8  # 72 bytes: 2 lines, even, so 3
+    assert size(1, 1, 4) == 16  # 4 bytes: one line
+    planes = conv_module._spread_planes(np, (2, 3, 18, 18), np.float32)
+    assert planes.shape == (2, 3, 18, 18) and not planes.any() and planes.strides[1] == 21 * 64

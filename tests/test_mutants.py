@@ -1,6 +1,7 @@
 """Tests written for the mutants that `make mutation` (tests/mutation/run.py) found surviving:
 each holds one of cfp's numbers to a value worked out by hand, where the rest of the suite only
 compared cfp with cfp or did not look."""
+import dataclasses
 import math
 
 import numpy as np
@@ -12,14 +13,16 @@ from cfp.perfmodel import LayerShape, MachineProfile, layer_cost, predict_bytes,
 RATE = 1e10
 
 
-def profile(ranks_per_node=4, inter_beta=None, itemsize=4):
-    """alpha 0, beta 1 s/byte inside a node (inter_beta between nodes), one kernel rate."""
+def profile(ranks_per_node=4, inter_beta=None, itemsize=4, winograd_workspace=False):
+    """alpha 0, beta 1 s/byte inside a node (inter_beta between nodes), one kernel rate; the
+    kernels' workspace by the weight-and-patches bound alone unless winograd_workspace."""
     links = {"intra": {c: [0.0, 1.0] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}}
     if inter_beta is not None:
         links["inter"] = {c: [0.0, inter_beta] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}
     points = {"3": [[1e3, 8, RATE], [1e9, 4096, RATE]]}
     data = {"name": "test", "ranks_per_node": ranks_per_node, "links": links,
-            "kernels": {p: points for p in ("forward", "backward-data", "backward-filter")}}
+            "kernels": {p: points for p in ("forward", "backward-data", "backward-filter")},
+            "winograd_workspace": winograd_workspace}
     if itemsize is not None:
         data["itemsize"] = itemsize
     return MachineProfile(data)
@@ -745,6 +748,27 @@ def test_halo_of_a_height_split_with_a_strided_kernel_by_hand():
     layer = LayerShape("L", 1, 1, 1, 8, 6, 3, stride=2, padding=0)
     cost = layer_cost(layer, "sample", 1, 1, profile(), P_h=2, P_w=1)
     assert cost["comm"]["halo"] == pytest.approx(2 * 24, rel=1e-12)
+
+
+def test_a_winograd_layers_workspace_is_what_its_passes_ask_for():
+    """A float32 3x3 layer on cfp's kernels: the workspace its largest Winograd pass asks for
+    (cfp.kernels.winograd_workspace_bytes on the rank's shard: 2 samples, 8 channels, the 6 of
+    12 filters of channel rank 0 under stationary-y), not the bound; without its backward-data
+    as a first layer; the bound where no pass takes Winograd (groups 2, float64)."""
+    from cfp.kernels import winograd_workspace_bytes
+    layer = LayerShape("L", 4, 8, 12, 10, 10, 3)
+    cost = layer_cost(layer, "y", 2, 2, profile(winograd_workspace=True))
+    passes = winograd_workspace_bytes((2, 8, 10, 10), (6, 8, 3, 3), "float32", padding=1)
+    assert sorted(passes) == ["backward-data", "backward-filter", "forward"]
+    assert cost["memory"]["workspace"] == max(passes.values())
+    first = layer_cost(dataclasses.replace(layer, first=True), "y", 2, 2, profile(winograd_workspace=True))
+    assert first["memory"]["workspace"] == max(passes["forward"], passes["backward-filter"])
+    bound = layer_cost(layer, "y", 2, 2, profile())["memory"]["workspace"]
+    assert bound == 3 * 6 * 8 * 9 * 4 + 2 * 100 * 8 * 9 * 4
+    for other in (dataclasses.replace(layer, groups=2), layer):
+        itemsize = 8 if other is layer else 4
+        same = layer_cost(other, "y", 2, 2, profile(winograd_workspace=True, itemsize=itemsize))
+        assert same["memory"]["workspace"] == layer_cost(other, "y", 2, 2, profile(itemsize=itemsize))["memory"]["workspace"]
 
 
 def test_a_first_layer_computes_no_dx_and_keeps_no_input_copy():

@@ -12,6 +12,7 @@ from cfp.kernels.conv import (
     conv_geometry,
     conv_options,
     ConvGeometry,
+    winograd_workspace_bytes,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "conv2d_backward_data",
     "conv2d_backward_filter",
     "conv2d_backward_bias",
+    "winograd_workspace_bytes",
 ]

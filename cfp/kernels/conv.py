@@ -236,10 +236,7 @@ def _spread_planes(xp, shape, dtype):
     other, which makes the transposition 5-10 times slower.
     """
     n, C, Hp, Wp = shape
-    itemsize = xp.dtype(dtype).itemsize
-    lines = -(-Hp * Wp * itemsize // _CACHE_LINE_BYTES)  # rounded up
-    lines += 1 - lines % 2
-    storage = workspace.zeros(xp, (n, C, lines * _CACHE_LINE_BYTES // itemsize), dtype)
+    storage = workspace.zeros(xp, (n, C, _spread_plane_size(Hp, Wp, xp.dtype(dtype).itemsize)), dtype)
     return storage[:, :, :Hp * Wp].reshape(shape)
 
 
@@ -503,8 +500,9 @@ def _forward(x, w, b, g, xp):
 # and dw = G^T dU G. F(4x4) uses the points 0, 1, -1, 2, -1/2 (and infinity), whose float32
 # error is half that of 0, +-1, +-2 (measured: 4e-6 of the largest output, against 1e-5, with
 # 256 channels); float64 equals direct convolution to about 1e-14. By default (WINOGRAD = None)
-# float32 layers take it (measured on cfp's machine, BENCHMARKS.md: 1.1-1.5 times PyTorch's
-# oneDNN on the 3x3 benchmark shapes, where im2col gives 0.8) and float64 layers, the dtype of
+# float32 layers take it where it pays (_winograd_pays: outputs of 4x4 and more; measured on
+# cfp's machine, BENCHMARKS.md: 1.1-1.5 times PyTorch's oneDNN on the 3x3 benchmark shapes,
+# where im2col gives 0.8) and float64 layers, the dtype of
 # verification, stay on im2col (exact to rounding, and faster there in float64). WINOGRAD = True
 # (`with winograd()`, CFP_WINOGRAD=1) takes it for every dtype, False (`winograd(False)`,
 # CFP_WINOGRAD=0) for none: the plain GEMM path stays one switch away.
@@ -518,15 +516,27 @@ _WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
 
 
 def _winograd_applies(g, dtype):
-    wanted = WINOGRAD if WINOGRAD is not None else dtype == "float32"
+    wanted = WINOGRAD if WINOGRAD is not None else dtype == "float32" and _winograd_pays(g)
     return wanted and (g.Kh, g.Kw, g.sh, g.sw, g.dh, g.dw, g.G) == (3, 3, 1, 1, 1, 1, 1) \
         and g.N * g.C * g.F > 0 and g.mode == "zeros"
+
+
+def _winograd_pays(g):
+    """By default a layer takes Winograd where its outputs are at least a tile wide and its
+    tiles multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2).
+    Measured on cfp's machine, 32x256x256 float32, F(4x4) against im2col (three passes): 4x4
+    outputs 21 against 26 ms, 6x6 48 against 57 ms; but 1x1 21 against 5 ms, 2x2 (32x512x512)
+    83 against 43 ms, 3x3 22 against 18 ms, 5x5 47 against 39 ms: tiles mostly cropped away,
+    or too few of them to pay for the transforms."""
+    m = WINOGRAD_TILE
+    tiles = -(-g.Ho // m) * -(-g.Wo // m)
+    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo
 
 
 class winograd:
     """with winograd(): ... runs 3x3 stride-1 convolutions of every dtype by Winograd F(m x m,
     3 x 3) (tile=2 or 4, default WINOGRAD_TILE); winograd(False) by im2col + GEMM;
-    winograd(None) as by default (float32 by Winograd, float64 by im2col)."""
+    winograd(None) as by default (float32 by Winograd where it pays, float64 by im2col)."""
 
     def __init__(self, enabled=True, tile=None):
         self.enabled = None if enabled is None else bool(enabled)
@@ -697,8 +707,7 @@ def _winograd_backward_filter(x, dy, g, xp):
 # im2col, whose patches read the dilated windows directly at no extra cost.
 
 def _subgrids_apply(g, dtype):
-    return (g.dh, g.dw) != (1, 1) and (g.sh, g.sw) == (1, 1) \
-        and _winograd_applies(g._replace(dh=1, dw=1), dtype)
+    return (g.dh, g.dw) != (1, 1) and (g.sh, g.sw) == (1, 1) and _winograd_applies(_subgrid_geometry(g), dtype)
 
 
 def _subgrid_geometry(g):
@@ -997,25 +1006,29 @@ def _backward_data(dy, w, g, xp):
     return _col2im_backward_data(dy, w, g, xp)
 
 
-def _full_convolution(dy, w, g, xp):
-    """Stride-1 dx as a forward convolution: dy padded by d(K-1) - p on each side (cropped where
-    that is negative) and correlated with w flipped in space, C and F swapped within each group,
-    at the same dilation. This reuses the forward's cheap im2col copies instead of col2im's
-    overlapping adds."""
+def _full_geometry(g):
+    """The stride-1 backward-data's forward convolution: ((top, bottom, left, right) cropped off
+    dy, its geometry). dy is padded by d(K-1) - p on each side, or cropped where that is
+    negative: a padding larger than the kernel's extent made output pixels that see only
+    zeros, whose dy reaches no input."""
     sides = (g.dh * (g.Kh - 1) - g.pt, g.dh * (g.Kh - 1) - g.pb,
              g.dw * (g.Kw - 1) - g.pl, g.dw * (g.Kw - 1) - g.pr)
-    # A padding larger than the kernel's extent made output pixels that see only zeros: their
-    # dy reaches no input, so those rows and columns are cropped instead of padded.
-    top, bottom, left, right = (max(0, -p) for p in sides)
+    top, bottom, left, right = crop = tuple(max(0, -p) for p in sides)
+    pt, pb, pl, pr = (max(0, p) for p in sides)
+    return crop, ConvGeometry(g.N, g.F, g.Ho - top - bottom, g.Wo - left - right, g.C, g.Kh, g.Kw, 1, 1,
+                              pt, pb, pl, pr, g.dh, g.dw, g.G, "zeros", g.H, g.W)
+
+
+def _full_convolution(dy, w, g, xp):
+    """Stride-1 dx as a forward convolution (_full_geometry): dy correlated with w flipped in
+    space, C and F swapped within each group, at the same dilation. This reuses the forward's
+    cheap im2col copies instead of col2im's overlapping adds."""
+    (top, bottom, left, right), full = _full_geometry(g)
     dy = xp.ascontiguousarray(dy[:, :, top:g.Ho - bottom, left:g.Wo - right])
     G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
     flipped = workspace.empty(xp, (g.C, Fg, g.Kh, g.Kw), w.dtype)
     flipped.reshape(G, Cg, Fg, g.Kh, g.Kw)[...] = \
         w[:, :, ::-1, ::-1].reshape(G, Fg, Cg, g.Kh, g.Kw).transpose(0, 2, 1, 3, 4)
-    pt, pb, pl, pr = (max(0, p) for p in sides)
-    N, _, Hs, Ws = dy.shape
-    full = ConvGeometry(N, g.F, Hs, Ws, g.C, g.Kh, g.Kw, 1, 1, pt, pb, pl, pr, g.dh, g.dw, G, "zeros",
-                        g.H, g.W)
     return _forward(dy, flipped, None, full, xp)
 
 
@@ -1106,3 +1119,93 @@ def conv2d_backward_bias(dy):
     xp = get_array_module(dy)
     N, F, Ho, Wo = dy.shape
     return xp.ascontiguousarray(dy).reshape(N, F, Ho * Wo).sum(axis=2).sum(axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the Winograd passes ask of the workspace (cfp/kernels/workspace.py), for the cost model:
+# its 64-byte aligned pieces added up as the passes above take them, the largest of the three.
+# tests/test_kernels_workspace.py checks these sums against what the passes ask for.
+
+def _piece(count, itemsize):
+    return workspace.piece_bytes(count * itemsize)
+
+
+def _spread_plane_size(Hp, Wp, itemsize):
+    """Values from one plane of _spread_planes to the next: Hp*Wp rounded up to an odd number of
+    cache lines."""
+    lines = -(-Hp * Wp * itemsize // _CACHE_LINE_BYTES)  # rounded up
+    lines += 1 - lines % 2
+    return lines * _CACHE_LINE_BYTES // itemsize
+
+
+def _winograd_tile_sizes(g):
+    """(m, a, th, tw, Hp, Wp, step): _WinogradTiles' sizes for geometry g."""
+    m = WINOGRAD_TILE
+    th, tw = -(-g.Ho // m), -(-g.Wo // m)
+    step = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw)))
+    return m, m + 2, th, tw, m * th + 2, m * tw + 2, step
+
+
+def _winograd_tiles_bytes(g, item):
+    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
+    tiles = step * th * tw
+    return (_piece(step * g.C * _spread_plane_size(Hp, Wp, item), item) + _piece(step * Hp * Wp * g.C, item)
+            + 2 * _piece(a * a * tiles * g.C, item))
+
+
+def _winograd_forward_bytes(g, item):
+    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
+    rows = step * th * tw
+    cropped = (m * th, m * tw) != (g.Ho, g.Wo)
+    return (_winograd_tiles_bytes(g, item) + _piece(9 * g.C * g.F, item) + _piece(a * a * g.C * g.F, item)
+            + _piece(a * a * rows * g.F, item) + _piece(m * m * rows * g.F, item)
+            + (_piece(step * g.F * m * th * m * tw, item) if cropped else 0))
+
+
+def _winograd_backward_filter_bytes(g, item):
+    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
+    rows = step * th * tw
+    dy_planes = step * g.F * _spread_plane_size(m * th, m * tw, item)
+    return (_winograd_tiles_bytes(g, item) + _piece(dy_planes, item) + _piece(step * m * th * m * tw * g.F, item)
+            + _piece(m * m * rows * g.F, item) + _piece(a * a * rows * g.F, item)
+            + _piece(a * a * g.C * g.F, item) * (2 if g.N > step else 1))
+
+
+def _forward_bytes(g, item, dtype):
+    """The workspace bytes of a forward pass on geometry g (zero padding) by Winograd, directly
+    or by sub-grids; None on any other path."""
+    if _subgrids_apply(g, dtype):
+        s = _subgrid_geometry(g)
+        inner = _forward_bytes(s, item, dtype)
+        return None if inner is None else _piece(s.N * g.C * s.H * s.W, item) + inner
+    if _winograd_applies(g, dtype):
+        return _winograd_forward_bytes(g, item)
+    return None
+
+
+def winograd_workspace_bytes(x_shape, w_shape, dtype="float32", stride=1, padding=0, dilation=1, groups=1,
+                             padding_mode="zeros"):
+    """{pass: bytes} of the kernels' workspace each pass of this layer asks for where it takes
+    Winograd (directly, or dilated by sub-grids); a pass on another path is left out (its
+    workspace is bounded by the cost model's estimate, cfp/perfmodel.py). With dtype's default
+    path (float32 by Winograd, WINOGRAD)."""
+    g = conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    dtype = str(float_dtype(dtype, "dtype"))
+    item = 4 if dtype == "float32" else 8
+    if g.mode != "zeros":  # padded first (a fresh array, not the workspace's), then zero padding
+        Hp, Wp = _padded_size(g)
+        g = g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
+    if g.N * g.C * g.F == 0:
+        return {}
+    found = {"forward": _forward_bytes(g, item, dtype)}
+    if (g.sh, g.sw) == (1, 1):
+        full = _full_geometry(g)[1]
+        inner = _forward_bytes(full, item, dtype)
+        found["backward-data"] = None if inner is None else _piece(g.C * g.F // g.G * g.Kh * g.Kw, item) + inner
+    if _subgrids_apply(g, dtype):
+        s = _subgrid_geometry(g)
+        found["backward-filter"] = (_piece(s.N * g.C * s.H * s.W, item) + _piece(s.N * g.F * s.Ho * s.Wo, item)
+                                    + _winograd_backward_filter_bytes(s, item))
+    elif _winograd_applies(g, dtype):
+        found["backward-filter"] = _winograd_backward_filter_bytes(g, item)
+    return {k: v for k, v in found.items() if v is not None}

@@ -72,12 +72,17 @@ def empty(xp, shape, dtype):
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
     nbytes = math.prod(shape) * dtype.itemsize
     start = state.used
-    state.used += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+    state.used += piece_bytes(nbytes)
     state.needed = max(state.needed, state.used)
     if state.used > held_bytes() or state.block is None:  # (a piece of 0 bytes fits in no block)
         return np.empty(shape, dtype)
     offset = -state.block.ctypes.data % _ALIGNMENT + start
     return state.block[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def piece_bytes(nbytes):
+    """What a temporary of `nbytes` takes of the block: rounded up to whole 64-byte lines."""
+    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
 
 
 def zeros(xp, shape, dtype):
