@@ -301,15 +301,16 @@ def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
 
 
 @pytest.mark.parametrize("side,takes", [(1, False), (2, False), (3, False), (4, True), (5, False), (6, True),
-                                        (8, True), (16, True), (15, True), (9, True)])
+                                        (8, True), (16, True), (15, True), (9, True), ((5, 6), False)])
 def test_float32_layers_take_winograd_by_default_where_it_pays(side, takes):
     """4 Ho Wo >= tiles * 36 and outputs at least 4 wide: not on 1x1 to 3x3 outputs or 5x5
     (measured slower than im2col), on 4x4, 6x6 and larger; every size when forced."""
-    g = conv_module.conv_geometry((2, 8, side, side), (8, 8, 3, 3), padding=1)
+    H, W = side if isinstance(side, tuple) else (side, side)  # 5x6: 4 tiles * 36 = 144 > 4 * 30
+    g = conv_module.conv_geometry((2, 8, H, W), (8, 8, 3, 3), padding=1)
     assert conv_module._winograd_applies(g, np.dtype(np.float32)) == takes
     assert not conv_module._winograd_applies(g, np.dtype(np.float64))
-    wide = conv_module.conv_geometry((2, 8, 16, side), (8, 8, 3, 3), padding=1)  # the narrow side decides
-    assert conv_module._winograd_applies(wide, np.dtype(np.float32)) == (side >= 4)  # 16x5: 288 <= 320
+    wide = conv_module.conv_geometry((2, 8, 16, W), (8, 8, 3, 3), padding=1)  # the narrow side decides
+    assert conv_module._winograd_applies(wide, np.dtype(np.float32)) == (W >= 4)  # 16x5: 288 <= 320
     with conv_module.winograd(True):
         assert conv_module._winograd_applies(g, np.dtype(np.float32))
 

@@ -284,8 +284,9 @@ def _winograd_sizing_cases(count=30, seed=12):
     return cases
 
 
-@pytest.mark.parametrize("dtype,forced", [("float32", False), ("float32", True), ("float64", False)],
-                         ids=["float32", "float32-forced", "float64"])
+@pytest.mark.parametrize("dtype,forced", [("float32", False), ("float32", True), ("float64", False),
+                                          ("float64", True)],
+                         ids=["float32", "float32-forced", "float64", "float64-forced"])
 def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, monkeypatch):
     """The cost model's Winograd workspace (winograd_workspace_bytes) against the workspace each
     pass asks for, exactly, for the passes that take Winograd (seen by the tiles they make);
@@ -321,14 +322,19 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, mon
                 seen.add("some passes on other paths")
     expected = {"float32": {"dilated", "cropped", "whole tiles", "blocks", "one block", "some passes on other paths"},
                 "float32-forced": {"dilated", "cropped", "whole tiles", "blocks", "one block"},
-                "float64": {"some passes on other paths"}}
+                "float64": {"some passes on other paths"},
+                "float64-forced": {"dilated", "cropped", "whole tiles", "blocks", "one block"}}
     assert seen == expected[dtype + ("-forced" if forced else "")]
 
 
 def test_winograd_workspace_bytes_leave_out_other_paths():
-    assert conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 1, 3, 3), "float32", padding=1, groups=4) == {}
-    assert conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 4, 1, 1), "float32") == {}
-    assert conv_module.winograd_workspace_bytes((0, 4, 8, 8), (4, 4, 3, 3), "float32", padding=1) == {}
+    bytes_of = conv_module.winograd_workspace_bytes
+    assert bytes_of((2, 4, 8, 8), (4, 1, 3, 3), "float32", padding=1, groups=4) == {}
+    assert bytes_of((2, 4, 8, 8), (4, 4, 1, 1), "float32") == {}
+    for x_shape, w_shape in (((0, 4, 8, 8), (4, 4, 3, 3)), ((2, 0, 8, 8), (4, 0, 3, 3)), ((2, 4, 8, 8), (0, 4, 3, 3))):
+        assert bytes_of(x_shape, w_shape, "float32", padding=1) == {}  # an empty shard computes nothing
+    # nn.Conv2d's defaults: padding 0 (6x6 outputs of 8x8, which Winograd pays on), float32
+    assert bytes_of((2, 4, 8, 8), (4, 4, 3, 3)) == bytes_of((2, 4, 8, 8), (4, 4, 3, 3), "float32", padding=0) != {}
     strided = conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 4, 3, 3), "float32", stride=2, padding=1)
     assert strided == {}  # stride 2: im2col and col2im
 

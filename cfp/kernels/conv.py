@@ -1195,13 +1195,11 @@ def winograd_workspace_bytes(x_shape, w_shape, dtype="float32", stride=1, paddin
     if g.mode != "zeros":  # padded first (a fresh array, not the workspace's), then zero padding
         Hp, Wp = _padded_size(g)
         g = g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
-    if g.N * g.C * g.F == 0:
-        return {}
     found = {"forward": _forward_bytes(g, item, dtype)}
     if (g.sh, g.sw) == (1, 1):
         full = _full_geometry(g)[1]
         inner = _forward_bytes(full, item, dtype)
-        found["backward-data"] = None if inner is None else _piece(g.C * g.F // g.G * g.Kh * g.Kw, item) + inner
+        found["backward-data"] = None if inner is None else _piece(g.C * g.F * g.Kh * g.Kw, item) + inner  # G = 1
     if _subgrids_apply(g, dtype):
         s = _subgrid_geometry(g)
         found["backward-filter"] = (_piece(s.N * g.C * s.H * s.W, item) + _piece(s.N * g.F * s.Ho * s.Wo, item)
