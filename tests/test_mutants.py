@@ -769,6 +769,16 @@ def test_a_winograd_layers_workspace_is_what_its_passes_ask_for():
         itemsize = 8 if other is layer else 4
         same = layer_cost(other, "y", 2, 2, profile(winograd_workspace=True, itemsize=itemsize))
         assert same["memory"]["workspace"] == layer_cost(other, "y", 2, 2, profile(itemsize=itemsize))["memory"]["workspace"]
+    from cfp.kernels.conv import winograd
+    with winograd(True):  # float64 by Winograd too (CFP_WINOGRAD=1): its passes in 8-byte values
+        forced = winograd_workspace_bytes((2, 8, 10, 10), (6, 8, 3, 3), "float64", padding=1)
+        cost64 = layer_cost(layer, "y", 2, 2, profile(winograd_workspace=True, itemsize=8))
+    assert cost64["memory"]["workspace"] == max(forced.values()) > max(passes.values())
+    # cfp's own kernels unless a profile says otherwise (the reference GPU profile models cuDNN)
+    data = dict(profile().data)
+    del data["winograd_workspace"]
+    assert MachineProfile(data).winograd_workspace and MachineProfile.load("cpu-dev").winograd_workspace
+    assert not MachineProfile.load("reference-v100").winograd_workspace
 
 
 def test_a_first_layer_computes_no_dx_and_keeps_no_input_copy():
