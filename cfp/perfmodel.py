@@ -372,7 +372,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     weights = w_count * item
     # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as the
     # largest call's temporaries. A pass by Winograd asks for what winograd_workspace_bytes
-    # sums (tiles, transformed filters, products: 30 MiB for 8x256x256x16x16, 13 weights); any
+    # sums (tiles, transformed filters, products: 34.2 MiB for 8x256x256x16x16, 15 weights); any
     # other pass is bounded by weight-sized buffers (three for cfp's NumPy im2col:
     # backward-filter's accumulator and its transpose, backward-data's flipped filters) and a
     # block of im2col patches of at most 4 MiB.

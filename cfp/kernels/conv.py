@@ -601,19 +601,26 @@ def _winograd_filters(w, G2, xp):
     return xp.matmul(G2, taps.reshape(9, C * F), out=U).reshape(-1, C, F)
 
 
+def _winograd_tile_sizes(g):
+    """(m, a, th, tw, Hp, Wp, step) of geometry g: the output tile's side m and the input's
+    a = m + 2, tiles th x tw a sample, the zero-padded input Hp x Wp (every tile whole), and
+    samples a block (about _WINOGRAD_ROWS tiles)."""
+    m = WINOGRAD_TILE
+    th, tw = -(-g.Ho // m), -(-g.Wo // m)
+    step = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw)))
+    return m, m + 2, th, tw, m * th + 2, m * tw + 2, step
+
+
 class _WinogradTiles:
     """The input side shared by forward and backward-filter: blocks of samples of x, zero
     padded, channel-last, cut into overlapping (m+2) x (m+2) tiles (m apart) and transformed:
     V ((m+2)^2, tiles, C) = (B^T (x) B^T) @ d."""
 
     def __init__(self, x, g, xp):
-        self.m = m = WINOGRAD_TILE
-        self.a = a = m + 2
+        self.m, self.a, self.th, self.tw, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g)
+        m, a = self.m, self.a
         self.x, self.g, self.xp = x, g, xp
-        self.th, self.tw = -(-g.Ho // m), -(-g.Wo // m)
-        self.Hp, self.Wp = m * self.th + 2, m * self.tw + 2  # padded so that every tile is whole
         self.B2, self.G2, self.A2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
-        self.step = max(1, min(g.N, _WINOGRAD_ROWS // (self.th * self.tw)))
         tiles = self.step * self.th * self.tw
         self.padded = _spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
         self.channel_last = workspace.empty(xp, (self.step, self.Hp, self.Wp, g.C), x.dtype)
@@ -1138,12 +1145,6 @@ def _spread_plane_size(Hp, Wp, itemsize):
     return lines * _CACHE_LINE_BYTES // itemsize
 
 
-def _winograd_tile_sizes(g):
-    """(m, a, th, tw, Hp, Wp, step): _WinogradTiles' sizes for geometry g."""
-    m = WINOGRAD_TILE
-    th, tw = -(-g.Ho // m), -(-g.Wo // m)
-    step = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw)))
-    return m, m + 2, th, tw, m * th + 2, m * tw + 2, step
 
 
 def _winograd_tiles_bytes(g, item):
@@ -1187,8 +1188,8 @@ def winograd_workspace_bytes(x_shape, w_shape, dtype="float32", stride=1, paddin
                              padding_mode="zeros"):
     """{pass: bytes} of the kernels' workspace each pass of this layer asks for where it takes
     Winograd (directly, or dilated by sub-grids); a pass on another path is left out (its
-    workspace is bounded by the cost model's estimate, cfp/perfmodel.py). With dtype's default
-    path (float32 by Winograd, WINOGRAD)."""
+    workspace is bounded by the cost model's estimate, cfp/perfmodel.py). Which passes take
+    Winograd follows the kernels' own choice (WINOGRAD, _winograd_pays) for dtype."""
     g = conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
     dtype = str(float_dtype(dtype, "dtype"))
     item = 4 if dtype == "float32" else 8
