@@ -394,6 +394,7 @@ def test_plane_columns_serve_narrow_stride_1_groups_only():
     ({"padding": (3, 4)}, (3, 3, 4, 3), (6, 1, 3, 3)),  # Ho > H, Wo > W: padding wider than the kernel
     ({"padding": (2, 1), "padding_mode": "circular", "dilation": 2}, (3, 2, 6, 6), (2, 1, 3, 2)),
     ({"padding": 1, "stride": 2}, (3, 4, 7, 8), (4, 1, 3, 3)),  # stride 2: m = 2 classes of rows
+    ({"padding": 1, "stride": 2}, (3, 2, 6, 7), (2, 1, 3, 3)),  # the last output's right tap reads padding
     ({"padding": (0, 2), "stride": (3, 1)}, (3, 2, 8, 5), (4, 1, 2, 3)),  # sh > eh: m = 1, rows skipped
     ({"padding": (1, 0), "stride": (1, 2), "dilation": (1, 2)}, (3, 3, 5, 9), (6, 1, 3, 2)),
     ({"padding": 2, "stride": 2, "dilation": (2, 3)}, (3, 2, 9, 8), (4, 1, 3, 2)),  # dilated rows, strided
