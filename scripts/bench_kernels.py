@@ -68,16 +68,22 @@ def shape_text(shape):
     return f"{N}x{C}x{F}x{H}x{W}x{K}" + (f"g{G}" if G > 1 else "") + (f"d{D}" if D > 1 else "")
 
 
-def median_seconds(run, repeats, warmup=1):
-    """Median wall time of `run()` over `repeats` calls after `warmup` untimed ones."""
+def median_seconds(runs, repeats, warmup=1):
+    """{name: median wall time of runs[name]()} over `repeats` rounds after `warmup` untimed ones.
+
+    Each round calls every implementation once, in turns (in the reverse order every other
+    round), so that a machine whose speed drifts (a shared host, another tenant's memory
+    traffic) slows them alike rather than whichever happened to run in its slow minute."""
     for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for run in runs.values():
+            run()
+    times = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cfp_runs(x, w, dy, padding, groups, dilation):
@@ -129,11 +135,12 @@ def bench_shape(shape, dtype, repeats, rng):
     implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D)}
     if torch is not None:
         implementations["torch"] = torch_runs(x, w, dy, padding, G, D)
-    for name, runs in implementations.items():
-        for pass_name in PASSES:
-            seconds = median_seconds(runs[pass_name], repeats)
-            row[f"{name}_{pass_name}_s"] = seconds
-            row[f"{name}_{pass_name}_gflops"] = flops / seconds / 1e9
+    for pass_name in PASSES:
+        seconds = median_seconds({name: runs[pass_name] for name, runs in implementations.items()}, repeats)
+        for name in implementations:
+            row[f"{name}_{pass_name}_s"] = seconds[name]
+            row[f"{name}_{pass_name}_gflops"] = flops / seconds[name] / 1e9
+    for name in implementations:
         row[f"{name}_total_s"] = sum(row[f"{name}_{p}_s"] for p in PASSES)
     if torch is not None:
         row["torch_over_cfp"] = row["torch_total_s"] / row["cfp_total_s"]
@@ -207,8 +214,8 @@ def main(argv=None):
         "cpu": cpu_name(),
         "3x3 path": path,
     }
-    print(f"# cfp local conv kernels: threads={threads}, dtype={args.dtype}, "
-          f"median of {args.repeats} after 1 warm-up, stride 1, 3x3 layers by {path}")
+    print(f"# cfp local conv kernels: threads={threads}, dtype={args.dtype}, median of {args.repeats} "
+          f"after 1 warm-up, cfp's and torch's calls of a pass in turns, stride 1, 3x3 layers by {path}")
     print(f"# numpy {np.__version__}, BLAS: {blas}; torch {context['torch'] or 'not installed'}; "
           f"CPU: {context['cpu']}")
     print()
