@@ -454,17 +454,23 @@ def conv2d_forward(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padd
     return _forward(xp.ascontiguousarray(x, dtype=dtype), w.astype(dtype, copy=False), b, g, xp)
 
 
-def _forward(x, w, b, g, xp):
+def _forward(x, w, b, g, xp, flipped=False):
+    """flipped: w are a layer's filters, and this convolution (backward-data's full one) takes
+    them flipped in space with C and F swapped in each group: Winograd transforms them so
+    itself (_winograd_filters); every other path is given the flipped copy."""
     dtype = x.dtype
     if g.mode != "zeros":
         x, g = _pad_input(x, g, xp)
     y = xp.empty((g.N, g.F, g.Ho * g.Wo), dtype)
-    if _subgrids_apply(g, dtype):
+    subgrids, winograd = _subgrids_apply(g, dtype), _winograd_applies(g, dtype)
+    if flipped and not (subgrids or winograd):
+        w = _flipped_filters(w, g, xp)
+    if subgrids:  # whose sub-grid convolution takes Winograd
         s = _subgrid_geometry(g)
         classes = _to_subgrids(x, g.pt, g.pl, (g.dh, g.dw), (s.H, s.W), xp)
-        _from_subgrids(_forward(classes, w, None, s, xp), (g.dh, g.dw), y.reshape(g.N, g.F, g.Ho, g.Wo))
-    elif _winograd_applies(g, dtype):
-        _winograd_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
+        _from_subgrids(_forward(classes, w, None, s, xp, flipped), (g.dh, g.dw), y.reshape(g.N, g.F, g.Ho, g.Wo))
+    elif winograd:
+        _winograd_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo), flipped)
     elif _is_depthwise(g):
         _depthwise_forward(x, w, g, xp, y.reshape(g.N, g.F, g.Ho, g.Wo))
     elif _is_pointwise(g):
@@ -590,15 +596,23 @@ def _winograd_transforms(m, dtype, xp):
     return tuple(xp.asarray(np.kron(a, a), dtype=dtype) for a in winograd_matrices(m)[::-1])
 
 
-def _winograd_filters(w, G2, xp):
-    """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C, F) matrices: one GEMM
-    of G (x) G with the taps laid out (9, C F), in w's dtype, so U comes out in the layout the
-    products' GEMMs read."""
+def _winograd_filters(w, G2, xp, flipped=False):
+    """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C', F') matrices, the
+    layout the products' GEMMs read, for a convolution of C' channels to F': GEMMs of G (x) G
+    with w's taps read where they lie, transposed by BLAS (copying them into a (9, C F) layout
+    first took as long as the GEMM, 2.6 ms for 256 x 256 filters). For w (F, C, 3, 3) itself
+    (C' = C, F' = F) one GEMM per channel c, G (x) G @ (w[:, c]'s taps)^T, written into
+    U[:, c]. flipped: w are a layer's filters and this is its backward-data's full convolution
+    (C' = F, F' = C, the taps flipped in space): U's (F, C) layout is then one GEMM of all the
+    taps, with G (x) G's columns reversed (tap t of a flipped filter is tap 8 - t), so that
+    the flipped filters are not copied either."""
     F, C = w.shape[:2]
-    taps = workspace.empty(xp, (9, C, F), w.dtype)
-    taps[...] = w.reshape(F, C, 9).transpose(2, 1, 0)
-    U = workspace.empty(xp, (G2.shape[0], C * F), w.dtype)
-    return xp.matmul(G2, taps.reshape(9, C * F), out=U).reshape(-1, C, F)
+    if flipped:
+        U = workspace.empty(xp, (G2.shape[0], F * C), w.dtype)
+        return xp.matmul(xp.ascontiguousarray(G2[:, ::-1]), w.reshape(F * C, 9).T, out=U).reshape(-1, F, C)
+    U = workspace.empty(xp, (G2.shape[0], C, F), w.dtype)
+    xp.matmul(G2, w.reshape(F, C, 9).transpose(1, 2, 0), out=U.transpose(1, 0, 2))
+    return U
 
 
 def _winograd_tile_sizes(g):
@@ -645,13 +659,13 @@ class _WinogradTiles:
             yield start, n, v.reshape(a * a, P, g.C)
 
 
-def _winograd_forward(x, w, g, xp, y):
+def _winograd_forward(x, w, g, xp, y, flipped=False):
     """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(m x m,
     3 x 3) over blocks of samples: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
-    then the outputs (A^T (x) A^T) @ M, m x m per tile."""
+    then the outputs (A^T (x) A^T) @ M, m x m per tile. (flipped: see _winograd_filters.)"""
     tiles = _WinogradTiles(x, g, xp)
     m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
-    U = _winograd_filters(w, tiles.G2, xp)
+    U = _winograd_filters(w, tiles.G2, xp, flipped)
     rows = tiles.step * th * tw
     M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
     # whole tiles go straight into y; otherwise through a block of whole tiles, then cropped
@@ -673,8 +687,8 @@ def _winograd_forward(x, w, g, xp, y):
 
 def _winograd_backward_filter(x, dy, g, xp):
     """dw (F, C, 3, 3) by the forward's tiles: dy's m x m tiles (zero beyond Ho x Wo) taken back
-    through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k = V_k^T @ dM_k summed
-    over the blocks, and dw = (G (x) G)^T @ dU."""
+    through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k^T = dM_k^T @ V_k
+    (F x C) summed over the blocks, and dw (F C, 9) = dU^T @ (G (x) G), in w's layout."""
     tiles = _WinogradTiles(x, g, xp)
     m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
     rows = tiles.step * th * tw
@@ -684,10 +698,10 @@ def _winograd_backward_filter(x, dy, g, xp):
     dy_last = workspace.empty(xp, (tiles.step, m * th, m * tw, g.F), x.dtype)
     dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
     dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
-    dU = workspace.empty(xp, (a * a, g.C, g.F), x.dtype)
+    dU_t = workspace.empty(xp, (a * a, g.F, g.C), x.dtype)
     # the first block's product is dU itself: a mini-batch in one block (8 samples of 16x16)
     # needs neither a second buffer of (m+2)^2 C F values nor a pass adding it up
-    product = workspace.empty(xp, (a * a, g.C, g.F), x.dtype) if g.N > tiles.step else None
+    product = workspace.empty(xp, (a * a, g.F, g.C), x.dtype) if g.N > tiles.step else None
     for start, n, V in tiles.blocks():
         P = n * th * tw
         dy_planes[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
@@ -697,11 +711,12 @@ def _winograd_backward_filter(x, dy, g, xp):
         back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
         if start == 0:
-            xp.matmul(V.transpose(0, 2, 1), back, out=dU)
+            xp.matmul(back.transpose(0, 2, 1), V, out=dU_t)
         else:
-            dU += xp.matmul(V.transpose(0, 2, 1), back, out=product)
-    dw = xp.matmul(tiles.G2.T, dU.reshape(a * a, g.C * g.F))  # (9, C F)
-    return xp.ascontiguousarray(dw.reshape(3, 3, g.C, g.F).transpose(3, 2, 0, 1))
+            dU_t += xp.matmul(back.transpose(0, 2, 1), V, out=product)
+    dw = xp.empty((g.F, g.C, 3, 3), x.dtype)
+    xp.matmul(dU_t.reshape(a * a, g.F * g.C).T, tiles.G2, out=dw.reshape(g.F * g.C, 9))
+    return dw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1061,11 +1076,18 @@ def _full_convolution(dy, w, g, xp):
     cheap im2col copies instead of col2im's overlapping adds."""
     (top, bottom, left, right), full = _full_geometry(g)
     dy = xp.ascontiguousarray(dy[:, :, top:g.Ho - bottom, left:g.Wo - right])
-    G, Fg, Cg = g.G, g.F // g.G, g.C // g.G
-    flipped = workspace.empty(xp, (g.C, Fg, g.Kh, g.Kw), w.dtype)
+    return _forward(dy, w, None, full, xp, flipped=True)
+
+
+def _flipped_filters(w, g, xp):
+    """The filters (F, C/G, Kh, Kw) of a layer flipped in space, C and F swapped within each
+    group: (C, F/G, Kh, Kw), those of its backward-data's full convolution, whose geometry g
+    is (its C is the layer's F)."""
+    G, Fg, Cg = g.G, g.C // g.G, g.F // g.G  # the layer's F/G and C/G
+    flipped = workspace.empty(xp, (g.F, Fg, g.Kh, g.Kw), w.dtype)
     flipped.reshape(G, Cg, Fg, g.Kh, g.Kw)[...] = \
         w[:, :, ::-1, ::-1].reshape(G, Fg, Cg, g.Kh, g.Kw).transpose(0, 2, 1, 3, 4)
-    return _forward(dy, flipped, None, full, xp)
+    return flipped
 
 
 def _col2im_backward_data(dy, w, g, xp):
@@ -1187,7 +1209,7 @@ def _winograd_forward_bytes(g, item):
     m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
     rows = step * th * tw
     cropped = (m * th, m * tw) != (g.Ho, g.Wo)
-    return (_winograd_tiles_bytes(g, item) + _piece(9 * g.C * g.F, item) + _piece(a * a * g.C * g.F, item)
+    return (_winograd_tiles_bytes(g, item) + _piece(a * a * g.C * g.F, item)
             + _piece(a * a * rows * g.F, item) + _piece(m * m * rows * g.F, item)
             + (_piece(step * g.F * m * th * m * tw, item) if cropped else 0))
 
@@ -1229,7 +1251,7 @@ def winograd_workspace_bytes(x_shape, w_shape, dtype="float32", stride=1, paddin
     if (g.sh, g.sw) == (1, 1):
         full = _full_geometry(g)[1]
         inner = _forward_bytes(full, item, dtype)
-        found["backward-data"] = None if inner is None else _piece(g.C * g.F * g.Kh * g.Kw, item) + inner  # G = 1
+        found["backward-data"] = inner  # Winograd reads the layer's filters flipped in place
     if _subgrids_apply(g, dtype):
         s = _subgrid_geometry(g)
         found["backward-filter"] = (_piece(s.N * g.C * s.H * s.W, item) + _piece(s.N * g.F * s.Ho * s.Wo, item)
