@@ -794,7 +794,7 @@ def _from_subgrids(s, d, out):
 # whose band holds dw; backward-data is dy's rows @ T_c^T added back at the rows' runs (no
 # scatter), then the strips' overlapping columns added into dx.
 _BAND_COLUMNS = 16  # output columns of a strip
-_BAND_ELEMENTS = 1 << 18  # input values of a block's strips (1 MiB in float32: they stay in cache)
+_BAND_ELEMENTS = 1 << 17  # input values of a block's strips (512 KiB in float32: with the outputs, in L2)
 
 
 class _DepthwiseBands:
