@@ -596,7 +596,7 @@ def _winograd_transforms(m, dtype, xp):
     return tuple(xp.asarray(np.kron(a, a), dtype=dtype) for a in winograd_matrices(m)[::-1])
 
 
-def _winograd_filters(w, G2, xp, flipped=False):
+def _winograd_filters(w, G2, xp, flipped):
     """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C', F') matrices, the
     layout the products' GEMMs read, for a convolution of C' channels to F': GEMMs of G (x) G
     with w's taps read where they lie, transposed by BLAS (copying them into a (9, C F) layout
@@ -659,7 +659,7 @@ class _WinogradTiles:
             yield start, n, v.reshape(a * a, P, g.C)
 
 
-def _winograd_forward(x, w, g, xp, y, flipped=False):
+def _winograd_forward(x, w, g, xp, y, flipped):
     """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(m x m,
     3 x 3) over blocks of samples: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
     then the outputs (A^T (x) A^T) @ M, m x m per tile. (flipped: see _winograd_filters.)"""
