@@ -519,7 +519,7 @@ def _forward(x, w, b, g, xp, flipped=False):
 # error is half that of 0, +-1, +-2 (measured: 4e-6 of the largest output, against 1e-5, with
 # 256 channels); float64 equals direct convolution to about 1e-14. By default (WINOGRAD = None)
 # float32 layers take it where it pays (_winograd_pays: outputs of 4x4 and more; measured on
-# cfp's machine, BENCHMARKS.md: 1.1-1.5 times PyTorch's oneDNN on the 3x3 benchmark shapes,
+# cfp's machines, BENCHMARKS.md: 0.96-1.5 times PyTorch's oneDNN on the 3x3 benchmark shapes,
 # where im2col gives 0.8) and float64 layers, the dtype of
 # verification, stay on im2col (exact to rounding, and faster there in float64). WINOGRAD = True
 # (`with winograd()`, CFP_WINOGRAD=1) takes it for every dtype, False (`winograd(False)`,
