@@ -7,7 +7,10 @@ with 1 and P threads on the same model, batch and optimizer, side by side in one
 The 1-rank and PyTorch rows run on rank 0 while the other ranks sleep (not spin) in a
 non-blocking barrier, so they have the cores to themselves. The P-rank rows run every grid
 factorization with every algorithm; a step is timed on the slowest rank. float32, SGD with
-momentum, synthetic 10-class data; BLAS threads 1 per rank.
+momentum, synthetic 10-class data; BLAS threads 1 per rank. `--rounds R` measures every row R
+times, the rows one after the other in each round, and reports each row's median over the
+rounds: on a machine whose speed drifts from minute to minute, a row is then not just the
+minute it happened to run in.
 """
 import sys
 
@@ -44,11 +47,13 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=5,
                    help="timed training steps, of which the median is reported")
     p.add_argument("--warmup", type=int, default=2, help="untimed training steps before them")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times every row is measured, in turns; each row reports its median over them")
     p.add_argument("--algorithms", default="sample,x,y,w",
                    help=f"comma-separated algorithms to time at P ranks, of {', '.join(ALGORITHMS)}")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
-    int_options(args, positive=("width", "depth", "image", "batch_size", "steps"), nonnegative=("warmup",))
+    int_options(args, positive=("width", "depth", "image", "batch_size", "steps", "rounds"), nonnegative=("warmup",))
     unknown = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "
@@ -120,32 +125,38 @@ def main(argv=None):
     P = world.Get_size()
     prepare(world, args.json)
     x, y = synthetic(args.batch_size, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
-    rows = []
-
-    def row(system, ranks, threads, config, seconds):
-        rows.append({"system": system, "ranks": ranks, "threads": threads, "config": config,
-                     "step_s": seconds, "images_per_s": args.batch_size / seconds})
-
-    row("cfp", 1, 1, "sample=1",
-        seconds_on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y)))
+    # (system, ranks, threads, config) -> how to time one median step
+    measures = {("cfp", 1, 1, "sample=1"):
+                lambda: seconds_on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y))}
     if torch is not None:
-        row("torch", 1, 1, "-", seconds_on_rank0(world, lambda: torch_step_time(args, 1, x, y)))
+        measures["torch", 1, 1, "-"] = lambda: seconds_on_rank0(world, lambda: torch_step_time(args, 1, x, y))
         if P > 1:
-            row("torch", 1, P, "-", seconds_on_rank0(world, lambda: torch_step_time(args, P, x, y)))
+            measures["torch", 1, P, "-"] = lambda: seconds_on_rank0(world, lambda: torch_step_time(args, P, x, y))
     if P > 1:
         for P_n, P_c in factorizations(P):
             spec = f"sample={P_n},channel={P_c}"
             for algorithm in args.algorithms.split(","):
                 if algorithm == "sample" and P_c > 1:
                     continue  # replicas over the channel axis: no faster than sample=P
-                row("cfp", P, 1, f"{spec} {algorithm}", cfp_step_time(args, world, spec, algorithm, x, y))
+                measures["cfp", P, 1, f"{spec} {algorithm}"] = \
+                    lambda spec=spec, algorithm=algorithm: cfp_step_time(args, world, spec, algorithm, x, y)
+    times = {key: [] for key in measures}
+    for _ in range(args.rounds):
+        for key, measure in measures.items():
+            times[key].append(measure())
+    rows = []
+    for (system, ranks, threads, config), seconds in times.items():
+        step = float(np.median(seconds))
+        rows.append({"system": system, "ranks": ranks, "threads": threads, "config": config,
+                     "step_s": step, "images_per_s": args.batch_size / step, "round_s": seconds})
 
     if world.Get_rank() == 0:
         torch_by_threads = {r["threads"]: r["images_per_s"] for r in rows if r["system"] == "torch"}
         print(f"# training step of {args.model} width {args.width}" +
               (f" depth {args.depth}" if args.model == "wide" else "") +
               f", {args.image}x{args.image} images, global batch {args.batch_size}, float32, SGD momentum; "
-              f"median of {args.steps} steps after {args.warmup} warm-up; torch "
+              f"median of {args.steps} steps after {args.warmup} warm-up"
+              + (f", each row the median of {args.rounds} rounds" if args.rounds > 1 else "") + "; torch "
               f"{torch.__version__ if torch else 'not installed'}")
         print("| system | ranks | threads per rank | grid / algorithm | step s | images/s | vs torch at the same cores |")
         print("|---|---|---|---|---|---|---|")
