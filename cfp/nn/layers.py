@@ -189,15 +189,25 @@ class BatchNorm2d(Module):
     def buffers(self):
         return {p.name: p for p in (self.running_mean, self.running_var)}
 
-    def _channel_sums(self, *arrays, count=None):
-        """Per-channel sums of each (n, C_c, H, W) array over the ranks holding these channels;
-        with `count`, also the sum of the counts, in the same message."""
-        xp = backend.get_array_module(arrays[0])
-        parts = [a.sum(axis=(0, 2, 3)) for a in arrays]
+    def _channel_sums(self, *terms, count=None):
+        """Per-channel sums over the ranks holding these channels of each term: an (n, C_c, H, W)
+        array, or a pair (a, b) of them for the sums of a * b (by einsum, without making the
+        product: 0.9 against 3.0 ms for 32x256x16x16); with `count`, also the sum of the
+        counts, in the same message."""
+        first = terms[0][0] if isinstance(terms[0], tuple) else terms[0]
+        xp = backend.get_array_module(first)
+        n, c, h, w = first.shape
+
+        def per_channel(term):
+            if isinstance(term, tuple):
+                a, b = (t.reshape(n, c, h * w) for t in term)
+                return xp.einsum("ncp,ncp->c", a, b)
+            return term.sum(axis=(0, 2, 3))
+        parts = [per_channel(t) for t in terms]
         if count is not None:
-            parts.append(xp.asarray([count], dtype=arrays[0].dtype))
+            parts.append(xp.asarray([count], dtype=first.dtype))
         total = comm.allreduce(self.stats_comm, xp.concatenate(parts))
-        sums = xp.split(total[:len(arrays) * arrays[0].shape[1]], len(arrays))
+        sums = xp.split(total[:len(terms) * c], len(terms))
         return sums if count is None else (sums, int(total[-1]))
 
     def forward(self, x):
@@ -208,7 +218,7 @@ class BatchNorm2d(Module):
                 (sums,), total = self._channel_sums(x, count=x.shape[0] * x.shape[2] * x.shape[3])
                 mean = sums / total
                 centred = x - mean.reshape(shape)
-                (squares,) = self._channel_sums(centred * centred)
+                (squares,) = self._channel_sums((centred, centred))
                 var = squares / total
                 m = self.momentum
                 self.running_mean.data = (1 - m) * self.running_mean.data + m * mean
@@ -217,18 +227,33 @@ class BatchNorm2d(Module):
             else:
                 mean, var = self.running_mean.data, self.running_var.data
                 centred = x - mean.reshape(shape)
-        self._inv_std = 1.0 / backend.get_array_module(x).sqrt(var + self.eps)
-        self._x_hat = centred * self._inv_std.reshape(shape)
-        return self._x_hat * self.weight.data.reshape(shape) + self.bias.data.reshape(shape)
+        xp = backend.get_array_module(x)
+        self._inv_std = 1.0 / xp.sqrt(var + self.eps)
+        # in place where the array is this layer's own and keeps its dtype: a fresh 8 MiB array
+        # costs its page faults as well as its pass
+        in_place = xp.result_type(centred, self._inv_std) == centred.dtype
+        self._x_hat = xp.multiply(centred, self._inv_std.reshape(shape), out=centred if in_place else None)
+        y = self._x_hat * self.weight.data.reshape(shape)
+        bias = self.bias.data.reshape(shape)
+        return xp.add(y, bias, out=y if xp.result_type(y, bias) == y.dtype else None)
 
     def backward(self, dy):
         shape = (1, -1, 1, 1)
         with comm.tag(layer=self.name, phase="backward-data"):
             # The two sums are the gradients of beta and gamma, summed over the global batch.
-            sum_dy, sum_dy_xhat = self._channel_sums(dy, dy * self._x_hat)
+            sum_dy, sum_dy_xhat = self._channel_sums(dy, (dy, self._x_hat))
         self.bias.grad, self.weight.grad = sum_dy, sum_dy_xhat
         scale = (self.weight.data * self._inv_std).reshape(shape)
         if not self.training:
             return dy * scale
         m = self._count
-        return scale * (dy - (sum_dy / m).reshape(shape) - self._x_hat * (sum_dy_xhat / m).reshape(shape))
+        mean_dy, mean_dy_xhat = (sum_dy / m).reshape(shape), (sum_dy_xhat / m).reshape(shape)
+        xp = backend.get_array_module(dy)
+        if xp.result_type(dy, self._x_hat, mean_dy, mean_dy_xhat, scale) != dy.dtype:
+            return scale * (dy - mean_dy - self._x_hat * mean_dy_xhat)  # mixed dtypes: promoted
+        # the same in one array
+        dx = self._x_hat * mean_dy_xhat
+        xp.subtract(dy, dx, out=dx)
+        dx -= mean_dy
+        dx *= scale
+        return dx
