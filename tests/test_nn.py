@@ -137,6 +137,41 @@ def test_batchnorm(grids, case, mode):
     compare(make, grids, spec, x, dy, in_split=split, out_split=split, what=f"bn {mode} {case_id(case)}")
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("x_dtype,p_dtype", [(np.float32, np.float32), (np.float64, np.float64),
+                                             (np.float32, np.float64), (np.float64, np.float32)])
+def test_batchnorm_against_its_formula_in_every_dtype_pairing(x_dtype, p_dtype, mode):
+    """Batch norm (its in-place passes, and the promoted ones where x and the parameters differ
+    in dtype) against the textbook formula in float64, with NumPy's dtype promotion for y, dx
+    and the parameters' gradients."""
+    grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    bn = BatchNorm2d(grid, 5, dtype=p_dtype)
+    gamma, beta = (1.0 + data(5, 3)).astype(p_dtype), data(5, 4).astype(p_dtype)
+    bn.weight.data, bn.bias.data = gamma.copy(), beta.copy()
+    mean, var = data(5, 7).astype(p_dtype), (1.5 + data(5, 8) ** 2).astype(p_dtype)
+    if mode == "eval":
+        bn.running_mean.data, bn.running_var.data = mean.copy(), var.copy()
+        bn.eval()
+    x, dy = (data((4, 5, 3, 2), 5) * 2 + 1).astype(x_dtype), data((4, 5, 3, 2), 6).astype(x_dtype)
+    y, dx = bn.forward(x), bn.backward(dy)
+    promoted = np.result_type(x_dtype, p_dtype)
+    assert y.dtype == promoted and dx.dtype == promoted, (y.dtype, dx.dtype)
+    x64, dy64, g, b = (a.astype(np.float64).reshape((1, -1, 1, 1)) if a.ndim == 1 else a.astype(np.float64)
+                       for a in (x, dy, gamma, beta))
+    if mode == "train":
+        mu, sigma2 = x64.mean(axis=(0, 2, 3), keepdims=True), x64.var(axis=(0, 2, 3), keepdims=True)
+    else:
+        mu, sigma2 = (a.astype(np.float64).reshape((1, -1, 1, 1)) for a in (mean, var))
+    x_hat = (x64 - mu) / np.sqrt(sigma2 + bn.eps)
+    expected_dx = g / np.sqrt(sigma2 + bn.eps) * (
+        dy64 - dy64.mean(axis=(0, 2, 3), keepdims=True) - x_hat * (dy64 * x_hat).mean(axis=(0, 2, 3), keepdims=True)
+        if mode == "train" else dy64)
+    tolerance = 1e-12 if promoted == np.float64 and x_dtype == p_dtype == np.float64 else 2e-5
+    for got, want in ((y, x_hat * g + b), (dx, expected_dx), (bn.bias.grad, dy64.sum(axis=(0, 2, 3))),
+                      (bn.weight.grad, (dy64 * x_hat).sum(axis=(0, 2, 3)))):
+        assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+
+
 class _EvalAfterTraining(Sequential):
     """A batch norm that saw one training batch (moving its running statistics), then runs in
     eval mode."""

@@ -229,13 +229,14 @@ class BatchNorm2d(Module):
                 centred = x - mean.reshape(shape)
         xp = backend.get_array_module(x)
         self._inv_std = 1.0 / xp.sqrt(var + self.eps)
-        # in place where the array is this layer's own and keeps its dtype: a fresh 8 MiB array
-        # costs its page faults as well as its pass
-        in_place = xp.result_type(centred, self._inv_std) == centred.dtype
-        self._x_hat = xp.multiply(centred, self._inv_std.reshape(shape), out=centred if in_place else None)
+        # in place, into this layer's own arrays (a fresh 8 MiB array costs its page faults as
+        # well as its pass); neither changes a dtype: centred and the statistics share x's in
+        # training and NumPy's promotion of x and the parameters' in eval, and y has the
+        # bias's dtype already
+        self._x_hat = xp.multiply(centred, self._inv_std.reshape(shape), out=centred)
         y = self._x_hat * self.weight.data.reshape(shape)
-        bias = self.bias.data.reshape(shape)
-        return xp.add(y, bias, out=y if xp.result_type(y, bias) == y.dtype else None)
+        y += self.bias.data.reshape(shape)
+        return y
 
     def backward(self, dy):
         shape = (1, -1, 1, 1)
