@@ -249,11 +249,11 @@ class BatchNorm2d(Module):
             return dy * scale
         m = self._count
         mean_dy, mean_dy_xhat = (sum_dy / m).reshape(shape), (sum_dy_xhat / m).reshape(shape)
+        # scale * (dy - mean_dy - x_hat * mean_dy_xhat) in one array, of the dtype NumPy would
+        # promote the expression to
         xp = backend.get_array_module(dy)
-        if xp.result_type(dy, self._x_hat, mean_dy, mean_dy_xhat, scale) != dy.dtype:
-            return scale * (dy - mean_dy - self._x_hat * mean_dy_xhat)  # mixed dtypes: promoted
-        # the same in one array
-        dx = self._x_hat * mean_dy_xhat
+        dx = xp.empty(dy.shape, xp.result_type(dy, self._x_hat, mean_dy, mean_dy_xhat, scale))
+        xp.multiply(self._x_hat, mean_dy_xhat, out=dx)
         xp.subtract(dy, dx, out=dx)
         dx -= mean_dy
         dx *= scale
