@@ -297,16 +297,19 @@ def _plane_columns_apply(g):
 
 
 class _PlaneColumns:
-    """Blocks of samples of x (N, C, H, W) as shifted copies of their tall image: for each
-    kernel row i, columns(i) (G, C/G*Kw, L) holds, at column (s*Hp + h)*R + w, the values that
-    kernel row i meets for the output at (h, w) of sample start + s (row (channel, kernel
-    column)); L = ((n - 1)*Hp + Ho)*R. The buffers are reused: consume a block before the next."""
+    """Blocks of samples of x (N, C, H, W) as shifted copies of their tall image, tall (G,
+    C/G*Kw, step*Hp*R), rows (channel, kernel column): for each kernel row i, columns(tall, i, L)
+    holds at column (s*Hp + h)*R + w the values that kernel row i meets for the output at
+    (h, w) of sample start + s; L = outputs(n) = ((n - 1)*Hp + Ho)*R, and kernel row i's
+    columns are the copies read i*shift further on. The buffers are reused: consume a block
+    before the next."""
 
     def __init__(self, x, g, xp):
         self.x, self.g, self.xp = x, g, xp
         self.R = R = max(g.W, g.Wo)
         self.Hp = _padded_size(g)[0]
         self.rows = (g.C // g.G) * g.Kw
+        self.shift = g.dh * R  # from one kernel row's columns to the next one's
         # whole samples, at most _PLANE_ELEMENTS values in the copies
         self.step = max(1, min(g.N, _PLANE_ELEMENTS // (g.Kw * g.C * self.Hp * R)))
         # what x does not fill, the padding and the wrapped reads, stays zero
@@ -320,8 +323,12 @@ class _PlaneColumns:
         """A block of one sample with rows Wo wide: its outputs are laid out as y[start] (and dy)."""
         return n == 1 and self.R == self.g.Wo
 
+    def columns(self, tall, i, L):
+        """Kernel row i's (G, C/G*Kw, L) matrix of a block's copies, a view."""
+        return tall[:, :, i * self.shift:i * self.shift + L]
+
     def blocks(self):
-        """(start, n, columns) for each block of n samples; columns(i) the view for kernel row i."""
+        """(start, n, tall) for each block of n samples, tall the block's copies."""
         g, R, Hp = self.g, self.R, self.Hp
         by_group = self.shifted.reshape(g.G, self.rows, -1)
         for start in range(0, g.N, self.step):
@@ -347,28 +354,39 @@ class _PlaneColumns:
                     rows[:, :, g.pt:g.pt + g.H, last:] = 0
                 else:
                     rows[:, :, g.pt:g.pt + g.H, first:last] = x[..., first - shift:last - shift]
-            L = self.outputs(n)
-            yield start, n, lambda i: by_group[:, :, i * g.dh * R:i * g.dh * R + L]
+            yield start, n, by_group
 
 
 def _plane_forward(x, w, g, xp, y):
-    """y (N, F, Ho, Wo) by plane columns: Kh GEMMs a block, their sum cropped to the outputs (or
-    written straight into y for one sample Wo wide)."""
+    """y (N, F, Ho, Wo) by plane columns: one GEMM a block, filters with a row for each (kernel
+    row, filter) times the copies' columns that any kernel row reads, gives every kernel row's
+    products; kernel row i's are read i*shift further on, and their sum, cropped to the outputs,
+    goes into y (or is written straight into it for one sample Wo wide). One GEMM of Kh*F/G
+    rows, not Kh of F/G rows each: BLAS is slow at few rows, and the grouped benchmark layer
+    (F/G = 8) took its GEMMs and sums in 0.27-0.32 against 0.36-0.37 ms a sample, for
+    (Kh - 1)*shift more columns (BENCHMARKS.md)."""
     planes = _PlaneColumns(x, g, xp)
-    G, Fg = g.G, g.F // g.G
-    # filters for kernel row i: (G, F/G, C/G*Kw), columns (channel, kernel column)
-    filters = workspace.empty(xp, (g.Kh, G, Fg, g.C // G, g.Kw), x.dtype)
-    filters[...] = w.reshape(G, Fg, g.C // G, g.Kh, g.Kw).transpose(3, 0, 1, 2, 4)
-    filters = filters.reshape(g.Kh, G, Fg, planes.rows)
-    widest = planes.outputs(planes.step)
-    out, term = workspace.empty(xp, g.F * widest, x.dtype), workspace.empty(xp, g.F * widest, x.dtype)
-    for start, n, columns in planes.blocks():
+    G, Fg, Kh, shift = g.G, g.F // g.G, g.Kh, planes.shift
+    # filters (G, Kh*F/G, C/G*Kw): rows (kernel row, filter), columns (channel, kernel column)
+    filters = workspace.empty(xp, (G, Kh, Fg, g.C // G, g.Kw), x.dtype)
+    filters[...] = w.reshape(G, Fg, g.C // G, Kh, g.Kw).transpose(0, 3, 1, 2, 4)
+    filters = filters.reshape(G, Kh * Fg, planes.rows)
+    widest, reach = planes.outputs(planes.step), (Kh - 1) * shift
+    products = workspace.empty(xp, g.F * Kh * (widest + reach), x.dtype) if Kh > 1 else None
+    out = workspace.empty(xp, g.F * widest, x.dtype)
+    for start, n, tall in planes.blocks():
         L = planes.outputs(n)
         direct = planes.in_place(n)
         total = y[start].reshape(G, Fg, L) if direct else out[:g.F * L].reshape(G, Fg, L)
-        xp.matmul(filters[0], columns(0), out=total)
-        for i in range(1, g.Kh):
-            xp.add(total, xp.matmul(filters[i], columns(i), out=term[:g.F * L].reshape(G, Fg, L)), out=total)
+        if Kh == 1:
+            xp.matmul(filters, planes.columns(tall, 0, L), out=total)
+        else:
+            span = L + reach
+            rows = xp.matmul(filters, tall[:, :, :span], out=products[:g.F * Kh * span].reshape(G, Kh * Fg, span))
+            rows = rows.reshape(G, Kh, Fg, span)
+            xp.add(rows[:, 0, :, :L], rows[:, 1, :, shift:shift + L], out=total)
+            for i in range(2, Kh):
+                xp.add(total, rows[:, i, :, i * shift:i * shift + L], out=total)
         if not direct:
             # sample s's outputs: Ho rows from row s*Hp of the tall image, R columns each
             item, R = total.itemsize, planes.R
@@ -379,14 +397,16 @@ def _plane_forward(x, w, g, xp, y):
 
 def _plane_backward_filter(x, dy, g, xp):
     """dw (F, C/G, Kh, Kw) by plane columns: dy laid out on the tall image's outputs (zero at the
-    positions that are not outputs), times each kernel row's columns transposed, summed over
-    the blocks."""
+    positions that are not outputs); for each kernel row, its columns times dy transposed,
+    summed over the blocks. That product is dw^T (C/G*Kw rows, F/G columns), not dw: the same
+    operands, and measured 8-14% faster on three grouped layers (32x256x256 and 32x64x512 at
+    16x16, 8x128x128 at 32x32; BENCHMARKS.md)."""
     planes = _PlaneColumns(x, g, xp)
     G, Fg, R = g.G, g.F // g.G, planes.R
     dy_tall = workspace.zeros(xp, (g.F, planes.step * planes.Hp, R), x.dtype)
-    dw = xp.zeros((g.Kh, G, Fg, planes.rows), x.dtype)
-    product = workspace.empty(xp, (G, Fg, planes.rows), x.dtype)
-    for start, n, columns in planes.blocks():
+    dw = xp.zeros((g.Kh, G, planes.rows, Fg), x.dtype)
+    product = workspace.empty(xp, (G, planes.rows, Fg), x.dtype)
+    for start, n, tall in planes.blocks():
         L = planes.outputs(n)
         if planes.in_place(n):
             block = dy[start].reshape(G, Fg, L)
@@ -394,10 +414,10 @@ def _plane_backward_filter(x, dy, g, xp):
             dy_tall.reshape(g.F, planes.step, planes.Hp, R)[:, :n, :g.Ho, :g.Wo] = dy[start:start + n].transpose(1, 0, 2, 3)
             block = dy_tall.reshape(g.F, -1)[:, :L].reshape(G, Fg, L)
         for i in range(g.Kh):
-            xp.matmul(block, columns(i).transpose(0, 2, 1), out=product)
+            xp.matmul(planes.columns(tall, i, L), block.transpose(0, 2, 1), out=product)
             dw[i] += product
-    # (Kh, G, F/G, C/G, Kw) -> (F, C/G, Kh, Kw)
-    dw = dw.reshape(g.Kh, G, Fg, g.C // G, g.Kw).transpose(1, 2, 3, 0, 4)
+    # (Kh, G, C/G, Kw, F/G) -> (F, C/G, Kh, Kw)
+    dw = dw.reshape(g.Kh, G, g.C // G, g.Kw, Fg).transpose(1, 4, 2, 0, 3)
     return xp.ascontiguousarray(dw).reshape(g.F, g.C // G, g.Kh, g.Kw)
 
 
