@@ -349,7 +349,7 @@ def test_dilated_layers_take_subgrids_only_where_winograd_would():
 ])
 def test_plane_columns_match_the_loops(samples, args, x_shape, w_shape, monkeypatch):
     """Stride-1 layers with narrow groups go by plane columns (shifted copies of a tall image of
-    the block's samples, Kh GEMMs a block): every padding shape, dilation and block size (1, 2
+    the block's samples, one GEMM a block): every padding shape, dilation and block size (1, 2
     of 3 samples, all) gives the loops' three passes, and the path is taken."""
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1, **args}}
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
