@@ -338,19 +338,24 @@ def test_dilated_layers_take_subgrids_only_where_winograd_would():
     assert (s.N, s.H, s.W, s.Ho, s.Wo, s.dh, s.dw, s.pt + s.pb + s.pl + s.pr) == (6, 6, 3, 4, 1, 1, 1, 0)
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["kernel-rows-stacked", "a-GEMM-a-kernel-row"])
 @pytest.mark.parametrize("samples", [1, 2, 64], ids=["sample-blocks", "short-last-block", "one-block"])
 @pytest.mark.parametrize("args,x_shape,w_shape", [
     ({"padding": 1, "groups": 4}, (3, 8, 6, 5), (8, 2, 3, 3)),  # 'same': one sample a block writes y
+    ({"padding": 0, "groups": 2}, (3, 8, 5, 4), (6, 4, 1, 3)),  # a 1-row kernel: nothing to stack
     ({"padding": "same", "groups": 2}, (3, 4, 5, 6), (6, 2, 2, 4)),  # even kernel, asymmetric
     ({"padding": "valid", "groups": 1}, (2, 3, 6, 7), (2, 3, 3, 2)),  # Wo < W
     ({"padding": (3, 4), "groups": 2}, (3, 4, 4, 3), (4, 2, 3, 3)),  # Wo > W: rows wider than x
     ({"padding": 2, "dilation": (1, 2), "groups": 3}, (2, 6, 5, 6), (6, 2, 3, 3)),
     ({"padding": (2, 1), "dilation": (2, 1), "groups": 1, "padding_mode": "reflect"}, (3, 2, 6, 6), (4, 2, 3, 2)),
 ])
-def test_plane_columns_match_the_loops(samples, args, x_shape, w_shape, monkeypatch):
+def test_plane_columns_match_the_loops(stacked, samples, args, x_shape, w_shape, monkeypatch):
     """Stride-1 layers with narrow groups go by plane columns (shifted copies of a tall image of
-    the block's samples, one GEMM a block): every padding shape, dilation and block size (1, 2
-    of 3 samples, all) gives the loops' three passes, and the path is taken."""
+    the block's samples; the forward's kernel rows in one GEMM or a GEMM each): every padding
+    shape, dilation and block size (1, 2 of 3 samples, all) gives the loops' three passes, in
+    either form of the forward, and the path is taken."""
+    monkeypatch.setattr(conv_module, "_STACK_FILTERS", 1 << 30 if stacked else 0)
+    monkeypatch.setattr(conv_module, "_STACK_DEPTH", 0)
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1, **args}}
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
     width = g.W if g.mode == "zeros" else g.W + g.pl + g.pr  # other modes pad x first
@@ -370,6 +375,23 @@ def test_plane_columns_match_the_loops(samples, args, x_shape, w_shape, monkeypa
              conv2d_backward_filter_loop(x, dy, w.shape, **a))
     for actual, expected in zip(fast, loops):
         assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
+
+
+def test_plane_forward_stacks_kernel_rows_where_it_was_measured_to_pay():
+    """One GEMM for all kernel rows with few filters a group and a deep enough product (the
+    grouped benchmark layer, 8 filters and 24 = 8 channels x 3 columns); a GEMM a kernel row
+    with many filters a group, a shallow product, or a single kernel row (BENCHMARKS.md)."""
+    def stacks(C, F, groups, kernel=(3, 3)):
+        return conv_module._plane_stacks(conv_module.conv_geometry((2, C, 16, 16), (F, C // groups) + kernel,
+                                                                   padding=1, groups=groups))
+    assert stacks(256, 256, 32)  # (F/G, C/G Kw) = (8, 24)
+    assert stacks(128, 128, 32)  # (4, 12)
+    assert stacks(512, 128, 64)  # (2, 24)
+    assert not stacks(128, 512, 64)  # (8, 6): the product is too shallow
+    assert not stacks(64, 1024, 32)  # (32, 6)
+    assert not stacks(64, 256, 16)  # (16, 12): enough filters a group
+    assert not stacks(256, 1024, 32)  # (32, 24)
+    assert not stacks(256, 256, 32, kernel=(1, 3))  # one kernel row: nothing to stack
 
 
 def test_plane_columns_serve_narrow_stride_1_groups_only():

@@ -357,36 +357,53 @@ class _PlaneColumns:
             yield start, n, by_group
 
 
+# Where the forward stacks its kernel rows into one GEMM: F/G below _STACK_FILTERS (BLAS runs
+# GEMMs of few rows slowly; with more it has little to gain, and the Kh times larger products
+# no longer stay in cache) and C/G*Kw at least _STACK_DEPTH (a shallower product is bound by
+# writing its outputs, Kh times more of them). Measured on the Zen 3 guest, stacked against
+# not, one process: (F/G, C/G*Kw) = (8, 24) 3-8% faster, (4, 12) 5%, (2, 24) 23%; (8, 6) 17%
+# slower, (32, 6) 39%, (16, 12) 9%, (32, 24) 10% (BENCHMARKS.md).
+_STACK_FILTERS = 16
+_STACK_DEPTH = 12
+
+
+def _plane_stacks(g):
+    """Whether the plane forward of geometry g takes its kernel rows in one GEMM (above)."""
+    return g.Kh > 1 and g.F // g.G < _STACK_FILTERS and (g.C // g.G) * g.Kw >= _STACK_DEPTH
+
+
 def _plane_forward(x, w, g, xp, y):
-    """y (N, F, Ho, Wo) by plane columns: one GEMM a block, filters with a row for each (kernel
-    row, filter) times the copies' columns that any kernel row reads, gives every kernel row's
-    products; kernel row i's are read i*shift further on, and their sum, cropped to the outputs,
-    goes into y (or is written straight into it for one sample Wo wide). One GEMM of Kh*F/G
-    rows, not Kh of F/G rows each: BLAS is slow at few rows, and the grouped benchmark layer
-    (F/G = 8) took its GEMMs and sums in 0.27-0.32 against 0.36-0.37 ms a sample, for
-    (Kh - 1)*shift more columns (BENCHMARKS.md)."""
+    """y (N, F, Ho, Wo) by plane columns: for each kernel row its filters times its columns,
+    summed, cropped to the outputs (or written straight into y for one sample Wo wide). Where
+    it pays (above), one GEMM a block gives every kernel row's products: the filters have a row
+    for each (kernel row, filter), times the copies' columns that any kernel row reads, and
+    kernel row i's products are read i*shift further on."""
     planes = _PlaneColumns(x, g, xp)
     G, Fg, Kh, shift = g.G, g.F // g.G, g.Kh, planes.shift
-    # filters (G, Kh*F/G, C/G*Kw): rows (kernel row, filter), columns (channel, kernel column)
+    stacked = _plane_stacks(g)
+    # filters (G, Kh, F/G, C/G*Kw): columns (channel, kernel column)
     filters = workspace.empty(xp, (G, Kh, Fg, g.C // G, g.Kw), x.dtype)
     filters[...] = w.reshape(G, Fg, g.C // G, Kh, g.Kw).transpose(0, 3, 1, 2, 4)
-    filters = filters.reshape(G, Kh * Fg, planes.rows)
+    filters = filters.reshape(G, Kh, Fg, planes.rows)
     widest, reach = planes.outputs(planes.step), (Kh - 1) * shift
-    products = workspace.empty(xp, g.F * Kh * (widest + reach), x.dtype) if Kh > 1 else None
+    products = workspace.empty(xp, g.F * (Kh * (widest + reach) if stacked else widest), x.dtype)
     out = workspace.empty(xp, g.F * widest, x.dtype)
     for start, n, tall in planes.blocks():
         L = planes.outputs(n)
         direct = planes.in_place(n)
         total = y[start].reshape(G, Fg, L) if direct else out[:g.F * L].reshape(G, Fg, L)
-        if Kh == 1:
-            xp.matmul(filters, planes.columns(tall, 0, L), out=total)
-        else:
+        if stacked:
             span = L + reach
-            rows = xp.matmul(filters, tall[:, :, :span], out=products[:g.F * Kh * span].reshape(G, Kh * Fg, span))
-            rows = rows.reshape(G, Kh, Fg, span)
+            rows = xp.matmul(filters.reshape(G, Kh * Fg, planes.rows), tall[:, :, :span],
+                             out=products[:g.F * Kh * span].reshape(G, Kh * Fg, span)).reshape(G, Kh, Fg, span)
             xp.add(rows[:, 0, :, :L], rows[:, 1, :, shift:shift + L], out=total)
             for i in range(2, Kh):
                 xp.add(total, rows[:, i, :, i * shift:i * shift + L], out=total)
+        else:
+            xp.matmul(filters[:, 0], planes.columns(tall, 0, L), out=total)
+            for i in range(1, Kh):
+                term = products[:g.F * L].reshape(G, Fg, L)
+                xp.add(total, xp.matmul(filters[:, i], planes.columns(tall, i, L), out=term), out=total)
         if not direct:
             # sample s's outputs: Ho rows from row s*Hp of the tall image, R columns each
             item, R = total.itemsize, planes.R
