@@ -391,6 +391,7 @@ def test_plane_forward_stacks_kernel_rows_where_it_was_measured_to_pay():
     assert not stacks(64, 1024, 32)  # (32, 6)
     assert not stacks(64, 256, 16)  # (16, 12): enough filters a group
     assert not stacks(256, 1024, 32)  # (32, 24)
+    assert stacks(256, 256, 32, kernel=(2, 3))  # two kernel rows are enough
     assert not stacks(256, 256, 32, kernel=(1, 3))  # one kernel row: nothing to stack
 
 

@@ -4,7 +4,7 @@ GEMM-based kernels on the arrays of one rank (NumPy or CuPy); no MPI here, cfp.a
 data. Which path a layer takes depends only on its geometry (docs/design.md, section 3c):
 pointwise GEMMs for 1x1 layers; Winograd F(4x4, 3x3) for float32 3x3 stride-1 ungrouped layers
 (dilated ones by residue-class sub-grids); banded GEMMs on residue classes of rows for
-depthwise layers; plane columns (shifted copies of a tall image, one GEMM a block) for stride-1
+depthwise layers; plane columns (shifted copies of a tall image, a GEMM a kernel row) for stride-1
 layers with narrow groups; pixel-major im2col + GEMM for everything else.
 
 Shapes: x (N, C, H, W), w (F, C, Kh, Kw), b (F,), y and dy (N, F, Ho, Wo) with
@@ -283,7 +283,7 @@ def _pixel_patches(x, g, xp):
 # output is computed at every position of it. Kernel offset (i, j) of every output is then
 # the same shift of the flat runs, i*dh*R + j*dw: Kw copies of the block shifted by j*dw make,
 # for each kernel row i, one (C/G*Kw, outputs) matrix (rows (channel, j)), a view i*dh*R
-# further on, with Kw times less copying than im2col (_plane_forward: one GEMM a block). The left
+# further on, with Kw times less copying than im2col (a GEMM each, or one for all). The left
 # and right padding is not stored: where a shifted run would cross a row's end into the next
 # row, copy j is not written and stays zero, which the padding holds.
 # Outputs at the Hp - Ho rows that straddle two samples, and at columns Wo..R-1, are computed and
