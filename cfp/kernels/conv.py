@@ -400,9 +400,9 @@ def _plane_forward(x, w, g, xp, y):
             for i in range(2, Kh):
                 xp.add(total, rows[:, i, :, i * shift:i * shift + L], out=total)
         else:
+            term = products[:g.F * L].reshape(G, Fg, L)
             xp.matmul(filters[:, 0], planes.columns(tall, 0, L), out=total)
             for i in range(1, Kh):
-                term = products[:g.F * L].reshape(G, Fg, L)
                 xp.add(total, xp.matmul(filters[:, i], planes.columns(tall, i, L), out=term), out=total)
         if not direct:
             # sample s's outputs: Ho rows from row s*Hp of the tall image, R columns each
@@ -416,8 +416,8 @@ def _plane_backward_filter(x, dy, g, xp):
     """dw (F, C/G, Kh, Kw) by plane columns: dy laid out on the tall image's outputs (zero at the
     positions that are not outputs); for each kernel row, its columns times dy transposed,
     summed over the blocks. That product is dw^T (C/G*Kw rows, F/G columns), not dw: the same
-    operands, and measured 8-14% faster on three grouped layers (32x256x256 and 32x64x512 at
-    16x16, 8x128x128 at 32x32; BENCHMARKS.md)."""
+    operands, and measured 8-23% faster on six of seven grouped layers, level on the seventh
+    (BENCHMARKS.md)."""
     planes = _PlaneColumns(x, g, xp)
     G, Fg, R = g.G, g.F // g.G, planes.R
     dy_tall = workspace.zeros(xp, (g.F, planes.step * planes.Hp, R), x.dtype)
