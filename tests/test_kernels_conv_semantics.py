@@ -354,8 +354,7 @@ def test_plane_columns_match_the_loops(stacked, samples, args, x_shape, w_shape,
     the block's samples; the forward's kernel rows in one GEMM or a GEMM each): every padding
     shape, dilation and block size (1, 2 of 3 samples, all) gives the loops' three passes, in
     either form of the forward, and the path is taken."""
-    monkeypatch.setattr(conv_module, "_STACK_FILTERS", 1 << 30 if stacked else 0)
-    monkeypatch.setattr(conv_module, "_STACK_DEPTH", 0)
+    monkeypatch.setattr(conv_module, "PLANE_STACKING", stacked)
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1, **args}}
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
     width = g.W if g.mode == "zeros" else g.W + g.pl + g.pr  # other modes pad x first
@@ -377,22 +376,65 @@ def test_plane_columns_match_the_loops(stacked, samples, args, x_shape, w_shape,
         assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
 
 
-def test_plane_forward_stacks_kernel_rows_where_it_was_measured_to_pay():
-    """One GEMM for all kernel rows with few filters a group and a deep enough product (the
-    grouped benchmark layer, 8 filters and 24 = 8 channels x 3 columns); a GEMM a kernel row
-    with many filters a group, a shallow product, or a single kernel row (BENCHMARKS.md)."""
-    def stacks(C, F, groups, kernel=(3, 3)):
-        return conv_module._plane_stacks(conv_module.conv_geometry((2, C, 16, 16), (F, C // groups) + kernel,
-                                                                   padding=1, groups=groups))
-    assert stacks(256, 256, 32)  # (F/G, C/G Kw) = (8, 24)
-    assert stacks(128, 128, 32)  # (4, 12)
-    assert stacks(512, 128, 64)  # (2, 24)
-    assert not stacks(128, 512, 64)  # (8, 6): the product is too shallow
-    assert not stacks(64, 1024, 32)  # (32, 6)
-    assert not stacks(64, 256, 16)  # (16, 12): enough filters a group
-    assert not stacks(256, 1024, 32)  # (32, 24)
-    assert stacks(256, 256, 32, kernel=(2, 3))  # two kernel rows are enough
-    assert not stacks(256, 256, 32, kernel=(1, 3))  # one kernel row: nothing to stack
+@pytest.mark.parametrize("faster", [True, False], ids=["stacked-faster", "a-GEMM-a-kernel-row-faster"])
+def test_plane_forward_takes_the_form_it_measured_faster(faster, monkeypatch):
+    """By default the plane forward times its first block both ways, in turns, the first time
+    it meets a geometry and dtype, keeps the faster form for it, and takes that form from then
+    on, measuring no more; the result is the loops' either way."""
+    monkeypatch.setattr(conv_module, "PLANE_STACKING", None)
+    monkeypatch.setattr(conv_module, "_plane_forms", {})
+    timed = []
+
+    def seconds(block, stacked, *args):  # the timed form's block runs; `faster` has the least time
+        timed.append(stacked)
+        block(stacked, *args)
+        if stacked != faster:
+            return 2.0
+        return 1.0 if len(timed) <= 2 else 3.0  # (its slower second round is not what counts)
+
+    monkeypatch.setattr(conv_module, "_seconds", seconds)
+    gemms = []
+    real_matmul = np.matmul
+    monkeypatch.setattr(np, "matmul", lambda *a, **k: gemms.append(a[0].shape) or real_matmul(*a, **k))
+    case = {"x": (3, 8, 6, 5), "w": (8, 2, 3, 3), "args": {"padding": 1, "groups": 4}}
+    x, w, b, _ = _problem(case)
+    with conv_module.winograd(False):
+        first = conv2d_forward(x, w, b, **case["args"])
+        assert timed == [True, False, True, False]  # two rounds, in turns
+        gemms.clear()
+        again = conv2d_forward(x, w, b, **case["args"])
+    assert timed == [True, False, True, False]  # measured once
+    g = conv_module.conv_geometry(x.shape, w.shape, **case["args"])
+    assert conv_module._plane_forms == {(g, "float64"): faster}
+    # the three samples in one block: one GEMM of Kh F/G = 6 rows, or Kh = 3 of F/G = 2
+    assert gemms == ([(4, 6, 6)] if faster else [(4, 2, 6)] * 3)
+    expected = conv2d_forward_loop(x, w, b, **case["args"])
+    for actual in (first, again):
+        assert relative_error(actual, expected) < TOLERANCE
+
+
+def test_plane_forward_measures_only_what_has_two_forms(monkeypatch):
+    """Nothing is timed for a one-row kernel (nothing to stack), with the form fixed by
+    PLANE_STACKING, or for a geometry already measured; each new geometry or dtype is."""
+    monkeypatch.setattr(conv_module, "_plane_forms", {})
+    timed = []
+    monkeypatch.setattr(conv_module, "_seconds", lambda block, stacked, *args: timed.append(stacked) or 1.0)
+    x = np.ones((2, 16, 6, 5))
+
+    def forward(kernel=(3, 3), dtype=np.float64, channels=8):
+        return conv2d_forward(x[:, :channels].astype(dtype), np.ones((8, channels // 4) + kernel, dtype),
+                              padding=1, groups=4)
+    with conv_module.winograd(False):
+        for fixed in (True, False):
+            monkeypatch.setattr(conv_module, "PLANE_STACKING", fixed)
+            forward()
+        assert timed == []
+        monkeypatch.setattr(conv_module, "PLANE_STACKING", None)
+        forward(kernel=(1, 3))
+        assert timed == [] and conv_module._plane_forms == {}
+        for args in ({}, {}, {"dtype": np.float32}, {"channels": 16}):
+            forward(**args)
+    assert len(timed) == 12 and len(conv_module._plane_forms) == 3
 
 
 def test_plane_columns_serve_narrow_stride_1_groups_only():

@@ -1419,15 +1419,16 @@ def test_a_networks_plan_description_by_hand():
     grid.free()
 
 
-def test_cfp_winograd_in_the_environment_sets_the_default():
+@pytest.mark.parametrize("variable,setting", [("CFP_WINOGRAD", "WINOGRAD"), ("CFP_PLANE_STACKING", "PLANE_STACKING")])
+def test_the_environment_sets_the_kernel_switches(variable, setting):
     import subprocess
     import sys
-    code = "import cfp.kernels.conv as c; print(c.WINOGRAD)"
+    code = f"import cfp.kernels.conv as c; print(c.{setting})"
     seen = {}
     for value in ("1", "0", None):
-        env = {k: v for k, v in __import__("os").environ.items() if k != "CFP_WINOGRAD"}
+        env = {k: v for k, v in __import__("os").environ.items() if k != variable}
         if value is not None:
-            env["CFP_WINOGRAD"] = value
+            env[variable] = value
         seen[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                      check=True).stdout.strip()
     assert seen == {"1": "True", "0": "False", None: "None"}

@@ -4,8 +4,9 @@ GEMM-based kernels on the arrays of one rank (NumPy or CuPy); no MPI here, cfp.a
 data. Which path a layer takes depends only on its geometry (docs/design.md, section 3c):
 pointwise GEMMs for 1x1 layers; Winograd F(4x4, 3x3) for float32 3x3 stride-1 ungrouped layers
 (dilated ones by residue-class sub-grids); banded GEMMs on residue classes of rows for
-depthwise layers; plane columns (shifted copies of a tall image, a GEMM a kernel row) for stride-1
-layers with narrow groups; pixel-major im2col + GEMM for everything else.
+depthwise layers; plane columns (shifted copies of a tall image, a GEMM a kernel row or one for
+all, whichever the process measured faster) for stride-1 layers with narrow groups; pixel-major
+im2col + GEMM for everything else.
 
 Shapes: x (N, C, H, W), w (F, C, Kh, Kw), b (F,), y and dy (N, F, Ho, Wo) with
 Ho = (H + 2 ph - Kh) // sh + 1 and Wo = (W + 2 pw - Kw) // sw + 1 (zero padding). Any of N, C, F
@@ -20,6 +21,7 @@ stride-1 backward-data pass is a forward convolution, so it needs no col2im.
 import functools
 import operator
 import os
+import time
 from collections import namedtuple
 
 from cfp.backend import get_array_module
@@ -357,41 +359,69 @@ class _PlaneColumns:
             yield start, n, by_group
 
 
-# Where the forward stacks its kernel rows into one GEMM: F/G below _STACK_FILTERS (BLAS runs
-# GEMMs of few rows slowly; with more it has little to gain, and the Kh times larger products
-# no longer stay in cache) and C/G*Kw at least _STACK_DEPTH (a shallower product is bound by
-# writing its outputs, Kh times more of them). Measured on the Zen 3 guest, stacked against
-# not, one process: (F/G, C/G*Kw) = (8, 24) 3-8% faster, (4, 12) 5%, (2, 24) 23%; (8, 6) 17%
-# slower, (32, 6) 39%, (16, 12) 9%, (32, 24) 10% (BENCHMARKS.md).
-_STACK_FILTERS = 16
-_STACK_DEPTH = 12
+# The plane forward's two forms, which make the same products and sum them in the same order:
+# a GEMM a kernel row, or the kernel rows stacked into one GEMM (its filters' rows are (kernel
+# row, filter); kernel row i's products are read i*shift further on and summed). Which is faster
+# depends on the machine's BLAS: on the Zen 3 guest stacking was 3-23% faster for few filters a
+# group and a deep enough product ((F/G, C/G*Kw) = (8, 24), (4, 12), (2, 24)) and 9-39% slower
+# otherwise; on an AVX-512 Intel guest, where GEMMs of 8 rows already run at 145 GF/s, it was
+# never faster, 36% slower on the grouped benchmark layer (BENCHMARKS.md). So by default
+# (PLANE_STACKING = None) the forward measures: the first time a process meets a geometry and
+# dtype it times its first block both ways, twice in turns, and keeps the faster form for that
+# geometry (_plane_forms). PLANE_STACKING = True or False (CFP_PLANE_STACKING=1 or 0) fixes
+# the form; CuPy arrays take a GEMM a kernel row (not measured: their calls return before the
+# device has run them).
+PLANE_STACKING = {"1": True, "0": False}.get(os.environ.get("CFP_PLANE_STACKING", ""))
+_plane_forms = {}  # (geometry, dtype) -> whether that forward stacks: what it measured
+_MEASURE_ROUNDS = 2
 
 
-def _plane_stacks(g):
-    """Whether the plane forward of geometry g takes its kernel rows in one GEMM (above)."""
-    return g.Kh > 1 and g.F // g.G < _STACK_FILTERS and (g.C // g.G) * g.Kw >= _STACK_DEPTH
+def _plane_form(g, dtype, xp):
+    """Whether the plane forward of geometry g stacks its kernel rows: never with one kernel
+    row, as PLANE_STACKING says where it is set, a GEMM a kernel row on CuPy, else what was
+    measured for g and dtype, or None if nothing was (above)."""
+    import numpy as np
+    if g.Kh == 1:
+        return False
+    if PLANE_STACKING is not None:
+        return PLANE_STACKING
+    if xp is not np:
+        return False
+    return _plane_forms.get((g, str(dtype)))
+
+
+def _measure_plane_form(g, dtype, seconds):
+    """The faster form for g and dtype, seconds(stacked) timing one block of it: the least of
+    _MEASURE_ROUNDS timings each, taken in turns; kept for the rest of the process."""
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(_MEASURE_ROUNDS):
+        for stacked in best:
+            best[stacked] = min(best[stacked], seconds(stacked))
+    _plane_forms[(g, str(dtype))] = stacked = best[True] < best[False]
+    return stacked
 
 
 def _plane_forward(x, w, g, xp, y):
     """y (N, F, Ho, Wo) by plane columns: for each kernel row its filters times its columns,
     summed, cropped to the outputs (or written straight into y for one sample Wo wide). Where
-    it pays (above), one GEMM a block gives every kernel row's products: the filters have a row
-    for each (kernel row, filter), times the copies' columns that any kernel row reads, and
-    kernel row i's products are read i*shift further on."""
+    it is the faster form (above), one GEMM a block gives every kernel row's products: the
+    filters have a row for each (kernel row, filter), times the copies' columns that any kernel
+    row reads, and kernel row i's products are read i*shift further on."""
     planes = _PlaneColumns(x, g, xp)
     G, Fg, Kh, shift = g.G, g.F // g.G, g.Kh, planes.shift
-    stacked = _plane_stacks(g)
     # filters (G, Kh, F/G, C/G*Kw): columns (channel, kernel column)
     filters = workspace.empty(xp, (G, Kh, Fg, g.C // G, g.Kw), x.dtype)
     filters[...] = w.reshape(G, Fg, g.C // G, Kh, g.Kw).transpose(0, 3, 1, 2, 4)
     filters = filters.reshape(G, Kh, Fg, planes.rows)
     widest, reach = planes.outputs(planes.step), (Kh - 1) * shift
-    products = workspace.empty(xp, g.F * (Kh * (widest + reach) if stacked else widest), x.dtype)
     out = workspace.empty(xp, g.F * widest, x.dtype)
-    for start, n, tall in planes.blocks():
-        L = planes.outputs(n)
-        direct = planes.in_place(n)
-        total = y[start].reshape(G, Fg, L) if direct else out[:g.F * L].reshape(G, Fg, L)
+
+    def room(stacked):
+        """Values of a block's products: the stacked form's are Kh times more, each reach longer."""
+        return g.F * (Kh * (widest + reach) if stacked else widest)
+
+    def block(stacked, tall, L, total, products):
+        """total (G, F/G, L) = the block's outputs at the tall image's positions."""
         if stacked:
             span = L + reach
             rows = xp.matmul(filters.reshape(G, Kh * Fg, planes.rows), tall[:, :, :span],
@@ -404,6 +434,20 @@ def _plane_forward(x, w, g, xp, y):
             xp.matmul(filters[:, 0], planes.columns(tall, 0, L), out=total)
             for i in range(1, Kh):
                 xp.add(total, xp.matmul(filters[:, i], planes.columns(tall, i, L), out=term), out=total)
+
+    stacked = _plane_form(g, x.dtype, xp)
+    products = None if stacked is None else workspace.empty(xp, room(stacked), x.dtype)
+    for start, n, tall in planes.blocks():
+        L = planes.outputs(n)
+        direct = planes.in_place(n)
+        total = y[start].reshape(G, Fg, L) if direct else out[:g.F * L].reshape(G, Fg, L)
+        if products is None:
+            # measured on the first block, in room for either form outside the workspace (which
+            # then holds only what the faster form needs)
+            scratch = xp.empty(room(True), x.dtype)
+            stacked = _measure_plane_form(g, x.dtype, lambda form: _seconds(block, form, tall, L, total, scratch))
+            products = workspace.empty(xp, room(stacked), x.dtype)
+        block(stacked, tall, L, total, products)
         if not direct:
             # sample s's outputs: Ho rows from row s*Hp of the tall image, R columns each
             item, R = total.itemsize, planes.R
@@ -412,12 +456,19 @@ def _plane_forward(x, w, g, xp, y):
             y[start:start + n] = samples[..., :g.Wo].transpose(1, 0, 2, 3)
 
 
+def _seconds(f, *args):
+    """Seconds that f(*args) took."""
+    begin = time.perf_counter()
+    f(*args)
+    return time.perf_counter() - begin
+
+
 def _plane_backward_filter(x, dy, g, xp):
     """dw (F, C/G, Kh, Kw) by plane columns: dy laid out on the tall image's outputs (zero at the
     positions that are not outputs); for each kernel row, its columns times dy transposed,
     summed over the blocks. That product is dw^T (C/G*Kw rows, F/G columns), not dw: the same
-    operands, and measured 8-23% faster on six of seven grouped layers, level on the seventh
-    (BENCHMARKS.md)."""
+    operands, and measured 8-23% faster on six of seven grouped layers on the Zen 3 guest, level
+    on the seventh, and level on the Intel guest (BENCHMARKS.md)."""
     planes = _PlaneColumns(x, g, xp)
     G, Fg, R = g.G, g.F // g.G, planes.R
     dy_tall = workspace.zeros(xp, (g.F, planes.step * planes.Hp, R), x.dtype)
