@@ -437,6 +437,23 @@ def test_plane_forward_measures_only_what_has_two_forms(monkeypatch):
     assert len(timed) == 12 and len(conv_module._plane_forms) == 3
 
 
+def test_plane_forms_tie_cupy_and_the_clock(monkeypatch):
+    """Equal times keep a GEMM a kernel row (the simpler form); arrays of another module than
+    NumPy (CuPy) take it unmeasured; a block's seconds are the clock's difference."""
+    monkeypatch.setattr(conv_module, "PLANE_STACKING", None)
+    monkeypatch.setattr(conv_module, "_plane_forms", {})
+    g = conv_module.conv_geometry((2, 16, 6, 5), (8, 4, 3, 3), padding=1, groups=4)
+    assert conv_module._measure_plane_form(g, "float64", lambda stacked: 1.0) is False
+    assert conv_module._plane_forms == {(g, "float64"): False}
+    conv_module._plane_forms[(g, "float32")] = True
+    assert conv_module._plane_form(g, "float32", np) is True
+    assert conv_module._plane_form(g, "float32", object()) is False  # not NumPy: never measured
+    clock = iter([10.0, 13.5])
+    monkeypatch.setattr(conv_module.time, "perf_counter", lambda: next(clock))
+    ran = []
+    assert conv_module._seconds(lambda *a: ran.append(a), 1, 2) == 3.5 and ran == [(1, 2)]
+
+
 def test_plane_columns_serve_narrow_stride_1_groups_only():
     """Plane columns where the pixel-row patches would copy runs shorter than _PLANE_RUN
     (Kw*C/G values), stride 1 only; wide groups, strided and depthwise layers go elsewhere."""
