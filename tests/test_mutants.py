@@ -1432,6 +1432,10 @@ def test_the_environment_sets_the_kernel_switches(variable, setting):
         seen[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                      check=True).stdout.strip()
     assert seen == {"1": "True", "0": "False", None: "None"}
+    refused = subprocess.run([sys.executable, "-c", code], env={**env, variable: "yes"}, capture_output=True,
+                             text=True)
+    assert refused.returncode != 0
+    assert f"ValueError: {variable}='yes': expected '1' (on), '0' (off) or unset" in refused.stderr
 
 
 def test_the_cached_winograd_matrices_are_read_only():

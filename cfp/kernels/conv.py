@@ -28,6 +28,16 @@ from cfp.backend import get_array_module
 from cfp.kernels import workspace
 from cfp.checks import float_dtype, int_pair, positive_int
 
+
+def _switch(variable):
+    """A kernel switch read from the environment: '1' on (True), '0' off (False), unset or empty
+    None (cfp chooses); any other value is refused, never taken as one of those."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{variable}={value!r}: expected '1' (on), '0' (off) or unset (cfp chooses)")
+    return {"1": True, "0": False}.get(value)
+
+
 # A block of samples holds about this many output pixels: the rows of the forward GEMM and the
 # inner dimension of the backward-filter GEMM. OpenBLAS runs near its peak from about 512 on;
 # more only makes the buffers larger.
@@ -371,7 +381,7 @@ class _PlaneColumns:
 # geometry (_plane_forms). PLANE_STACKING = True or False (CFP_PLANE_STACKING=1 or 0) fixes
 # the form; CuPy arrays take a GEMM a kernel row (not measured: their calls return before the
 # device has run them).
-PLANE_STACKING = {"1": True, "0": False}.get(os.environ.get("CFP_PLANE_STACKING", ""))
+PLANE_STACKING = _switch("CFP_PLANE_STACKING")
 _plane_forms = {}  # (geometry, dtype) -> whether that forward stacks: what it measured
 _MEASURE_ROUNDS = 2
 
@@ -613,7 +623,7 @@ def _forward(x, w, b, g, xp, flipped=False):
 # (`with winograd()`, CFP_WINOGRAD=1) takes it for every dtype, False (`winograd(False)`,
 # CFP_WINOGRAD=0) for none: the plain GEMM path stays one switch away.
 
-WINOGRAD = {"1": True, "0": False}.get(os.environ.get("CFP_WINOGRAD", ""))
+WINOGRAD = _switch("CFP_WINOGRAD")
 WINOGRAD_TILE = 4  # m: the output tile's side, 2 or 4
 _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 # Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
