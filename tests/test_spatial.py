@@ -1,12 +1,14 @@
 """Spatial parallelism: every algorithm on every factorization of the world into sample x height
 x width x channel, against the serial convolution of the same global tensors (float64): uneven
 heights and widths, strides 1 and 2, paddings 0 to 2 and 'same', kernels 1 to 5, dilation,
-groups; the halo exchange's ledger against perfmodel.predict_bytes, and its adjoint."""
+groups, the padding modes (whose padded rows may copy another rank's rows); the halo exchange's
+ledger against perfmodel.predict_bytes, and its adjoint."""
 import numpy as np
 import pytest
 
 from cfp import comm as C
 from cfp.algorithms import make_conv
+from cfp.algorithms.base import _fold_axis, activation_layout, halo_plan
 from cfp.grid import AXES, ProcessGrid
 from cfp.perfmodel import ledger_bytes
 from cfp.tensor import DistTensor
@@ -42,6 +44,14 @@ CASES = {
     # 3 rows and 5 columns padded by 2: at 4 ranks along an axis a rank holds no input row or
     # column yet has an output one, all of it from its neighbours and the padding
     "empty-input-blocks": (1, 2, 3, 3, 5, 3, {"padding": 2}),
+    # padding modes: the padded rows copy image rows, at the border of the split on the ranks
+    # at the image's edge, or (wrapped around, or reflected past a thin block) on other ranks
+    "reflect": (2, 3, 4, 7, 6, 3, {"padding": 1, "padding_mode": "reflect"}),
+    "replicate-k5-s2": (2, 4, 3, 9, 7, 5, {"padding": 2, "stride": 2, "padding_mode": "replicate"}),
+    "circular-d2": (2, 3, 4, 8, 7, 3, {"padding": 2, "dilation": 2, "padding_mode": "circular"}),
+    "same-even-reflect": (2, 2, 3, 7, 7, 4, {"padding": "same", "padding_mode": "reflect"}),
+    "circular-wide-pairs": (1, 2, 3, 5, 5, 3, {"padding": (3, 4), "padding_mode": "circular"}),
+    "depthwise-replicate": (2, 4, 8, 7, 6, 3, {"padding": 1, "groups": 4, "padding_mode": "replicate"}),
 }
 
 
@@ -197,6 +207,42 @@ def test_pooling_on_split_images(grids, pool, kernel, stride, padding):
         back = model.backward(DistTensor.from_global(dy, layout, grid))
         assert_close_all_ranks(out.gather(), y, 1e-12, f"{pool} {spec} y")
         assert_close_all_ranks(back.gather(), dx, 1e-12, f"{pool} {spec} dx")
+
+
+@pytest.mark.parametrize("mode,needed,at", [
+    ("circular", (0, 1, 2, 3, 4, 7), (5, 0, 1, 2, 3, 4)),  # row -1 is row 7, on the other rank
+    ("reflect", range(0, 5), (1, 0, 1, 2, 3, 4)),  # row -1 is row 1
+    ("replicate", range(0, 5), (0, 0, 1, 2, 3, 4)),  # row -1 is row 0
+])
+def test_a_padding_mode_halo_brings_the_rows_the_padded_rows_copy(mode, needed, at):
+    """halo_plan on height=2 for 8 rows, 3x3, padding 1: the top rank reads padded rows -1..4,
+    so it needs the image rows they copy and gathers its padded block from them; the bottom
+    rank's rows 3..7 and the copy of row 0 (circular) or row 6 (reflect) or row 7 (replicate)."""
+    grid = (("sample", 1), ("height", 2), ("width", 1), ("channel", 1))
+    options = (("dilation", 1), ("padding", 1), ("padding_mode", mode), ("stride", 1))
+    plan = halo_plan((1, 1, 8, 4), activation_layout(grid, None), grid, (3, 3), options)
+    top, bottom = plan["spans"]["height"]
+    assert top == (4, needed, 0, 0, at)
+    assert bottom[1] == {"circular": (0, 3, 4, 5, 6, 7), "reflect": range(3, 8), "replicate": range(3, 8)}[mode]
+    assert plan["spans"]["width"] == [(4, range(0, 4), 0, 0, {"circular": (3, 0, 1, 2, 3, 0), "reflect": (1, 0, 1, 2, 3, 2),
+                                                              "replicate": (0, 0, 1, 2, 3, 3)}[mode])]
+    if mode == "circular":  # with the halo rows, each rank sends the row the other's wrap reads
+        assert (1, 0, (range(0, 1), range(0, 1), (4, 7), range(0, 4))) in plan["pieces"]
+        assert (0, 1, (range(0, 1), range(0, 1), (0, 3), range(0, 4))) in plan["pieces"]
+
+
+@pytest.mark.parametrize("at,extent", [((5, 0, 1, 2, 3, 4), 6), ((1, 0, 1, 2, 3, 2), 4), ((0, 0, 0, 1, 2, 2, 2), 3),
+                                       ((0, 1, 2), 3), ((2, 0, 1, 2, 0), 3)])
+def test_folding_a_padded_axis_is_the_adjoint_of_padding_it(at, extent):
+    """_fold_axis(d, at) = S^T d for the 0/1 matrix S that pads (S[k, at[k]] = 1): repeated,
+    reversed and wrapped-around positions added where they came from."""
+    rng = np.random.default_rng(3)
+    d = rng.standard_normal((2, 3, len(at), 4))
+    S = np.zeros((len(at), extent))
+    S[np.arange(len(at)), at] = 1
+    assert np.allclose(_fold_axis(d, at, extent, 2), np.einsum("kh,nckw->nchw", S, d), rtol=0, atol=1e-15)
+    assert np.allclose(_fold_axis(d.transpose(0, 1, 3, 2), at, extent, 3),
+                       np.einsum("kh,nckw->ncwh", S, d), rtol=0, atol=1e-15)
 
 
 @pytest.mark.parametrize("name", ["k5-p2-s2", "k4-same", "k3-d2-p2"])

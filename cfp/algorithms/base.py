@@ -16,7 +16,7 @@ import numpy as np
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
 from ..kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv2d_output_shape,
-                       conv_geometry, conv_options)
+                       conv_geometry, conv_options, pad_index)
 from ..grid import coords_of
 from ..layout import Shard, gather_plan
 from ..partition import block_range, block_sizes, filter_groups_of
@@ -59,31 +59,47 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     """The halo exchange of a convolution whose input (global x_shape, NCHW) is laid out by
     `layout` on a grid of `grid_shape` ((axis, size) pairs) that splits height and width, for
     kernel_size and the spatial `options` ((name, value) pairs: stride, padding, dilation,
-    padding_mode): per axis and coordinate (output extent, input indices needed, padding
-    before, padding after), the indices each rank wants, and the pieces that bring them
-    (layout.gather_plan). Pure arithmetic: the algorithms run it, perfmodel counts it.
+    padding_mode): per axis and coordinate (output extent, input indices needed, zero padding
+    before, zero padding after, the padded block's positions in the needed ones or None), the
+    indices each rank wants, and the pieces that bring them (layout.gather_plan). Pure
+    arithmetic: the algorithms run it, perfmodel counts it.
 
     Coordinate c of an axis computes output rows o_lo..o_hi-1 (balanced blocks of the output)
-    and needs input rows s*o_lo - p_before to s*(o_hi - 1) + d*(k - 1) - p_before, clipped to
-    the image; the rows beyond the image are its local zero padding. What it does not hold
-    arrives in one all-to-all from whichever ranks hold it, however wide the halo (no
+    and reads padded input rows s*o_lo - p_before to s*(o_hi - 1) + d*(k - 1) - p_before. With
+    zero padding it needs those rows clipped to the image, and the rows beyond the image are
+    its local zero padding. With another padding mode a padded row is a copy of an image row
+    (kernels.pad_index: reflected, the edge's, wrapped around), which may lie on another rank:
+    it needs the image rows its padded rows copy, and builds its padded block from them by an
+    index gather (Halo.pad; positions None where that gather is the identity). What it does
+    not hold arrives in one all-to-all from whichever ranks hold it, however wide the halo (no
     multi-hop); what it holds but does not need is skipped. (An empty output block, which
     ConvAlgorithm refuses, would need nothing.)"""
     N, C, H, W = x_shape
     shape = dict(grid_shape)
     g = conv_geometry((1, 1, H, W), (1, 1) + tuple(kernel_size), **dict(options))
     spans = {}
-    for axis, extent, out, s, d, k, before in (("height", H, g.Ho, g.sh, g.dh, g.Kh, g.pt),
-                                               ("width", W, g.Wo, g.sw, g.dw, g.Kw, g.pl)):
+    for axis, extent, out, s, d, k, before, after in (("height", H, g.Ho, g.sh, g.dh, g.Kh, g.pt, g.pb),
+                                                      ("width", W, g.Wo, g.sw, g.dw, g.Kw, g.pl, g.pr)):
         spans[axis] = []
+        # the image row each padded row copies, for a padding mode other than zeros
+        copies = None if g.mode == "zeros" else pad_index(extent, before, after, g.mode)
         for c in range(shape.get(axis, 1)):
             lo, hi = block_range(out, shape.get(axis, 1), c)
             if hi == lo:
-                spans[axis].append((0, range(0), 0, 0))
+                spans[axis].append((0, range(0), 0, 0, None))
                 continue
             first, last = s * lo - before, s * (hi - 1) + d * (k - 1) - before  # inclusive
-            need = range(max(0, first), min(extent, last + 1))
-            spans[axis].append((hi - lo, need, max(0, -first), max(0, last + 1 - extent)))
+            if copies is None:
+                need = range(max(0, first), min(extent, last + 1))
+                spans[axis].append((hi - lo, need, max(0, -first), max(0, last + 1 - extent), None))
+                continue
+            reads = copies[first + before:last + before + 1]
+            rows = np.unique(reads)
+            contiguous = rows[-1] - rows[0] + 1 == rows.size
+            need = range(int(rows[0]), int(rows[-1]) + 1) if contiguous else tuple(int(r) for r in rows)
+            at = np.searchsorted(rows, reads)
+            identity = at.size == rows.size and bool((at == np.arange(at.size)).all())
+            spans[axis].append((hi - lo, need, 0, 0, None if identity else tuple(int(i) for i in at)))
     wanted = []
     for r in range(math.prod(shape.values())):
         c = coords_of(r, shape)
@@ -117,9 +133,9 @@ class Halo:
         plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
                          tuple(sorted(options.items())))
         check_image_fits(plan, x_shape, grid.describe(), what)
-        self.out_rows, _, top, bottom = plan["spans"]["height"][grid.coord("height")]
-        self.out_cols, _, left, right = plan["spans"]["width"][grid.coord("width")]
-        self.padding = (top, bottom, left, right)
+        self.out_rows, _, top, bottom, self.rows_at = plan["spans"]["height"][grid.coord("height")]
+        self.out_cols, _, left, right, self.cols_at = plan["spans"]["width"][grid.coord("width")]
+        self.padding = (top, bottom, left, right)  # the local kernel's zero padding
         self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
         self.held = layout.indices(x_shape, grid, grid.coords)
         self.comm = grid.comm
@@ -129,11 +145,58 @@ class Halo:
         with comm.tag(layer=layer, phase="halo"):
             return move(x, self.held, self.pieces, self.wanted, self.comm)
 
+    def pad(self, x):
+        """The padded block the local kernel convolves without padding, gathered from the
+        extended block x (the rows and columns the padded ones copy): x itself where the
+        padding is zeros (the kernel's own) or this block meets no border."""
+        xp = backend.get_array_module(x)
+        if self.rows_at is not None:
+            x = x[:, :, xp.asarray(self.rows_at)]
+        if self.cols_at is not None:
+            x = x[:, :, :, xp.asarray(self.cols_at)]
+        return x
+
+    def padded_shape(self, shape):
+        """The shape pad() gives an extended block of `shape`."""
+        n, c, h, w = shape
+        return (n, c, h if self.rows_at is None else len(self.rows_at),
+                w if self.cols_at is None else len(self.cols_at))
+
+    def fold(self, d_padded, shape):
+        """The adjoint of pad: the gradient of the padded block added onto the extended block's
+        rows and columns (of `shape`) that its rows and columns copied."""
+        d = d_padded
+        for axis, at in ((2, self.rows_at), (3, self.cols_at)):
+            if at is not None:
+                d = _fold_axis(d, at, shape[axis], axis)
+        return d
+
     def adjoint(self, dx_extended, layer):
         """The gradient of the extended block added back onto the blocks the rows came from."""
         back = [(d, s, piece) for s, d, piece in self.pieces]
         with comm.tag(layer=layer, phase="halo"):
             return move(dx_extended, self.wanted, back, self.held, self.comm)
+
+
+def _fold_axis(d, at, extent, axis):
+    """Along `axis`, the sum of d's slices that copy each of `extent` positions (d's slice k is
+    a copy of position at[k]): runs of consecutive positions are added as one slice."""
+    xp = backend.get_array_module(d)
+    shape = list(d.shape)
+    shape[axis] = extent
+    out = xp.zeros(shape, d.dtype)
+    k = 0
+    while k < len(at):
+        run = 1
+        while k + run < len(at) and at[k + run] == at[k] + run:
+            run += 1
+        into = [slice(None)] * d.ndim
+        into[axis] = slice(at[k], at[k] + run)
+        take = [slice(None)] * d.ndim
+        take[axis] = slice(k, k + run)
+        out[tuple(into)] += d[tuple(take)]
+        k += run
+    return out
 
 
 def activation_layout(grid_shape, channel):
@@ -188,9 +251,6 @@ class ConvAlgorithm:
         # width (the classifier after global pooling): those ranks then hold copies
         self.P_h, self.P_w = (grid.axis_size("height"), grid.axis_size("width")) if split_image else (1, 1)
         self.spatial = self.P_h * self.P_w > 1
-        if self.spatial and self.options["padding_mode"] != "zeros":
-            raise ValueError(f"{layer}: padding_mode {self.options['padding_mode']!r} on grid {grid.describe()}, "
-                             f"which splits the image: only 'zeros' padding combines with a spatial split")
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
         self.p_f = filter_groups_of(self.name, self.P_c, filter_groups)
         c = grid.coord("channel")
@@ -314,21 +374,29 @@ class ConvAlgorithm:
     # -- the local kernels, on this rank's (extended) block ------------------------------------
 
     def kernel_args(self):
-        """The kernels' arguments for this rank's block: the layer's options, with the padding
-        of the halo plan on a spatial grid (zero rows only where the block meets the border)."""
+        """The kernels' arguments for this rank's block: the layer's options, on a spatial grid
+        with the padding of the halo plan (zero rows only where the block meets the border), or
+        none where another padding mode's rows were gathered into the block (Halo.pad)."""
         args = dict(self.options)
         if self.spatial:
             args["padding"] = self._halo.padding
+            args["padding_mode"] = "zeros"  # a non-zero mode's padded rows are in the block
         return args
 
     def local_forward(self, x, w, b=None):
-        return conv2d_forward(x, w, b, **self.kernel_args())
+        return conv2d_forward(self._padded(x), w, b, **self.kernel_args())
 
     def local_backward_data(self, dy, w, x_shape):
-        return conv2d_backward_data(dy, w, x_shape, **self.kernel_args())
+        if not self.spatial:
+            return conv2d_backward_data(dy, w, x_shape, **self.kernel_args())
+        d_padded = conv2d_backward_data(dy, w, self._halo.padded_shape(x_shape), **self.kernel_args())
+        return self._halo.fold(d_padded, x_shape)
 
     def local_backward_filter(self, x, dy, w_shape):
-        return conv2d_backward_filter(x, dy, w_shape, **self.kernel_args())
+        return conv2d_backward_filter(self._padded(x), dy, w_shape, **self.kernel_args())
+
+    def _padded(self, x):
+        return self._halo.pad(x) if self.spatial else x
 
     def check_input(self, x, w, b, input_shape=None):
         """The checks of forward's inputs: dtypes (float32 or float64, one for all), this rank's

@@ -12,6 +12,7 @@ from cfp.kernels.conv import (
     conv_geometry,
     conv_options,
     ConvGeometry,
+    pad_index,
     winograd_workspace_bytes,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "conv2d_backward_data",
     "conv2d_backward_filter",
     "conv2d_backward_bias",
+    "pad_index",
     "winograd_workspace_bytes",
 ]

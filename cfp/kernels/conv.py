@@ -499,7 +499,7 @@ def _plane_backward_filter(x, dy, g, xp):
     return xp.ascontiguousarray(dw).reshape(g.F, g.C // G, g.Kh, g.Kw)
 
 
-def _pad_index(extent, before, after, mode):
+def pad_index(extent, before, after, mode):
     """For each position of an axis padded by (before, after) in `mode`, the input position
     it copies: the padding modes of PyTorch (reflect without repeating the edge, replicate the
     edge, circular wrap-around)."""
@@ -517,8 +517,8 @@ def _pad_index(extent, before, after, mode):
 def _pad_input(x, g, xp):
     """x padded by the geometry's padding in its (non-zero) mode, and the geometry of a
     convolution without padding over it."""
-    rows = xp.asarray(_pad_index(g.H, g.pt, g.pb, g.mode))
-    cols = xp.asarray(_pad_index(g.W, g.pl, g.pr, g.mode))
+    rows = xp.asarray(pad_index(g.H, g.pt, g.pb, g.mode))
+    cols = xp.asarray(pad_index(g.W, g.pl, g.pr, g.mode))
     padded = xp.ascontiguousarray(x[:, :, rows][:, :, :, cols])
     Hp, Wp = _padded_size(g)
     return padded, g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
@@ -527,7 +527,7 @@ def _pad_input(x, g, xp):
 def _fold_padding(d_padded, g, xp):
     """The adjoint of _pad_input: the gradient of the padded input added back onto the input
     positions each padded position copied."""
-    rows, cols = _pad_index(g.H, g.pt, g.pb, g.mode), _pad_index(g.W, g.pl, g.pr, g.mode)
+    rows, cols = pad_index(g.H, g.pt, g.pb, g.mode), pad_index(g.W, g.pl, g.pr, g.mode)
     by_rows = d_padded[:, :, g.pt:g.pt + g.H].copy()
     for r in [*range(g.pt), *range(g.pt + g.H, len(rows))]:
         by_rows[:, :, int(rows[r])] += d_padded[:, :, r]
