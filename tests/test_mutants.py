@@ -274,9 +274,9 @@ def test_halo_plan_of_an_empty_output_block_by_hand():
     from cfp.algorithms.base import halo_plan
     plan = halo_plan((1, 1, 3, 3), Layout(("sample", None, "height", "width")),
                      (("sample", 1), ("height", 4), ("width", 1)), (3, 3), (("padding", 1),))
-    assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0), (1, range(0, 3), 0, 0),
-                                       (1, range(1, 3), 0, 1), (0, range(0), 0, 0)]
-    assert plan["spans"]["width"] == [(3, range(0, 3), 1, 1)]
+    assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0, None), (1, range(0, 3), 0, 0, None),
+                                       (1, range(1, 3), 0, 1, None), (0, range(0), 0, 0, None)]
+    assert plan["spans"]["width"] == [(3, range(0, 3), 1, 1, None)]
 
 
 def test_which_messages_a_first_layer_sends():
@@ -1251,8 +1251,8 @@ def test_halo_plan_of_two_empty_output_blocks_by_hand():
     from cfp.algorithms.base import halo_plan
     plan = halo_plan((1, 1, 2, 3), Layout(("sample", None, "height", "width")),
                      (("sample", 1), ("height", 4), ("width", 1)), (3, 3), (("padding", 1),))
-    assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0), (1, range(0, 2), 0, 1),
-                                       (0, range(0), 0, 0), (0, range(0), 0, 0)]
+    assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0, None), (1, range(0, 2), 0, 1, None),
+                                       (0, range(0), 0, 0, None), (0, range(0), 0, 0, None)]
 
 
 def test_check_input_names_a_weight_or_bias_of_another_dtype():
