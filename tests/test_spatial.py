@@ -111,10 +111,13 @@ def test_refusals(grids):
     grid = grids[spec]
     if grid.axis_size("height") * grid.axis_size("width") == 1:
         pytest.skip("needs a spatial grid")
-    raises_on_all_ranks(ValueError, lambda: make_conv("y", grid, 4, 4, 3, padding=1, padding_mode="reflect"),
-                        match="only 'zeros' padding combines with a spatial split")
-    conv = make_conv("y", grid, 4, 4, 3, padding=1, layer="conv")
+    conv = make_conv("y", grid, 4, 4, 3, padding=6, padding_mode="reflect", layer="conv")
     x = DistTensor.from_global(np.zeros((2, 4, 6, 6)), conv.input_layout, grid).local
+    # a reflection as wide as the image, refused from the global shape as the kernels refuse it
+    raises_on_all_ranks(ValueError, lambda: conv.forward(x, conv.shard_weight(np.zeros((4, 4, 3, 3))),
+                                                         conv.shard_bias(np.zeros(4))),
+                        match=r"padding \(6, 6, 6, 6\) .* with padding_mode 'reflect' must be smaller than the input 6x6")
+    conv = make_conv("y", grid, 4, 4, 3, padding=1, layer="conv")
     with C.inputs_checked():  # a trusted caller must say the global shape
         raises_on_all_ranks(ValueError, lambda: conv.forward(x, conv.shard_weight(np.zeros((4, 4, 3, 3))),
                                                              conv.shard_bias(np.zeros(4))),
