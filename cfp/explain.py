@@ -114,6 +114,8 @@ class LayerExplanation:
             text += f", dilation {pair(o['dilation'])}"
         if o["groups"] > 1:
             text += f", groups {o['groups']}"
+        if o["padding_mode"] != "zeros":
+            text += f", padding mode {o['padding_mode']}"
         if self.input_whole:
             text += ", input whole (a first layer)"
         if not self.need_dx:
@@ -201,14 +203,17 @@ def indices_text(name, ix):
 
 
 def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
-                  padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, itemsize=8):
+                  padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, itemsize=8,
+                  padding_mode="zeros"):
     """A LayerExplanation of the convolution of a global x of x_shape (N, C, H, W) into
     out_channels filters under `algorithm` ('sample', 'x', 'y', 'w') on `grid` (a spec such as
-    'sample=2,channel=2' or {axis: size}), with nn.Conv2d's options, for every rank."""
+    'sample=2,channel=2' or {axis: size}), with nn.Conv2d's options, for every rank. (The
+    padding mode moves nothing more unless the grid splits the image: then the halo also
+    brings the rows the padded border copies.)"""
     sizes = ProcessGrid.shape_of(grid)
     x_shape = tuple(int(n) for n in x_shape)
     kernel = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
-    options = conv_options(stride, padding, dilation, groups)
+    options = conv_options(stride, padding, dilation, groups, padding_mode)
     cls = algorithm_class(algorithm, options["groups"])
     C, F = x_shape[1], int(out_channels)
     p_f = filter_groups_of(algorithm, sizes["channel"], filter_groups)
@@ -342,7 +347,8 @@ def _close(a, b):
 
 
 def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
-                padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, seed=0):
+                padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, seed=0,
+                padding_mode="zeros"):
     """Run one float64 forward and backward pass of the layer explain_layer describes on the
     ranks of `comm` (the grid's size), with values drawn from `seed` (uniform in [0, 1), the
     same global tensors on every rank), and return, on rank 0, a Trace: what each rank held
@@ -353,7 +359,7 @@ def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filte
     from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
     from .tensor import DistTensor
     e = explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups, stride, padding,
-                      dilation, groups, bias, input_whole, need_dx, itemsize=8)
+                      dilation, groups, bias, input_whole, need_dx, itemsize=8, padding_mode=padding_mode)
     g = ProcessGrid(grid, comm)
     try:
         options = dict(e.options)

@@ -37,6 +37,8 @@ def parse_args(argv):
     p.add_argument("--padding", type=int, default=None, help="padding on each side (default: K // 2)")
     p.add_argument("--dilation", type=int, default=1, help="the spacing of the kernel's taps")
     p.add_argument("--groups", type=int, default=1, help="grouped convolution (G = C: depthwise)")
+    p.add_argument("--padding-mode", default="zeros", help="zeros, reflect, replicate or circular (on a grid "
+                   "splitting the image the halo also brings the rows the padded border copies)")
     p.add_argument("--first", action="store_true",
                    help="a network's first layer: its input whole on every channel rank, no dx")
     p.add_argument("--grid", help="process grid, e.g. sample=2,channel=2 (default: sample=1)")
@@ -92,7 +94,8 @@ def main(argv=None):
                  kernel_size=args.kernel, algorithm=args.algorithm, grid=args.grid or "sample=1",
                  filter_groups=args.filter_groups, stride=args.stride,
                  padding=args.kernel // 2 * args.dilation if args.padding is None else args.padding,
-                 dilation=args.dilation, groups=args.groups, input_whole=args.first, need_dx=not args.first)
+                 dilation=args.dilation, groups=args.groups, input_whole=args.first, need_dx=not args.first,
+                 padding_mode=args.padding_mode)
     if args.trace:
         trace = trace_layer(world, seed=args.seed, **layer)
         if world.Get_rank() == 0:

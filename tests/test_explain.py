@@ -68,6 +68,14 @@ def test_tables_worked_out_by_hand():
     halo = [s for s in e.steps if s.phase == "halo"]
     assert [(s.sent[0], s.received[0]) for s in halo] == [(4 * 8 * 8 * 8, 4 * 8 * 8 * 8)] * 2
     assert e.steps[0].result[1][2] == (range(0, 4), range(0, 8), range(3, 8), range(0, 8))
+    # wrapped around, the top block's padded first row is row 7 and the bottom block's last row 0:
+    # each halo brings one more row, from the other block
+    e = explain_layer((4, 8, 8, 8), 8, 3, "sample", "height=2", padding=1, padding_mode="circular")
+    halo = [s for s in e.steps if s.phase == "halo"]
+    assert [(s.sent[0], s.received[0]) for s in halo] == [(2 * 4 * 8 * 8 * 8, 2 * 4 * 8 * 8 * 8)] * 2
+    assert e.steps[0].result[0][2] == (range(0, 4), range(0, 8), (0, 1, 2, 3, 4, 7), range(0, 8))
+    assert e.steps[0].result[1][2] == (range(0, 4), range(0, 8), (0, 3, 4, 5, 6, 7), range(0, 8))
+    assert "padding mode circular" in e.text() and "x[0:4, 0:8, 0:5+7:8, 0:8]" in e.text()
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -92,8 +100,9 @@ def test_trace_matches_explanation_ledger_and_serial():
     world = MPI.COMM_WORLD
     for algorithm, g, p_f, groups in cases(world.Get_size()):
         for first in (False, True):
+            mode = "reflect" if first else "circular"  # the padded rows copy others' rows on split images
             trace = trace_layer(world, LAYER["x_shape"], 8, 3, algorithm, g, p_f, padding=1, groups=groups,
-                                input_whole=first, need_dx=not first, seed=3)
+                                input_whole=first, need_dx=not first, seed=3, padding_mode=mode)
             if world.Get_rank() == 0:
                 assert trace.mismatches == [], (algorithm, g, p_f, first, trace.mismatches)
                 e = trace.explanation
@@ -105,7 +114,7 @@ def test_trace_matches_explanation_ledger_and_serial():
                         ledger[done["phase"]] = (sent + done["sent"], received + done["received"])
                     predicted = predict_bytes(algorithm, LAYER["x_shape"], e.shapes["w"], g, e.coords[r],
                                               padding=1, filter_groups=p_f, groups=groups, input_whole=first,
-                                              need_dx=not first)
+                                              need_dx=not first, padding_mode=mode)
                     assert {p: v for p, v in predicted.items() if v != (0, 0)} == \
                         {p: v for p, v in ledger.items() if v != (0, 0)}, (algorithm, g, r)
                     assert all(s[r]["serial"] is None or np.isfinite(s[r]["serial"]) for s in trace.steps)
