@@ -229,6 +229,10 @@ def test_a_padding_mode_halo_brings_the_rows_the_padded_rows_copy(mode, needed, 
     assert bottom[1] == {"circular": (0, 3, 4, 5, 6, 7), "reflect": range(3, 8), "replicate": range(3, 8)}[mode]
     assert plan["spans"]["width"] == [(4, range(0, 4), 0, 0, {"circular": (3, 0, 1, 2, 3, 0), "reflect": (1, 0, 1, 2, 3, 2),
                                                               "replicate": (0, 0, 1, 2, 3, 3)}[mode])]
+    # on 3 blocks of 9 rows the middle one meets no border: its padded block is its extended one
+    grid3 = (("sample", 1), ("height", 3), ("width", 1), ("channel", 1))
+    middle = halo_plan((1, 1, 9, 4), activation_layout(grid3, None), grid3, (3, 3), options)["spans"]["height"][1]
+    assert middle == (3, range(2, 7), 0, 0, None)
     if mode == "circular":  # with the halo rows, each rank sends the row the other's wrap reads
         assert (1, 0, (range(0, 1), range(0, 1), (4, 7), range(0, 4))) in plan["pieces"]
         assert (0, 1, (range(0, 1), range(0, 1), (0, 3), range(0, 4))) in plan["pieces"]
