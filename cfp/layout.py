@@ -248,10 +248,19 @@ def _indices(layout, global_shape, shape_key, coords_key):
             held = d.blocks(parts, coords[d.axis])
             out.append(range(held[0] * size, (held[-1] + 1) * size) if held else range(0))
             continue
-        ix = union_of_blocks(extent, parts, d.blocks(parts, coords[d.axis]))
-        contiguous = not ix or ix[-1] - ix[0] + 1 == len(ix)
-        out.append(range(ix[0], ix[-1] + 1) if contiguous and ix else range(0) if not ix else tuple(ix))
+        out.append(index_set(union_of_blocks(extent, parts, d.blocks(parts, coords[d.axis]))))
     return tuple(out)
+
+
+def index_set(indices):
+    """Sorted distinct global indices as layouts and plans hold them: a range where they are
+    contiguous (range(0) for none), otherwise a tuple."""
+    ix = np.asarray(indices, dtype=np.int64)
+    if not ix.size:
+        return range(0)
+    if ix[-1] - ix[0] + 1 == ix.size:
+        return range(int(ix[0]), int(ix[-1]) + 1)
+    return tuple(int(i) for i in ix)
 
 
 def global_extent(layout, dim, grid, local_extent_at):
@@ -273,11 +282,7 @@ def _intersect(a, b):
         r = range(max(a.start, b.start), min(a.stop, b.stop))
         return r if len(r) else None
     common = np.intersect1d(np.asarray(a), np.asarray(b), assume_unique=True)
-    if not common.size:
-        return None
-    if common[-1] - common[0] + 1 == common.size:
-        return range(int(common[0]), int(common[-1]) + 1)
-    return tuple(int(i) for i in common)
+    return index_set(common) if common.size else None
 
 
 def exchange_plan(global_shape, source, source_grid, target, target_grid, ranks):

@@ -8,8 +8,9 @@ import pytest
 
 from cfp import comm as C
 from cfp.algorithms import make_conv
-from cfp.algorithms.base import _fold_axis, activation_layout, halo_plan
+from cfp.algorithms.base import activation_layout, halo_plan
 from cfp.grid import AXES, ProcessGrid
+from cfp.kernels import fold_index
 from cfp.perfmodel import ledger_bytes
 from cfp.tensor import DistTensor
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
@@ -241,14 +242,14 @@ def test_a_padding_mode_halo_brings_the_rows_the_padded_rows_copy(mode, needed, 
 @pytest.mark.parametrize("at,extent", [((5, 0, 1, 2, 3, 4), 6), ((1, 0, 1, 2, 3, 2), 4), ((0, 0, 0, 1, 2, 2, 2), 3),
                                        ((0, 1, 2), 3), ((2, 0, 1, 2, 0), 3)])
 def test_folding_a_padded_axis_is_the_adjoint_of_padding_it(at, extent):
-    """_fold_axis(d, at) = S^T d for the 0/1 matrix S that pads (S[k, at[k]] = 1): repeated,
+    """fold_index(d, at) = S^T d for the 0/1 matrix S that pads (S[k, at[k]] = 1): repeated,
     reversed and wrapped-around positions added where they came from."""
     rng = np.random.default_rng(3)
     d = rng.standard_normal((2, 3, len(at), 4))
     S = np.zeros((len(at), extent))
     S[np.arange(len(at)), at] = 1
-    assert np.allclose(_fold_axis(d, at, extent, 2), np.einsum("kh,nckw->nchw", S, d), rtol=0, atol=1e-15)
-    assert np.allclose(_fold_axis(d.transpose(0, 1, 3, 2), at, extent, 3),
+    assert np.allclose(fold_index(d, at, extent, 2), np.einsum("kh,nckw->nchw", S, d), rtol=0, atol=1e-15)
+    assert np.allclose(fold_index(d.transpose(0, 1, 3, 2), at, extent, 3),
                        np.einsum("kh,nckw->ncwh", S, d), rtol=0, atol=1e-15)
 
 

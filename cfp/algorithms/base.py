@@ -16,9 +16,9 @@ import numpy as np
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
 from ..kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv2d_output_shape,
-                       conv_geometry, conv_options, pad_index)
+                       conv_geometry, conv_options, fold_index, pad_index)
 from ..grid import coords_of
-from ..layout import Shard, gather_plan
+from ..layout import Shard, gather_plan, index_set
 from ..partition import block_range, block_sizes, filter_groups_of
 from ..tensor import Layout, check_blocks, move
 
@@ -95,8 +95,7 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
                 continue
             reads = copies[first + before:last + before + 1]
             rows = np.unique(reads)
-            contiguous = rows[-1] - rows[0] + 1 == rows.size
-            need = range(int(rows[0]), int(rows[-1]) + 1) if contiguous else tuple(int(r) for r in rows)
+            need = index_set(rows)
             at = np.searchsorted(rows, reads)
             identity = np.array_equal(at, np.arange(rows.size))  # a block that meets no border
             spans[axis].append((hi - lo, need, 0, 0, None if identity else tuple(int(i) for i in at)))
@@ -168,7 +167,7 @@ class Halo:
         d = d_padded
         for axis, at in ((2, self.rows_at), (3, self.cols_at)):
             if at is not None:
-                d = _fold_axis(d, at, shape[axis], axis)
+                d = fold_index(d, at, shape[axis], axis)
         return d
 
     def adjoint(self, dx_extended, layer):
@@ -176,27 +175,6 @@ class Halo:
         back = [(d, s, piece) for s, d, piece in self.pieces]
         with comm.tag(layer=layer, phase="halo"):
             return move(dx_extended, self.wanted, back, self.held, self.comm)
-
-
-def _fold_axis(d, at, extent, axis):
-    """Along `axis`, the sum of d's slices that copy each of `extent` positions (d's slice k is
-    a copy of position at[k]): runs of consecutive positions are added as one slice."""
-    xp = backend.get_array_module(d)
-    shape = list(d.shape)
-    shape[axis] = extent
-    out = xp.zeros(shape, d.dtype)
-    k = 0
-    while k < len(at):
-        run = 1
-        while k + run < len(at) and at[k + run] == at[k] + run:
-            run += 1
-        into = [slice(None)] * d.ndim
-        into[axis] = slice(at[k], at[k] + run)
-        take = [slice(None)] * d.ndim
-        take[axis] = slice(k, k + run)
-        out[tuple(into)] += d[tuple(take)]
-        k += run
-    return out
 
 
 def activation_layout(grid_shape, channel):

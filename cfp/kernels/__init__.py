@@ -12,6 +12,7 @@ from cfp.kernels.conv import (
     conv_geometry,
     conv_options,
     ConvGeometry,
+    fold_index,
     pad_index,
     winograd_workspace_bytes,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "conv2d_backward_data",
     "conv2d_backward_filter",
     "conv2d_backward_bias",
+    "fold_index",
     "pad_index",
     "winograd_workspace_bytes",
 ]

@@ -524,16 +524,30 @@ def _pad_input(x, g, xp):
     return padded, g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
 
 
-def _fold_padding(d_padded, g, xp):
+def _fold_padding(d_padded, g):
     """The adjoint of _pad_input: the gradient of the padded input added back onto the input
     positions each padded position copied."""
     rows, cols = pad_index(g.H, g.pt, g.pb, g.mode), pad_index(g.W, g.pl, g.pr, g.mode)
-    by_rows = d_padded[:, :, g.pt:g.pt + g.H].copy()
-    for r in [*range(g.pt), *range(g.pt + g.H, len(rows))]:
-        by_rows[:, :, int(rows[r])] += d_padded[:, :, r]
-    out = by_rows[:, :, :, g.pl:g.pl + g.W].copy()
-    for c in [*range(g.pl), *range(g.pl + g.W, len(cols))]:
-        out[:, :, :, int(cols[c])] += by_rows[:, :, :, c]
+    return fold_index(fold_index(d_padded, rows, g.H, 2), cols, g.W, 3)
+
+
+def fold_index(d, at, extent, axis):
+    """The adjoint of taking positions `at` along an axis (a gather such as pad_index's): d's
+    slices along `axis` summed onto the `extent` positions they were taken from (slice k from
+    position at[k]), each run of consecutive positions added as one slice."""
+    xp = get_array_module(d)
+    shape = list(d.shape)
+    shape[axis] = extent
+    out = xp.zeros(shape, d.dtype)
+    k = 0
+    while k < len(at):
+        run = 1
+        while k + run < len(at) and at[k + run] == at[k] + run:
+            run += 1
+        into, take = [slice(None)] * d.ndim, [slice(None)] * d.ndim
+        into[axis], take[axis] = slice(int(at[k]), int(at[k]) + run), slice(k, k + run)
+        out[tuple(into)] += d[tuple(take)]
+        k += run
     return out
 
 
@@ -1153,7 +1167,7 @@ def conv2d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
     if g.mode != "zeros":
         Hp, Wp = _padded_size(g)
         inner = g._replace(H=Hp, W=Wp, pt=0, pb=0, pl=0, pr=0, mode="zeros")
-        return _fold_padding(_backward_data(dy, w, inner, xp), g, xp)
+        return _fold_padding(_backward_data(dy, w, inner, xp), g)
     return _backward_data(dy, w, g, xp)
 
 
