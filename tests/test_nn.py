@@ -351,22 +351,28 @@ def test_place_names_both_specs_when_the_input_comes_elsewhere():
     by_sample.free()
 
 
+@pytest.mark.parametrize("padding_mode", ["zeros", "circular"])
 @pytest.mark.parametrize("split_image", [True, False], ids=["split", "copies"])
-def test_a_layer_on_a_height_split_grid_predicts_its_bytes(split_image):
+def test_a_layer_on_a_height_split_grid_predicts_its_bytes(split_image, padding_mode):
     """On height=P, a layer that splits the image exchanges halos and allreduces its gradient
     over the P image ranks; one that does not (split_image=False) holds copies of the image and
-    moves what it would on one rank. Either way Conv2d.predicted_bytes is what the ledger holds."""
+    moves what it would on one rank. Either way Conv2d.predicted_bytes is what the ledger holds,
+    and y is the serial convolution (wrapped around: the halo brings rows from the far rank)."""
+    from cfp.kernels import conv2d_forward
     from cfp.nn import Sequential
     size = MPI.COMM_WORLD.Get_size()
     grid = ProcessGrid(f"height={size}")
     conv = Conv2d(grid, 2, 3, 3, padding=1, algorithm="sample", name="c", dtype=np.float64,
-                  split_image=split_image)
+                  split_image=split_image, padding_mode=padding_mode)
     net = Sequential(conv)
-    x = DistTensor.from_global(data((2, 2, 8, 5), 4), conv.input_spec[1], grid)
+    x_global = data((2, 2, 8, 5), 4)
+    x = DistTensor.from_global(x_global, conv.input_spec[1], grid)
     ledger = C.CommLedger()
     with C.use_ledger(ledger):
         y = net.forward(x)
         net.backward(DistTensor(np.ones_like(y.local), y.global_shape, y.layout, grid))
+    expected = conv2d_forward(x_global, conv.weight.data, conv.bias.data, padding=1, padding_mode=padding_mode)
+    assert_close_all_ranks(y.gather(), expected, 1e-12, f"y with {padding_mode} padding")
     predicted = {("c", phase): v for phase, v in conv.predicted_bytes(8).items()}
     measured = measured_bytes(ledger)
     assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items()),
