@@ -532,6 +532,22 @@ def test_dilated_depthwise_forward_takes_one_gemm_a_kernel_row(monkeypatch):
         assert calls == (["read"] * Kh if by_rows else ["patches"] * len(calls)) and calls, (Kh, dilation)
 
 
+@pytest.mark.parametrize("x_shape,padding,stride", [((1, 2, 5, 0), (0, 0, 2, 3), 1), ((2, 3, 0, 4), (2, 2, 1, 1), 2),
+                                                   ((2, 3, 0, 0), (2, 2, 2, 2), 1)])
+def test_depthwise_bands_of_an_input_without_rows_or_columns(x_shape, padding, stride):
+    """A depthwise block with no input columns or rows (a rank of a split image holding only
+    padding) reads zeros only: y is the bias, dw is zero, dx is empty."""
+    C = x_shape[1]
+    rng = np.random.default_rng(2)
+    x, w, b = np.zeros(x_shape), rng.standard_normal((2 * C, 1, 2, 2)), rng.standard_normal(2 * C)
+    args = {"padding": padding, "stride": stride, "groups": C}
+    y = conv2d_forward(x, w, b, **args)
+    assert y.size and np.array_equal(y, np.broadcast_to(b.reshape(1, -1, 1, 1), y.shape))
+    dy = rng.standard_normal(y.shape)
+    assert conv2d_backward_data(dy, w, x_shape, **args).shape == x_shape
+    assert np.array_equal(conv2d_backward_filter(x, dy, w.shape, **args), np.zeros(w.shape))
+
+
 def test_depthwise_backward_data_is_a_forward_only_without_a_multiplier_or_stride(monkeypatch):
     """Stride-1 depthwise backward-data without a channel multiplier is the full convolution, a
     depthwise forward of dy (GEMMs with K = eh*Wi); with a multiplier (its full convolution is

@@ -1246,6 +1246,20 @@ def test_conv2d_default_seed_is_0():
     grid.free()
 
 
+def test_halo_plan_of_a_block_in_the_padding_only_by_hand():
+    # 2 columns padded by 1 on the left and 5 on the right, 2x2 kernel: 7 output columns over
+    # 2 width ranks, 4 and 3. Rank 0 reads padded columns -1..3: image columns 0..1, one zero
+    # column before and two after; rank 1 reads 3..6, all beyond the image: four zero columns.
+    from cfp.algorithms.base import halo_plan
+    plan = halo_plan((1, 1, 1, 2), Layout(("sample", None, "height", "width")),
+                     (("sample", 1), ("height", 1), ("width", 2)), (1, 2), (("padding", (0, 0, 1, 5)),))
+    assert plan["spans"]["width"] == [(4, range(0, 2), 1, 2, None), (3, range(2, 2), 0, 4, None)]
+    # and the mirror image: rank 0 reads only the padding before the image
+    plan = halo_plan((1, 1, 1, 2), Layout(("sample", None, "height", "width")),
+                     (("sample", 1), ("height", 1), ("width", 2)), (1, 2), (("padding", (0, 0, 5, 1)),))
+    assert plan["spans"]["width"] == [(4, range(0, 0), 5, 0, None), (3, range(0, 2), 1, 1, None)]
+
+
 def test_halo_plan_of_two_empty_output_blocks_by_hand():
     # 2x3 input, 3x3 kernel, padding 1: 2 output rows over 4 height ranks, 1, 1, 0 and 0.
     from cfp.algorithms.base import halo_plan

@@ -45,6 +45,8 @@ CASES = {
     # 3 rows and 5 columns padded by 2: at 4 ranks along an axis a rank holds no input row or
     # column yet has an output one, all of it from its neighbours and the padding
     "empty-input-blocks": (1, 2, 3, 3, 5, 3, {"padding": 2}),
+    # 2 columns padded by 1 and 5: along width the last blocks read nothing but the padding
+    "padding-only-blocks": (2, 2, 3, 5, 2, 2, {"padding": (1, 1, 1, 5)}),
     # padding modes: the padded rows copy image rows, at the border of the split on the ranks
     # at the image's edge, or (wrapped around, or reflected past a thin block) on other ranks
     "reflect": (2, 3, 4, 7, 6, 3, {"padding": 1, "padding_mode": "reflect"}),

@@ -89,9 +89,11 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
                 spans[axis].append((0, range(0), 0, 0, None))
                 continue
             first, last = s * lo - before, s * (hi - 1) + d * (k - 1) - before  # inclusive
-            if copies is None:
-                need = range(max(0, first), min(extent, last + 1))
-                spans[axis].append((hi - lo, need, max(0, -first), max(0, last + 1 - extent), None))
+            if copies is None:  # the rows read, clipped to the image; the rest zero padding
+                start = min(max(0, first), extent)  # a block may read padding only
+                need = range(start, max(start, min(extent, last + 1)))
+                top = min(max(0, -first), last - first + 1)
+                spans[axis].append((hi - lo, need, top, last - first + 1 - top - len(need), None))
                 continue
             reads = copies[first + before:last + before + 1]
             rows = np.unique(reads)

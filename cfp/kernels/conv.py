@@ -942,7 +942,7 @@ class _DepthwiseBands:
         self.Hgo = max(g.Ho, -(-(g.H + max(g.pt, g.pb)) // g.sh))  # output rows a sample
         self.P = self.Hgo * g.sh  # input rows a sample: H of x, then zeros
         self.m = -(-self.eh // g.sh)  # residue classes of output rows: GEMMs a block
-        per_sample = self.strips * self.P * self.Wi
+        per_sample = max(1, self.strips * self.P * self.Wi)  # x may have no columns (Wi = W = 0)
         self.n = max(1, min(g.N, _BAND_ELEMENTS // per_sample))
         self.c = max(1, min(g.C, _BAND_ELEMENTS // (self.n * per_sample)))
         self.Q = -(-self.n * self.Hgo // self.m)  # output rows a class (a whole block)
