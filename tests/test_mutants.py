@@ -1258,6 +1258,10 @@ def test_halo_plan_of_a_block_in_the_padding_only_by_hand():
     plan = halo_plan((1, 1, 1, 2), Layout(("sample", None, "height", "width")),
                      (("sample", 1), ("height", 1), ("width", 2)), (1, 2), (("padding", (0, 0, 5, 1)),))
     assert plan["spans"]["width"] == [(4, range(0, 0), 5, 0, None), (3, range(0, 2), 1, 1, None)]
+    # further in: rank 0 reads padded columns -6..-2, five zero columns and none of the image
+    plan = halo_plan((1, 1, 1, 2), Layout(("sample", None, "height", "width")),
+                     (("sample", 1), ("height", 1), ("width", 2)), (1, 2), (("padding", (0, 0, 6, 1)),))
+    assert plan["spans"]["width"] == [(4, range(0, 0), 5, 0, None), (4, range(0, 2), 2, 1, None)]
 
 
 def test_halo_plan_of_two_empty_output_blocks_by_hand():
