@@ -15,10 +15,15 @@ section 8):
 Exit statuses: 2 for bad input and diverged runs, 130 for Ctrl-C (one line, plus what the
 script adds, e.g. where the last checkpoint is), 1 for an unexpected exception (its traceback,
 printed once). argparse's messages and --help are printed by rank 0 only.
+
+Also the flags every rank agrees on (`max_over_ranks`, `on_every_rank`) and `CtrlC`, which
+takes Ctrl-C or SIGTERM at a step boundary on all ranks together (cfp/train.py's loop).
 """
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -151,3 +156,57 @@ def run(main, argv=None, name=None):
     outcomes.Free()
     MPI.Finalize()  # a clean end: `python -m mpi4py` then exits with the status, no MPI_Abort
     return int(worst[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags every rank agrees on, and Ctrl-C taken by all ranks at the same step
+
+
+def max_over_ranks(comm, value):
+    """The largest of every rank's integer `value` (collective over comm)."""
+    out = np.zeros(1, dtype=np.int64)
+    comm.Allreduce(np.array([value], dtype=np.int64), out, op=MPI.MAX)
+    return int(out[0])
+
+
+def on_every_rank(comm, flag):
+    """True on every rank when `flag` is true on every rank (collective over comm)."""
+    everyone = np.zeros(1, dtype=np.int64)
+    comm.Allreduce(np.array([bool(flag)], dtype=np.int64), everyone, op=MPI.MIN)
+    return bool(everyone[0])
+
+
+class CtrlC:
+    """Ctrl-C (SIGINT) or SIGTERM during training, taken at a step boundary by all ranks together.
+
+    MPICH's mpiexec passes SIGINT to every rank; Open MPI's answers it by sending the ranks
+    SIGTERM (then SIGKILL after a few seconds), as batch schedulers do before a job's time runs
+    out. A rank blocked inside a collective cannot raise until the collective returns, which it
+    never does once another rank has left it. So the first signal only sets a flag; at the start
+    of every step the ranks OR their flags (one small allreduce) and, when any is set, all raise
+    KeyboardInterrupt at the same step. A second signal acts at once, as usual."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+        return self
+
+    def _handler(self, signum, frame):
+        self.requested = True
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    def __exit__(self, *exc):
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        return False
+
+    def check(self, comm):
+        """Raise KeyboardInterrupt on every rank of comm when any has seen Ctrl-C (collective)."""
+        if max_over_ranks(comm, int(self.requested)):
+            raise KeyboardInterrupt

@@ -6,15 +6,13 @@ evaluation, checkpoints (re-shardable), a progress bar, a JSON log and a closing
 import dataclasses
 import importlib.util
 import math
-import signal
 import sys
-import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, comm
+from . import backend, cli, comm
 from .algorithms import ALGORITHMS
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
@@ -215,57 +213,10 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
     return total_loss / len(x), correct / len(x)
 
 
-def _max_over_ranks(grid, value):
-    out = np.zeros(1, dtype=np.int64)
-    grid.comm.Allreduce(np.array([value], dtype=np.int64), out, op=MPI.MAX)
-    return int(out[0])
-
-
 def _weights_finite(grid, model):
     """True on every rank when no rank's shards hold NaN or infinity (collective)."""
-    mine = np.array([all(bool(np.isfinite(backend.to_host(p.data)).all()) for p in model.parameters())],
-                    dtype=np.int64)
-    everyone = np.zeros(1, dtype=np.int64)
-    grid.comm.Allreduce(mine, everyone, op=MPI.MIN)
-    return bool(everyone[0])
-
-
-class _CtrlC:
-    """Ctrl-C (SIGINT) or SIGTERM during training, taken at a step boundary by all ranks together.
-
-    MPICH's mpiexec passes SIGINT to every rank; Open MPI's answers it by sending the ranks
-    SIGTERM (then SIGKILL after a few seconds), as batch schedulers do before a job's time runs
-    out. A rank blocked inside a collective cannot raise until the collective returns, which it
-    never does once another rank has left it. So the first signal only sets a flag; at the start
-    of every step the ranks OR their flags (one small allreduce) and, when any is set, all raise
-    KeyboardInterrupt at the same step. A second signal acts at once, as usual."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
-        return self
-
-    def _handler(self, signum, frame):
-        self.requested = True
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-
-    def __exit__(self, *exc):
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        return False
-
-    def check(self, grid):
-        """Raise KeyboardInterrupt on every rank when any rank has seen Ctrl-C (collective)."""
-        anyone = np.zeros(1, dtype=np.int64)
-        grid.comm.Allreduce(np.array([int(self.requested)], dtype=np.int64), anyone, op=MPI.MAX)
-        if anyone[0]:
-            raise KeyboardInterrupt
+    return cli.on_every_rank(grid.comm, all(bool(np.isfinite(backend.to_host(p.data)).all())
+                                            for p in model.parameters()))
 
 
 def _diverged(cfg, rank0, step, what, history, epochs_log):
@@ -391,7 +342,7 @@ class _Session:
         start = time.perf_counter()
         try:
             # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
-            with comm.use_ledger(self.ledger), np.errstate(over="ignore", invalid="ignore"), _CtrlC() as ctrl_c:
+            with comm.use_ledger(self.ledger), np.errstate(over="ignore", invalid="ignore"), cli.CtrlC() as ctrl_c:
                 for epoch in range(self.first_epoch, self.cfg.epochs):
                     if self.step >= self.stop_at:
                         break
@@ -413,7 +364,7 @@ class _Session:
         for batch, (x_local, y_local, n_global) in enumerate(self.loader, start=1):
             if batch <= self.skip:  # resuming inside this epoch: these batches were done
                 continue
-            ctrl_c.check(self.grid)
+            ctrl_c.check(self.grid.comm)
             lr = self.optimizer.lr
             loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local)
             if not math.isfinite(loss):  # the same value on every rank: all stop here
@@ -474,8 +425,8 @@ class _Session:
             "images_per_second": self.images / seconds if seconds > 0 else 0.0,
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "test_accuracy": self.epochs_log[-1]["test_accuracy"] if self.epochs_log else None,
-            "parameter_bytes_per_rank": _max_over_ranks(grid, sum(p.data.nbytes for p in model.parameters())),
-            "optimizer_bytes_per_rank": _max_over_ranks(grid, self.optimizer.state_bytes()),
+            "parameter_bytes_per_rank": cli.max_over_ranks(grid.comm, sum(p.data.nbytes for p in model.parameters())),
+            "optimizer_bytes_per_rank": cli.max_over_ranks(grid.comm, self.optimizer.state_bytes()),
             "communication": [{"layer": k[0], "phase": k[1], "collective": k[2], **v}
                               for k, v in self.ledger.totals(by=("layer", "phase", "collective")).items()],
         }

@@ -227,3 +227,18 @@ def test_width_that_cannot_be_split():
                         lambda: train(config(model="wide", width=SIZE - 1, grid=f"channel={SIZE}", algorithm="y")),
                         match=f"width={SIZE - 1} gives {SIZE - 1} channels in the narrowest layer, fewer than "
                               f"the {SIZE} channel ranks")
+
+
+def test_flags_and_ctrl_c_are_agreed_by_every_rank():
+    """cli's flags, as the training loop reads them: the largest value over the ranks, a flag
+    true only where every rank's is, and Ctrl-C seen by the last rank alone stopping every rank
+    at the same check."""
+    from cfp import cli
+    rank = WORLD.Get_rank()
+    assert_all_ranks(cli.max_over_ranks(WORLD, rank) == SIZE - 1, "max_over_ranks is not the last rank")
+    assert_all_ranks(cli.on_every_rank(WORLD, True) and not cli.on_every_rank(WORLD, rank != SIZE - 1),
+                     "on_every_rank is not the AND of the ranks' flags")
+    ctrl_c = cli.CtrlC()
+    ctrl_c.check(WORLD)  # nobody asked: every rank goes on
+    ctrl_c.requested = rank == SIZE - 1
+    raises_on_all_ranks(KeyboardInterrupt, lambda: ctrl_c.check(WORLD))
