@@ -20,8 +20,6 @@ from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, Linear, MaxPool2d, Module
 from .perfmodel import LayerShape
 from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 
-MODELS = ("resnet", "wide", "mobile")
-
 
 def plan_choice(current, entry):
     """The grid, algorithm and p_f of a layer whose plan entry is `entry` (None: not listed)
@@ -199,19 +197,35 @@ class _ShapeRecorder:
         return []
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelKind:
+    """A model cfp builds: `build` makes it (a Network on a grid), `layers` is the recipe of its
+    layers, which `build` runs with a real builder and layer_shapes with a shape recorder;
+    `depth`: whether it takes a depth (the wide CNN's number of wide layers)."""
+    build: object
+    layers: object
+    depth: bool = False
+
+
+# The one registry of models, by name: build_model, layer_shapes, train.py and the scripts read it.
+MODELS = {"resnet": ModelKind(small_resnet, _resnet_layers), "wide": ModelKind(wide_cnn, _wide_layers, depth=True),
+          "mobile": ModelKind(mobile_cnn, _mobile_layers)}
+
+
+def model_kind(name):
+    """MODELS[name], or ValueError naming the models there are."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    return MODELS[name]
+
+
 def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
     """The LayerShape of every convolution of model `name` (for the planner), without building it."""
     for what, value in (("width", width), ("depth", depth), ("batch", batch), ("image", image)):
         positive_int(value, what)
+    kind = model_kind(name)
     recorder = _ShapeRecorder(batch)
-    if name == "resnet":
-        _resnet_layers(recorder, width, in_channels, classes, image)
-    elif name == "mobile":
-        _mobile_layers(recorder, width, in_channels, classes, image)
-    elif name == "wide":
-        _wide_layers(recorder, width, depth, in_channels, classes, image)
-    else:
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    kind.layers(recorder, width, *((depth,) if kind.depth else ()), in_channels, classes, image)
     return recorder.shapes
 
 
@@ -270,7 +284,7 @@ def check_plan(plan, names, ranks):
 
 def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=None, choose_grids=False,
                 **config):
-    """The model `name` ('resnet' or 'wide'), a Network; config as the builder functions take.
+    """The model `name` (one of MODELS), a Network; config as the builder functions take.
 
     `grid` is the grid of every layer that no plan entry places elsewhere. `plan`: {layer name:
     {"grid", "algorithm", "filter_groups"}} (a plan file's "layers"). With algorithm='auto',
@@ -278,9 +292,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
     the global `batch` under `profile` (a perfmodel.MachineProfile) and `memory_limit` (bytes
     per rank, or None); the planner's Plan is kept as model.plan.
     """
-    builders = {"resnet": small_resnet, "wide": wide_cnn, "mobile": mobile_cnn}
-    if name not in builders:
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    kind = model_kind(name)
     arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
     the_plan = None
     if config.get("algorithm") == "auto":
@@ -301,7 +313,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
             workspace.set_limit(0)
     if plan is not None:
         check_plan(plan, [s.name for s in layer_shapes(name, batch or 1, **arch)], grid.size)
-    return builders[name](grid, plan=plan, planned=the_plan, **config)
+    return kind.build(grid, plan=plan, planned=the_plan, **config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class TrainConfig:
     def model_description(self):
         """What a checkpoint must match to be loaded into this run's model."""
         return {"model": self.model, "width": self.width,
-                "depth": (self.depth or WIDE_DEPTH) if self.model == "wide" else None,
+                "depth": (self.depth or WIDE_DEPTH) if MODELS[self.model].depth else None,
                 "dataset": self.dataset, "upsample": self.upsample}
 
 
@@ -238,7 +238,7 @@ def _build(cfg, world, x_train, dtype, classes):
     config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
               "in_channels": x_train.shape[1], "classes": classes, "seed": cfg.seed, "dtype": dtype,
               "image": x_train.shape[2]}
-    if cfg.model == "wide":
+    if MODELS[cfg.model].depth:
         config["depth"] = cfg.depth or WIDE_DEPTH
     profile = None
     if cfg.algorithm == "auto":

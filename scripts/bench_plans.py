@@ -23,7 +23,7 @@ from cfp.checks import int_options
 from cfp.data import synthetic
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import save_json
-from cfp.models import build_model, layer_shapes
+from cfp.models import MODELS, build_model, layer_shapes
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
 from cfp.perfmodel import MachineProfile
@@ -33,7 +33,7 @@ from cfp.train import train_step
 
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--model", default="resnet", choices=["resnet", "wide"], help="the model to train")
+    p.add_argument("--model", default="resnet", choices=list(MODELS), help="the model to train")
     p.add_argument("--width", type=int, default=4, help="resnet: width multiplier; wide: channels per layer")
     p.add_argument("--depth", type=int, default=4, help="wide: number of wide layers")
     p.add_argument("--image", type=int, default=8, help="side of the square input images")
@@ -86,7 +86,7 @@ def main(argv=None):
     prepare(world, args.json)
     profile = MachineProfile.load(args.profile)
     arch = {"width": args.width, "in_channels": 1, "classes": 10, "image": args.image}
-    if args.model == "wide":
+    if MODELS[args.model].depth:
         arch["depth"] = args.depth
     shapes = layer_shapes(args.model, args.batch, **arch)
     names = [s.name for s in shapes]

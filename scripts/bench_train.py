@@ -24,7 +24,7 @@ from cfp.checks import int_options
 from cfp.data import synthetic
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import save_json
-from cfp.models import build_model
+from cfp.models import MODELS, build_model
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
 from cfp.train import train_step
@@ -37,7 +37,7 @@ except ImportError:  # the comparison is optional
 
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--model", default="wide", choices=["wide", "resnet"],
+    p.add_argument("--model", default="wide", choices=list(MODELS),
                    help="the model to train; the PyTorch twin exists for wide only")
     p.add_argument("--width", type=int, default=256,
                    help="resnet: width multiplier; wide: channels per layer")
@@ -77,7 +77,7 @@ def cfp_step_time(args, comm, spec, algorithm, x, y):
     grid = ProcessGrid(spec, comm=comm)
     config = {"width": args.width, "algorithm": algorithm, "in_channels": 1, "classes": 10,
               "dtype": np.float32}
-    if args.model == "wide":
+    if MODELS[args.model].depth:
         config["depth"] = args.depth
     model = build_model(args.model, grid, **config)
     loss_fn = SoftmaxCrossEntropy(grid)

@@ -17,14 +17,14 @@ from cfp import cli
 from cfp.checks import finite_number, int_options
 from cfp.grid import parse_grid_spec
 from cfp.io import check_writable, save_json
-from cfp.models import layer_shapes
+from cfp.models import MODELS, layer_shapes
 from cfp.perfmodel import MachineProfile
 from cfp.planner import plan
 
 
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--model", default="wide", help="resnet or wide")
+    p.add_argument("--model", default="wide", help="one of " + ", ".join(MODELS))
     p.add_argument("--width", type=int, default=256,
                    help="resnet: width multiplier; wide: channels per layer")
     p.add_argument("--depth", type=int, default=4, help="wide: number of wide layers")

@@ -22,7 +22,7 @@ from cfp.grid import ProcessGrid
 from cfp.io import save_json
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost
 from cfp.data import synthetic
-from cfp.models import build_model, layer_shapes
+from cfp.models import MODELS, build_model, layer_shapes
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
 from cfp.planner import layer_options, plan
@@ -45,7 +45,7 @@ def memory_check(world, profile, args):
     optimizer state, activations, redistributions and temporaries, and the batch)."""
     P = world.Get_size()
     arch = dict(width=args.memory_width, in_channels=1, classes=10, image=8)
-    if args.memory_model == "wide":
+    if MODELS[args.memory_model].depth:
         arch["depth"] = 2
     shapes = layer_shapes(args.memory_model, args.memory_batch, **arch)
     one_rank = plan(shapes, 1, profile).memory
@@ -83,7 +83,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
     p.add_argument("--json", help="write every measured and predicted number to this JSON file")
     p.add_argument("--memory-only", action="store_true", help="run only the memory check")
-    p.add_argument("--memory-model", default="resnet", choices=["resnet", "wide"],
+    p.add_argument("--memory-model", default="resnet", choices=list(MODELS),
                    help="the memory check's model")
     p.add_argument("--memory-width", type=int, default=8, help="width of the memory check's model")
     p.add_argument("--memory-batch", type=int, default=32, help="global batch of the memory check's model")
