@@ -17,13 +17,15 @@ from cfp import cli
 from cfp.backend import blas_info, set_blas_threads
 from cfp.checks import int_options
 from cfp.io import check_writable, save_json
-from cfp.kernels import conv as conv_module
+from cfp.kernels import settings
 from cfp.kernels import (
     conv2d_backward_data,
     conv2d_backward_filter,
     conv2d_flops,
     conv2d_forward,
+    conv_geometry,
 )
+from cfp.kernels.conv import paths
 
 # N x C x F x H x W x K[gG][dD]: the shapes BENCHMARKS.md reports (3x3 "same" convolutions on a
 # wide-ish and a very wide layer, a 1x1 channel-reducing layer; then a depthwise, a grouped
@@ -116,7 +118,7 @@ def torch_runs(x, w, dy, padding, groups, dilation):
 def largest_error(x, w, dy, padding, groups, dilation):
     """The largest of the three passes' max |cfp - float64 im2col| / max |float64 im2col|."""
     ours = {p: run() for p, run in cfp_runs(x, w, dy, padding, groups, dilation).items()}
-    with conv_module.winograd(False):
+    with settings.winograd(False):
         exact = {p: run() for p, run in cfp_runs(*(a.astype(np.float64) for a in (x, w, dy)),
                                                  padding, groups, dilation).items()}
     return max(float(np.abs(ours[p] - exact[p]).max() / np.abs(exact[p]).max()) for p in PASSES)
@@ -130,8 +132,9 @@ def bench_shape(shape, dtype, repeats, rng):
     extent = D * (K - 1) + 1
     dy = rng.standard_normal((N, F, H + 2 * padding - extent + 1, W + 2 * padding - extent + 1)).astype(dtype)
     flops = conv2d_flops(x.shape, w.shape, 1, padding, D, G)
+    g = conv_geometry(x.shape, w.shape, 1, padding, D, G)
     row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops,
-           "cfp_error": largest_error(x, w, dy, padding, G, D)}
+           "cfp_error": largest_error(x, w, dy, padding, G, D), "paths": paths.taken(g, np.dtype(dtype))}
     implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D)}
     if torch is not None:
         implementations["torch"] = torch_runs(x, w, dy, padding, G, D)
@@ -153,7 +156,7 @@ def markdown_table(rows):
     for name in names:
         header += [f"{name} fwd ms (GF/s)", f"{name} bwd-data ms (GF/s)",
                    f"{name} bwd-filter ms (GF/s)", f"{name} total ms"]
-    header.append("cfp error")
+    header += ["cfp error", "cfp paths (fwd, bwd-data, bwd-filter)"]
     if torch is not None:
         header.append("torch/cfp total")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -164,6 +167,7 @@ def markdown_table(rows):
                 cells.append(f"{row[f'{name}_{p}_s'] * 1e3:.3g} ({row[f'{name}_{p}_gflops']:.0f})")
             cells.append(f"{row[f'{name}_total_s'] * 1e3:.3g}")
         cells.append(f"{row['cfp_error']:.1e}")
+        cells.append(", ".join(row["paths"].values()))
         if torch is not None:
             cells.append(f"{row['torch_over_cfp']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -194,12 +198,19 @@ def main(argv=None):
         check_writable(args.json, "--json")
     shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
 
+    switch = {}
     if args.winograd is not None:
-        conv_module.WINOGRAD = args.winograd != "off"
+        switch["winograd"] = args.winograd != "off"
         if args.winograd != "off":
-            conv_module.WINOGRAD_TILE = int(args.winograd)
-    tile = f"Winograd F({conv_module.WINOGRAD_TILE}x{conv_module.WINOGRAD_TILE}, 3x3)"
-    path = {True: tile, False: "im2col"}.get(conv_module.WINOGRAD, f"{tile} in float32, im2col in float64")
+            switch["winograd_tile"] = int(args.winograd)
+    with settings.configured(**switch):
+        return run(args, shapes)
+
+
+def run(args, shapes):
+    chosen = settings.current()
+    tile = f"Winograd F({chosen.winograd_tile}x{chosen.winograd_tile}, 3x3)"
+    path = {True: tile, False: "im2col"}.get(chosen.winograd, f"{tile} in float32, im2col in float64")
     threads = set_blas_threads(args.threads)
     if torch is not None:
         torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cfp.kernels import conv as conv_module
+from cfp.kernels.conv import im2col
 from cfp.kernels import (
     conv2d_backward_bias,
     conv2d_backward_data,
@@ -158,9 +159,9 @@ def test_sample_blocks_with_a_short_last_block(monkeypatch, case, samples_per_bl
     _, _, stride, padding = case
     g = conv_module.conv_geometry(x.shape, w.shape, stride, padding)
     monkeypatch.setattr(
-        conv_module, "_BLOCK_ELEMENTS", samples_per_block * g.C * g.Kh * g.Kw * g.Ho * g.Wo
+        im2col, "_BLOCK_ELEMENTS", samples_per_block * g.C * g.Kh * g.Kw * g.Ho * g.Wo
     )
-    assert conv_module._samples_per_block(g) == samples_per_block
+    assert im2col._samples_per_block(g) == samples_per_block
     checks = [
         (conv2d_forward(x, w, b, stride, padding), conv2d_forward_loop(x, w, b, stride, padding)),
         (conv2d_backward_data(dy, w, x.shape, stride, padding),

@@ -2,6 +2,7 @@
 multiplier), 'same' and 'valid' and asymmetric padding, the four padding modes, pairs of every
 argument, and empty batches; the fast kernels against the plain-loop twin (float64, 1e-12) and,
 where PyTorch is installed, against torch.nn.functional (values, gradients and refusals)."""
+import dataclasses
 import random
 
 import numpy as np
@@ -10,6 +11,9 @@ import pytest
 from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter, conv2d_flops,
                          conv2d_forward, conv2d_output_shape)
 from cfp.kernels import conv as conv_module
+from cfp.kernels import settings
+from cfp.kernels.conv import depthwise, paths, plane
+from cfp.kernels.conv import winograd as winograd_kernels
 from cfp.kernels.conv import PADDING_MODES
 from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
                                         conv2d_forward_loop)
@@ -90,11 +94,16 @@ def test_cases_cover_every_option():
                for c in CASES)  # asymmetric padding in a non-zero mode
 
 
+def _set(monkeypatch, **changes):
+    """The kernel settings changed for the rest of one test (cfp/kernels/settings.py)."""
+    monkeypatch.setattr(settings._current, "settings", dataclasses.replace(settings.current(), **changes))
+
+
 @pytest.fixture(params=[None, 2, 4], ids=["im2col", "winograd2", "winograd4"])
 def fast_path(request):
     """Every check of the fast kernels runs on the im2col path and with Winograd F(2x2, 3x3) and
     F(4x4, 3x3) for the 3x3 stride-1 layers."""
-    with conv_module.winograd(request.param is not None, tile=request.param):
+    with settings.winograd(request.param is not None, tile=request.param):
         yield request.param
 
 
@@ -249,10 +258,10 @@ def test_winograd_is_exact_in_float64_and_close_in_float32(tile):
             a, b, d = (v.astype(dtype) for v in (x, w, dy))
             return (conv2d_forward(a, b, padding=1), conv2d_backward_data(d, b, x.shape, padding=1),
                     conv2d_backward_filter(a, d, w.shape, padding=1))
-        with conv_module.winograd(False):
+        with settings.winograd(False):
             plain = passes(np.float64)
         for dtype, tolerance in ((np.float64, 1e-12), (np.float32, 1e-5)):
-            with conv_module.winograd(True, tile=tile):
+            with settings.winograd(True, tile=tile):
                 fast = passes(dtype)
             for a, b in zip(fast, plain):
                 assert a.dtype == dtype and relative_error(a.astype(np.float64), b) < tolerance
@@ -284,13 +293,13 @@ def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
     in float64, and the classes were taken (forward, backward-data's full convolution and
     backward-filter each once)."""
     taken = []
-    real = conv_module._to_subgrids
-    monkeypatch.setattr(conv_module, "_to_subgrids", lambda *a: taken.append(a[3]) or real(*a))
+    real = winograd_kernels._to_subgrids
+    monkeypatch.setattr(winograd_kernels, "_to_subgrids", lambda *a: taken.append(a[3]) or real(*a))
     for case in _dilated_3x3_cases():
         x, w, b, dy = _problem(case, seed=len(taken))
         a = case["args"]
         before = len(taken)
-        with conv_module.winograd(True, tile=tile):
+        with settings.winograd(True, tile=tile):
             fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
                     conv2d_backward_filter(x, dy, w.shape, **a))
         assert len(taken) - before == 4, case  # x forward, dy backward-data, x and dy backward-filter
@@ -307,32 +316,32 @@ def test_float32_layers_take_winograd_by_default_where_it_pays(side, takes):
     (measured slower than im2col), on 4x4, 6x6 and larger; every size when forced."""
     H, W = side if isinstance(side, tuple) else (side, side)  # 5x6: 4 tiles * 36 = 144 > 4 * 30
     g = conv_module.conv_geometry((2, 8, H, W), (8, 8, 3, 3), padding=1)
-    assert conv_module._winograd_applies(g, np.dtype(np.float32)) == takes
-    assert not conv_module._winograd_applies(g, np.dtype(np.float64))
+    assert winograd_kernels.applies(g, np.dtype(np.float32)) == takes
+    assert not winograd_kernels.applies(g, np.dtype(np.float64))
     wide = conv_module.conv_geometry((2, 8, 16, W), (8, 8, 3, 3), padding=1)  # the narrow side decides
-    assert conv_module._winograd_applies(wide, np.dtype(np.float32)) == (W >= 4)  # 16x5: 288 <= 320
-    with conv_module.winograd(True):
-        assert conv_module._winograd_applies(g, np.dtype(np.float32))
+    assert winograd_kernels.applies(wide, np.dtype(np.float32)) == (W >= 4)  # 16x5: 288 <= 320
+    with settings.winograd(True):
+        assert winograd_kernels.applies(g, np.dtype(np.float32))
 
 
 def test_dilated_layers_take_subgrids_only_where_winograd_would():
     """The sub-grids serve Winograd: float32 3x3 stride-1 ungrouped dilated layers by default;
     not float64 (im2col reads dilated windows directly), not strided, grouped or 5x5 layers."""
     g = conv_module.conv_geometry((2, 4, 17, 17), (4, 4, 3, 3), padding=2, dilation=2)  # classes 9x9 outputs
-    assert conv_module._subgrids_apply(g, np.dtype(np.float32))
+    assert winograd_kernels.subgrids_apply(g, np.dtype(np.float32))
     small = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 3, 3), padding=2, dilation=2)  # classes 5x5 outputs
-    assert not conv_module._subgrids_apply(small, np.dtype(np.float32))  # Winograd would not pay there
-    with conv_module.winograd(True):
-        assert conv_module._subgrids_apply(small, np.dtype(np.float32))
-    assert not conv_module._subgrids_apply(g, np.dtype(np.float64))
-    assert not conv_module._subgrids_apply(g._replace(dh=1, dw=1), np.dtype(np.float32))  # undilated
+    assert not winograd_kernels.subgrids_apply(small, np.dtype(np.float32))  # Winograd would not pay there
+    with settings.winograd(True):
+        assert winograd_kernels.subgrids_apply(small, np.dtype(np.float32))
+    assert not winograd_kernels.subgrids_apply(g, np.dtype(np.float64))
+    assert not winograd_kernels.subgrids_apply(g._replace(dh=1, dw=1), np.dtype(np.float32))  # undilated
     for other in ({"stride": 2}, {"groups": 2}):
         geometry = conv_module.conv_geometry((2, 4, 17, 17), (4, 4 // other.get("groups", 1), 3, 3),
                                              padding=2, dilation=2, **other)
-        assert not conv_module._subgrids_apply(geometry, np.dtype(np.float32)), other
+        assert not winograd_kernels.subgrids_apply(geometry, np.dtype(np.float32)), other
     g5 = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 5, 5), padding=4, dilation=2)
-    assert not conv_module._subgrids_apply(g5, np.dtype(np.float32))
-    s = conv_module._subgrid_geometry(conv_module.conv_geometry((1, 1, 8, 7), (1, 1, 3, 3), padding=(2, 1),
+    assert not winograd_kernels.subgrids_apply(g5, np.dtype(np.float32))
+    s = winograd_kernels._subgrid_geometry(conv_module.conv_geometry((1, 1, 8, 7), (1, 1, 3, 3), padding=(2, 1),
                                                                 dilation=(2, 3)))
     # padded 12 x 9: classes of ceil(12 / 2) = 6 rows and ceil(9 / 3) = 3 columns, 2 * 3 of them
     assert (s.N, s.H, s.W, s.Ho, s.Wo, s.dh, s.dw, s.pt + s.pb + s.pl + s.pr) == (6, 6, 3, 4, 1, 1, 1, 0)
@@ -354,18 +363,18 @@ def test_plane_columns_match_the_loops(stacked, samples, args, x_shape, w_shape,
     the block's samples; the forward's kernel rows in one GEMM or a GEMM each): every padding
     shape, dilation and block size (1, 2 of 3 samples, all) gives the loops' three passes, in
     either form of the forward, and the path is taken."""
-    monkeypatch.setattr(conv_module, "PLANE_STACKING", stacked)
+    _set(monkeypatch, plane_stacking=stacked)
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1, **args}}
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
     width = g.W if g.mode == "zeros" else g.W + g.pl + g.pr  # other modes pad x first
     per_sample = g.Kw * g.C * (g.H + g.pt + g.pb) * max(width, g.Wo)  # the copies of one sample
-    monkeypatch.setattr(conv_module, "_PLANE_ELEMENTS", samples * per_sample)
+    monkeypatch.setattr(plane, "_PLANE_ELEMENTS", samples * per_sample)
     taken = []
-    real = conv_module._PlaneColumns
-    monkeypatch.setattr(conv_module, "_PlaneColumns", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = plane._PlaneColumns
+    monkeypatch.setattr(plane, "_PlaneColumns", lambda *a: taken.append(real(*a)) or taken[-1])
     x, w, b, dy = _problem(case, seed=samples)
     a = case["args"]
-    with conv_module.winograd(False):
+    with settings.winograd(False):
         fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
                 conv2d_backward_filter(x, dy, w.shape, **a))
     assert len(taken) == 3  # forward, backward-data's forward, backward-filter
@@ -381,8 +390,7 @@ def test_plane_forward_takes_the_form_it_measured_faster(faster, monkeypatch):
     """By default the plane forward times its first block both ways, in turns, the first time
     it meets a geometry and dtype, keeps the faster form for it, and takes that form from then
     on, measuring no more; the result is the loops' either way."""
-    monkeypatch.setattr(conv_module, "PLANE_STACKING", None)
-    monkeypatch.setattr(conv_module, "_plane_forms", {})
+    _set(monkeypatch, plane_stacking=None, plane_forms={})
     timed = []
 
     def seconds(block, stacked, *args):  # the timed form's block runs; `faster` has the least time
@@ -392,20 +400,20 @@ def test_plane_forward_takes_the_form_it_measured_faster(faster, monkeypatch):
             return 2.0
         return 1.0 if len(timed) <= 2 else 3.0  # (its slower second round is not what counts)
 
-    monkeypatch.setattr(conv_module, "_seconds", seconds)
+    monkeypatch.setattr(plane, "_seconds", seconds)
     gemms = []
     real_matmul = np.matmul
     monkeypatch.setattr(np, "matmul", lambda *a, **k: gemms.append(a[0].shape) or real_matmul(*a, **k))
     case = {"x": (3, 8, 6, 5), "w": (8, 2, 3, 3), "args": {"padding": 1, "groups": 4}}
     x, w, b, _ = _problem(case)
-    with conv_module.winograd(False):
+    with settings.winograd(False):
         first = conv2d_forward(x, w, b, **case["args"])
         assert timed == [True, False, True, False]  # two rounds, in turns
         gemms.clear()
         again = conv2d_forward(x, w, b, **case["args"])
     assert timed == [True, False, True, False]  # measured once
     g = conv_module.conv_geometry(x.shape, w.shape, **case["args"])
-    assert conv_module._plane_forms == {(g, "float64"): faster}
+    assert settings.current().plane_forms == {(g, "float64"): faster}
     # the three samples in one block: one GEMM of Kh F/G = 6 rows, or Kh = 3 of F/G = 2
     assert gemms == ([(4, 6, 6)] if faster else [(4, 2, 6)] * 3)
     expected = conv2d_forward_loop(x, w, b, **case["args"])
@@ -415,50 +423,49 @@ def test_plane_forward_takes_the_form_it_measured_faster(faster, monkeypatch):
 
 def test_plane_forward_measures_only_what_has_two_forms(monkeypatch):
     """Nothing is timed for a one-row kernel (nothing to stack), with the form fixed by
-    PLANE_STACKING, or for a geometry already measured; each new geometry or dtype is."""
-    monkeypatch.setattr(conv_module, "_plane_forms", {})
+    the setting plane_stacking, or for a geometry already measured; each new geometry or dtype is."""
+    _set(monkeypatch, plane_forms={})
     timed = []
-    monkeypatch.setattr(conv_module, "_seconds", lambda block, stacked, *args: timed.append(stacked) or 1.0)
+    monkeypatch.setattr(plane, "_seconds", lambda block, stacked, *args: timed.append(stacked) or 1.0)
     x = np.ones((2, 16, 6, 5))
 
     def forward(kernel=(3, 3), dtype=np.float64, channels=8):
         return conv2d_forward(x[:, :channels].astype(dtype), np.ones((8, channels // 4) + kernel, dtype),
                               padding=1, groups=4)
-    with conv_module.winograd(False):
+    with settings.winograd(False):
         for fixed in (True, False):
-            monkeypatch.setattr(conv_module, "PLANE_STACKING", fixed)
+            _set(monkeypatch, plane_stacking=fixed)
             forward()
         assert timed == []
-        monkeypatch.setattr(conv_module, "PLANE_STACKING", None)
+        _set(monkeypatch, plane_stacking=None)
         forward(kernel=(1, 3))
-        assert timed == [] and conv_module._plane_forms == {}
+        assert timed == [] and settings.current().plane_forms == {}
         for args in ({}, {}, {"dtype": np.float32}, {"channels": 16}):
             forward(**args)
-    assert len(timed) == 12 and len(conv_module._plane_forms) == 3
+    assert len(timed) == 12 and len(settings.current().plane_forms) == 3
 
 
 def test_plane_forms_tie_cupy_and_the_clock(monkeypatch):
     """Equal times keep a GEMM a kernel row (the simpler form); arrays of another module than
     NumPy (CuPy) take it unmeasured; a block's seconds are the clock's difference."""
-    monkeypatch.setattr(conv_module, "PLANE_STACKING", None)
-    monkeypatch.setattr(conv_module, "_plane_forms", {})
+    _set(monkeypatch, plane_stacking=None, plane_forms={})
     g = conv_module.conv_geometry((2, 16, 6, 5), (8, 4, 3, 3), padding=1, groups=4)
-    assert conv_module._measure_plane_form(g, "float64", lambda stacked: 1.0) is False
-    assert conv_module._plane_forms == {(g, "float64"): False}
-    conv_module._plane_forms[(g, "float32")] = True
-    assert conv_module._plane_form(g, "float32", np) is True
-    assert conv_module._plane_form(g, "float32", object()) is False  # not NumPy: never measured
+    assert plane._measure_plane_form(g, "float64", lambda stacked: 1.0) is False
+    assert settings.current().plane_forms == {(g, "float64"): False}
+    settings.current().plane_forms[(g, "float32")] = True
+    assert plane._plane_form(g, "float32", np) is True
+    assert plane._plane_form(g, "float32", object()) is False  # not NumPy: never measured
     clock = iter([10.0, 13.5])
-    monkeypatch.setattr(conv_module.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(plane.time, "perf_counter", lambda: next(clock))
     ran = []
-    assert conv_module._seconds(lambda *a: ran.append(a), 1, 2) == 3.5 and ran == [(1, 2)]
+    assert plane._seconds(lambda *a: ran.append(a), 1, 2) == 3.5 and ran == [(1, 2)]
 
 
 def test_plane_columns_serve_narrow_stride_1_groups_only():
     """Plane columns where the pixel-row patches would copy runs shorter than _PLANE_RUN
     (Kw*C/G values), stride 1 only; wide groups, strided and depthwise layers go elsewhere."""
     def applies(x_shape, w_shape, **args):
-        return conv_module._plane_columns_apply(conv_module.conv_geometry(x_shape, w_shape, **args))
+        return plane.applies(conv_module.conv_geometry(x_shape, w_shape, **args), "float64")
     assert applies((2, 256, 8, 8), (256, 8, 3, 3), padding=1, groups=32)  # 24-value runs
     assert not applies((2, 256, 8, 8), (256, 32, 3, 3), padding=1, groups=8)  # 96-value runs
     assert applies((2, 21, 8, 8), (4, 21, 3, 3), padding=1) and not applies((2, 22, 8, 8), (4, 22, 3, 3), padding=1)
@@ -489,18 +496,18 @@ def test_depthwise_bands_match_the_loops(blocks, columns, args, x_shape, w_shape
     loops' three passes, and the bands are taken in each pass."""
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1,
                                                  "groups": x_shape[1], **args}}
-    monkeypatch.setattr(conv_module, "_BAND_COLUMNS", columns)
+    monkeypatch.setattr(depthwise, "_BAND_COLUMNS", columns)
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
     if g.mode != "zeros":
         g = conv_module.conv_geometry((g.N, g.C, g.H + g.pt + g.pb, g.W + g.pl + g.pr), w_shape,
                                       stride=(g.sh, g.sw), dilation=(g.dh, g.dw), groups=g.G)
-    whole = conv_module._DepthwiseBands(g, np, np.float64)
+    whole = depthwise._DepthwiseBands(g, np, np.float64)
     per_sample = whole.strips * whole.P * whole.Wi
     budget = {"one": 1 << 30, "channels": 2 * g.N * per_sample, "samples": 2 * per_sample, "tiny": 1}[blocks]
-    monkeypatch.setattr(conv_module, "_BAND_ELEMENTS", budget)
+    monkeypatch.setattr(depthwise, "_BAND_ELEMENTS", budget)
     taken = []
-    real = conv_module._DepthwiseBands
-    monkeypatch.setattr(conv_module, "_DepthwiseBands", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = depthwise._DepthwiseBands
+    monkeypatch.setattr(depthwise, "_DepthwiseBands", lambda *a: taken.append(real(*a)) or taken[-1])
     x, w, b, dy = _problem(case, seed=columns)
     a = case["args"]
     fast = (conv2d_forward(x, w, b, **a), conv2d_backward_data(dy, w, x.shape, **a),
@@ -521,8 +528,8 @@ def test_dilated_depthwise_forward_takes_one_gemm_a_kernel_row(monkeypatch):
     input rows (Kh GEMMs a block); every other depthwise forward takes the classes' patch rows."""
     calls = []
     for name in ("read", "patches"):
-        real = getattr(conv_module._DepthwiseBands, name)
-        monkeypatch.setattr(conv_module._DepthwiseBands, name,
+        real = getattr(depthwise._DepthwiseBands, name)
+        monkeypatch.setattr(depthwise._DepthwiseBands, name,
                             lambda self, *a, _real=real, _name=name: calls.append(_name) or _real(self, *a))
     x = np.ones((2, 4, 9, 9))
     cases = ((3, (2, 1), True), (2, 2, True), (1, (2, 2), False), (3, (1, 2), False), (3, 1, False))
@@ -552,18 +559,21 @@ def test_depthwise_backward_data_is_a_forward_only_without_a_multiplier_or_strid
     """Stride-1 depthwise backward-data without a channel multiplier is the full convolution, a
     depthwise forward of dy (GEMMs with K = eh*Wi); with a multiplier (its full convolution is
     no longer depthwise) or a stride it is the transposed banded GEMMs."""
-    calls = []
-    real = conv_module._depthwise_backward_data
-    monkeypatch.setattr(conv_module, "_depthwise_backward_data", lambda *a: calls.append(a[2]) or real(*a))
     x = np.ones((2, 4, 6, 6))
     for F, stride, transposed in ((4, 1, False), (8, 1, True), (4, 2, True), (4, (1, 2), True)):
         w = np.ones((F, 1, 3, 3))
+        g = conv_module.conv_geometry(x.shape, w.shape, stride=stride, padding=1, groups=4)
+        taken = paths.choose("backward-data", g, np.dtype(np.float64)).name
+        assert taken == ("depthwise" if transposed else "full-convolution"), (F, stride)
+        if not transposed:  # whose forward is a depthwise one
+            full = paths.full_geometry(g)[1]
+            assert paths.choose("forward", full, np.dtype(np.float64)).name == "depthwise"
         y_shape = conv2d_output_shape(x.shape, w.shape, stride=stride, padding=1, groups=4)
-        before = len(calls)
-        conv2d_backward_data(np.ones(y_shape), w, x.shape, stride=stride, padding=1, groups=4)
-        assert (len(calls) > before) == transposed, (F, stride)
+        dx = conv2d_backward_data(np.ones(y_shape), w, x.shape, stride=stride, padding=1, groups=4)
+        assert relative_error(dx, conv2d_backward_data_loop(np.ones(y_shape), w, x.shape, stride=stride, padding=1,
+                                                            groups=4)) < TOLERANCE
 
 
 def test_winograd_refuses_an_unknown_tile():
     with pytest.raises(ValueError, match=r"Winograd tile 3 is not one of \[2, 4\]"):
-        conv_module.winograd(True, tile=3)
+        settings.winograd(True, tile=3)

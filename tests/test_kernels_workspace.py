@@ -8,7 +8,10 @@ import pytest
 
 from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv_geometry
 from cfp.kernels import conv as conv_module
+from cfp.kernels import settings
 from cfp.kernels import workspace
+from cfp.kernels.conv import im2col, paths
+from cfp.kernels.conv import winograd as winograd_kernels
 from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
                                         conv2d_forward_loop)
 from test_kernels_conv import relative_error
@@ -42,25 +45,18 @@ PATHS = {
 
 
 def test_the_cases_take_every_path():
+    """The cases run every path of the path table, each pass on every path that has it, as the
+    table chooses (paths.choose, which the passes themselves call)."""
     taken = set()
     for x_shape, w_shape, args, on in PATHS.values():
         g = conv_geometry(x_shape, w_shape, **args)
-        dtype = "float64"
-        with conv_module.winograd(on):
-            if conv_module._subgrids_apply(g, dtype):
-                taken.add("subgrids")
-            elif conv_module._winograd_applies(g, dtype):
-                taken.add("winograd cropped" if g.Ho % 4 or g.Wo % 4 else "winograd")
-            elif conv_module._is_depthwise(g):
-                taken.add("depthwise")
-            elif conv_module._is_pointwise(g):
-                taken.add("pointwise")
-            elif conv_module._plane_columns_apply(g):
-                taken.add("plane")
-            else:
-                taken.add("col2im" if g.sh > 1 else "im2col")
-    assert taken == {"subgrids", "winograd", "winograd cropped", "depthwise", "pointwise", "plane", "im2col",
-                     "col2im"}
+        if g.mode != "zeros":  # the passes pad first, then choose for the padded geometry
+            g = g._replace(H=g.H + g.pt + g.pb, W=g.W + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0, mode="zeros")
+        with settings.winograd(on):
+            for pass_name in paths.PASSES:
+                taken.add((paths.choose(pass_name, g, np.dtype("float64")).name, pass_name))
+    expected = {(p.name, pass_name) for p in paths.PATHS for pass_name in paths.PASSES if p.run(pass_name)}
+    assert taken == expected
 
 
 def _problem(x_shape, w_shape, args, seed):
@@ -73,7 +69,7 @@ def _passes(name, seed):
     """(y, dx, dw) of path `name` by the kernels, and by the loops."""
     x_shape, w_shape, args, on = PATHS[name]
     x, w, b, dy = _problem(x_shape, w_shape, args, seed)
-    with conv_module.winograd(on):
+    with settings.winograd(on):
         fast = (conv2d_forward(x, w, b, **args), conv2d_backward_data(dy, w, x.shape, **args),
                 conv2d_backward_filter(x, dy, w.shape, **args))
     loops = (conv2d_forward_loop(x, w, b, **args), conv2d_backward_data_loop(dy, w, x.shape, **args),
@@ -118,7 +114,7 @@ def test_what_an_earlier_call_left_in_the_workspace_changes_nothing(name):
 def _forward(name, seed):
     x_shape, w_shape, args, on = PATHS[name]
     x, w, b, _ = _problem(x_shape, w_shape, args, seed)
-    with conv_module.winograd(on):
+    with settings.winograd(on):
         return conv2d_forward(x, w, b, **args), conv2d_forward_loop(x, w, b, **args)
 
 
@@ -221,7 +217,7 @@ def test_empty_pieces_and_empty_shards_need_no_block():
         for on in (False, True):
             workspace.release()
             x, w, _, dy = _problem(x_shape, w_shape, {"padding": 1}, seed=8)
-            with conv_module.winograd(on):
+            with settings.winograd(on):
                 results = (conv2d_forward(x, w, padding=1), conv2d_backward_data(dy, w, x_shape, padding=1),
                            conv2d_backward_filter(x, dy, w_shape, padding=1))
             expected = (conv2d_forward_loop(x, w, padding=1), conv2d_backward_data_loop(dy, w, x_shape, padding=1),
@@ -288,22 +284,22 @@ def _winograd_sizing_cases(count=30, seed=12):
                                           ("float64", True)],
                          ids=["float32", "float32-forced", "float64", "float64-forced"])
 def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, monkeypatch):
-    """The cost model's Winograd workspace (winograd_workspace_bytes) against the workspace each
+    """The cost model's Winograd workspace (kernels.workspace_bytes) against the workspace each
     pass asks for, exactly, for the passes that take Winograd (seen by the tiles they make);
     the others are left out: by default the layers where Winograd does not pay and float64,
     forced (winograd(True)) none."""
     made = []
 
-    class Tiles(conv_module._WinogradTiles):
+    class Tiles(winograd_kernels._WinogradTiles):
         def __init__(self, *args):
             made.append(1)
             super().__init__(*args)
-    monkeypatch.setattr(conv_module, "_WinogradTiles", Tiles)
+    monkeypatch.setattr(winograd_kernels, "_WinogradTiles", Tiles)
     seen = set()
-    with conv_module.winograd(True if forced else None):
+    with settings.winograd(True if forced else None):
         for x_shape, w_shape, args in _winograd_sizing_cases():
             x, w, _, dy = (a.astype(dtype) for a in _problem(x_shape, w_shape, args, seed=10))
-            predicted = conv_module.winograd_workspace_bytes(x_shape, w_shape, dtype, **args)
+            predicted = conv_module.workspace_bytes(x_shape, w_shape, dtype, **args)
             measured = {}
             for name, run in (("forward", lambda: conv2d_forward(x, w, **args)),
                               ("backward-data", lambda: conv2d_backward_data(dy, w, x_shape, **args)),
@@ -328,24 +324,59 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, mon
 
 
 def test_winograd_workspace_bytes_leave_out_other_paths():
-    bytes_of = conv_module.winograd_workspace_bytes
+    bytes_of = conv_module.workspace_bytes
     assert bytes_of((2, 4, 8, 8), (4, 1, 3, 3), "float32", padding=1, groups=4) == {}
     assert bytes_of((2, 4, 8, 8), (4, 4, 1, 1), "float32") == {}
     for x_shape, w_shape in (((0, 4, 8, 8), (4, 4, 3, 3)), ((2, 0, 8, 8), (4, 0, 3, 3)), ((2, 4, 8, 8), (0, 4, 3, 3))):
         assert bytes_of(x_shape, w_shape, "float32", padding=1) == {}  # an empty shard computes nothing
     # nn.Conv2d's defaults: padding 0 (6x6 outputs of 8x8, which Winograd pays on), float32
     assert bytes_of((2, 4, 8, 8), (4, 4, 3, 3)) == bytes_of((2, 4, 8, 8), (4, 4, 3, 3), "float32", padding=0) != {}
-    strided = conv_module.winograd_workspace_bytes((2, 4, 8, 8), (4, 4, 3, 3), "float32", stride=2, padding=1)
+    strided = conv_module.workspace_bytes((2, 4, 8, 8), (4, 4, 3, 3), "float32", stride=2, padding=1)
     assert strided == {}  # stride 2: im2col and col2im
 
 
 def test_spread_planes_lie_an_odd_number_of_cache_lines_apart():
-    """_spread_planes' plane spacing, which its kernels and the Winograd workspace sums read:
+    """spread_planes' plane spacing, which its kernels and the Winograd workspace sums read:
     Hp*Wp values rounded up to whole 64-byte lines, one more line where that count is even."""
-    size = conv_module._spread_plane_size
+    size = im2col.spread_plane_size
     assert size(32, 32, 4) == 65 * 16  # 4096 bytes: 64 lines, even, so 65
     assert size(18, 18, 4) == 21 * 16  # 1296 bytes: 20.25 lines, 21
     assert size(3, 3, 8) == 3 * 8  # 72 bytes: 2 lines, even, so 3
     assert size(1, 1, 4) == 16  # 4 bytes: one line
-    planes = conv_module._spread_planes(np, (2, 3, 18, 18), np.float32)
+    planes = im2col.spread_planes(np, (2, 3, 18, 18), np.float32)
     assert planes.shape == (2, 3, 18, 18) and not planes.any() and planes.strides[1] == 21 * 64
+
+
+def test_a_path_added_to_the_table_alone_is_taken_by_every_pass_and_the_workspace_count(monkeypatch):
+    """A new kernel path is one entry of the path table: here one that wraps im2col's passes
+    and counts its calls, for layers of 5 channels only. Forward, backward-data (also at
+    stride 1, where the full convolution would otherwise take it), backward-filter and the
+    workspace count the cost model reads all take it; a layer it does not apply to does not."""
+    calls = []
+
+    def counted(pass_name, run):
+        return lambda *args: calls.append(pass_name) or run(*args)
+    sizes = {"forward": 101, "backward-data": 102, "backward-filter": 103}
+    fake = paths.KernelPath("counted-im2col", lambda g, dtype: g.C == 5,
+                            forward=counted("forward", im2col.forward),
+                            backward_data=counted("backward-data", im2col.col2im_backward_data),
+                            backward_filter=counted("backward-filter", im2col.backward_filter),
+                            workspace=lambda pass_name, g, dtype: sizes[pass_name])
+    monkeypatch.setattr(paths, "PATHS", (fake,) + paths.PATHS)
+    for x_shape, w_shape, args in (((2, 5, 7, 6), (3, 5, 3, 3), {"padding": 1}),
+                                   ((2, 5, 9, 8), (4, 5, 3, 2), {"stride": 2, "padding": (1, 0)})):
+        x, w, b, dy = _problem(x_shape, w_shape, args, seed=5)
+        calls.clear()
+        with settings.winograd(True):  # Winograd would take the first layer's forward
+            fast = (conv2d_forward(x, w, b, **args), conv2d_backward_data(dy, w, x.shape, **args),
+                    conv2d_backward_filter(x, dy, w.shape, **args))
+            assert conv_module.workspace_bytes(x_shape, w_shape, "float64", **args) == sizes
+        assert calls == ["forward", "backward-data", "backward-filter"]
+        _check("counted-im2col", fast, (conv2d_forward_loop(x, w, b, **args),
+                                        conv2d_backward_data_loop(dy, w, x.shape, **args),
+                                        conv2d_backward_filter_loop(x, dy, w.shape, **args)))
+    calls.clear()
+    other = _problem((2, 4, 6, 6), (3, 4, 3, 3), {"padding": 1}, seed=6)
+    conv2d_forward(other[0], other[1], padding=1)
+    conv2d_backward_filter(other[0], other[3], (3, 4, 3, 3), padding=1)
+    assert calls == [] and conv_module.workspace_bytes((2, 4, 6, 6), (3, 4, 3, 3), "float64", padding=1) == {}

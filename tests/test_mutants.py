@@ -752,13 +752,13 @@ def test_halo_of_a_height_split_with_a_strided_kernel_by_hand():
 
 def test_a_winograd_layers_workspace_is_what_its_passes_ask_for():
     """A float32 3x3 layer on cfp's kernels: the workspace its largest Winograd pass asks for
-    (cfp.kernels.winograd_workspace_bytes on the rank's shard: 2 samples, 8 channels, the 6 of
+    (cfp.kernels.workspace_bytes on the rank's shard: 2 samples, 8 channels, the 6 of
     12 filters of channel rank 0 under stationary-y), not the bound; without its backward-data
     as a first layer; the bound where no pass takes Winograd (groups 2, float64)."""
-    from cfp.kernels import winograd_workspace_bytes
+    from cfp.kernels import workspace_bytes
     layer = LayerShape("L", 4, 8, 12, 10, 10, 3)
     cost = layer_cost(layer, "y", 2, 2, profile(winograd_workspace=True))
-    passes = winograd_workspace_bytes((2, 8, 10, 10), (6, 8, 3, 3), "float32", padding=1)
+    passes = workspace_bytes((2, 8, 10, 10), (6, 8, 3, 3), "float32", padding=1)
     assert sorted(passes) == ["backward-data", "backward-filter", "forward"]
     assert cost["memory"]["workspace"] == max(passes.values())
     first = layer_cost(dataclasses.replace(layer, first=True), "y", 2, 2, profile(winograd_workspace=True))
@@ -769,9 +769,9 @@ def test_a_winograd_layers_workspace_is_what_its_passes_ask_for():
         itemsize = 8 if other is layer else 4
         same = layer_cost(other, "y", 2, 2, profile(winograd_workspace=True, itemsize=itemsize))
         assert same["memory"]["workspace"] == layer_cost(other, "y", 2, 2, profile(itemsize=itemsize))["memory"]["workspace"]
-    from cfp.kernels.conv import winograd
+    from cfp.kernels import winograd
     with winograd(True):  # float64 by Winograd too (CFP_WINOGRAD=1): its passes in 8-byte values
-        forced = winograd_workspace_bytes((2, 8, 10, 10), (6, 8, 3, 3), "float64", padding=1)
+        forced = workspace_bytes((2, 8, 10, 10), (6, 8, 3, 3), "float64", padding=1)
         cost64 = layer_cost(layer, "y", 2, 2, profile(winograd_workspace=True, itemsize=8))
     assert cost64["memory"]["workspace"] == max(forced.values()) > max(passes.values())
     # cfp's own kernels unless a profile says otherwise (the reference GPU profile models cuDNN)
@@ -862,39 +862,36 @@ def test_conv_flops_default_to_no_padding():
 
 
 def test_the_winograd_switch_runs_winograd(monkeypatch):
-    """with winograd(): a 3x3 stride-1 layer goes by _winograd_forward (after any padding mode),
-    with winograd(None), the default, only in float32; an exception inside the block still
-    propagates (and the switch is restored)."""
-    from cfp.kernels import conv2d_forward
-    from cfp.kernels import conv as conv_module
+    """with winograd(): a 3x3 stride-1 layer goes by the Winograd forward (after any padding
+    mode), with winograd(None), the default, only in float32; an exception inside the block
+    still propagates (and the switch is restored)."""
+    from cfp.kernels import conv2d_forward, settings
+    from cfp.kernels.conv import paths
     calls = []
-    real = conv_module._winograd_forward
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-    monkeypatch.setattr(conv_module, "_winograd_forward", spy)
+    spied = tuple(p._replace(forward=lambda *a, real=p.forward: calls.append(1) or real(*a))
+                  if p.name == "winograd" else p for p in paths.PATHS)
+    monkeypatch.setattr(paths, "PATHS", spied)
     x, w = np.ones((1, 2, 4, 4)), np.ones((3, 2, 3, 3))
-    with conv_module.winograd():
+    with settings.winograd():
         conv2d_forward(x, w, padding=1)
         assert calls == [1]
         conv2d_forward(x, w, padding=1, padding_mode="circular")  # padded first, then Winograd
         assert calls == [1, 1]
         conv2d_forward(x, w, padding=1, stride=2)  # not stride 2
         assert calls == [1, 1]
-    with conv_module.winograd(False):
+    with settings.winograd(False):
         conv2d_forward(x, w, padding=1)
     assert calls == [1, 1]
-    with conv_module.winograd(None):  # the default: float32 layers only
+    with settings.winograd(None):  # the default: float32 layers only
         conv2d_forward(x, w, padding=1)
         assert calls == [1, 1]
         conv2d_forward(x.astype(np.float32), w.astype(np.float32), padding=1)
         assert calls == [1, 1, 1]
-    before = conv_module.WINOGRAD
+    before = settings.current()
     with pytest.raises(KeyError):
-        with conv_module.winograd(not before):
+        with settings.winograd(not before.winograd):
             raise KeyError("inside")
-    assert conv_module.WINOGRAD == before
+    assert settings.current() == before
 
 
 def test_convolutions_of_no_channels_are_zeros():
@@ -1104,9 +1101,8 @@ def test_conv_options_defaults():
 def test_empty_convolutions_under_every_path(tile):
     """No channels, samples or filters, with Winograd on or off: zeros (the bias where there are
     filters and no channels) of the right shapes."""
-    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-    from cfp.kernels import conv as conv_module
-    with conv_module.winograd(tile is not None, tile=tile):
+    from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward, winograd
+    with winograd(tile is not None, tile=tile):
         for N, C, F in ((2, 0, 3), (0, 2, 3), (2, 2, 0)):
             x, w, dy = np.ones((N, C, 4, 4)), np.ones((F, C, 3, 3)), np.ones((N, F, 4, 4))
             np.testing.assert_array_equal(conv2d_forward(x, w, np.ones(F), padding=1),
@@ -1315,13 +1311,12 @@ def test_pooling_refusals_name_the_padded_size_with_top_or_left_padding():
 def test_winograd_over_blocks_of_tall_narrow_images():
     """17 samples of 64x4 (16 x 1 tiles of F(4x4)) go 16 to a block, the last block 1: against
     im2col in float64."""
-    from cfp.kernels import conv2d_backward_filter, conv2d_forward
-    from cfp.kernels import conv as conv_module
+    from cfp.kernels import conv2d_backward_filter, conv2d_forward, winograd
     rng = np.random.default_rng(4)
     x, w, dy = rng.standard_normal((17, 2, 64, 4)), rng.standard_normal((3, 2, 3, 3)), rng.standard_normal((17, 3, 64, 4))
-    with conv_module.winograd(False):
+    with winograd(False):
         y0, dw0 = conv2d_forward(x, w, padding=1), conv2d_backward_filter(x, dy, w.shape, padding=1)
-    with conv_module.winograd(True, tile=4):
+    with winograd(True, tile=4):
         y1, dw1 = conv2d_forward(x, w, padding=1), conv2d_backward_filter(x, dy, w.shape, padding=1)
     np.testing.assert_allclose(y1, y0, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dw1, dw0, rtol=1e-11, atol=1e-11)
@@ -1437,11 +1432,11 @@ def test_a_networks_plan_description_by_hand():
     grid.free()
 
 
-@pytest.mark.parametrize("variable,setting", [("CFP_WINOGRAD", "WINOGRAD"), ("CFP_PLANE_STACKING", "PLANE_STACKING")])
+@pytest.mark.parametrize("variable,setting", [("CFP_WINOGRAD", "winograd"), ("CFP_PLANE_STACKING", "plane_stacking")])
 def test_the_environment_sets_the_kernel_switches(variable, setting):
     import subprocess
     import sys
-    code = f"import cfp.kernels.conv as c; print(c.{setting})"
+    code = f"from cfp.kernels import settings; print(settings.current().{setting})"
     seen = {}
     for value in ("1", "0", None):
         env = {k: v for k, v in __import__("os").environ.items() if k != variable}
@@ -1457,7 +1452,7 @@ def test_the_environment_sets_the_kernel_switches(variable, setting):
 
 
 def test_the_cached_winograd_matrices_are_read_only():
-    from cfp.kernels.conv import winograd_matrices
+    from cfp.kernels.conv.winograd import winograd_matrices
     for a in winograd_matrices(4):
         with pytest.raises(ValueError, match="read-only"):
             a[0, 0] = 7.0

@@ -14,8 +14,9 @@ from cfp.kernels.conv import (
     ConvGeometry,
     fold_index,
     pad_index,
-    winograd_workspace_bytes,
+    workspace_bytes,
 )
+from cfp.kernels.settings import winograd
 
 __all__ = [
     "ConvGeometry",
@@ -29,5 +30,6 @@ __all__ = [
     "conv2d_backward_bias",
     "fold_index",
     "pad_index",
-    "winograd_workspace_bytes",
+    "winograd",
+    "workspace_bytes",
 ]

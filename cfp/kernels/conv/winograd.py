@@ -1,0 +1,338 @@
+"""Winograd F(m x m, 3 x 3) for 3x3 stride-1 layers, and dilated 3x3 layers by residue-class
+sub-grids that take it; with what its passes ask of the workspace, for the cost model.
+"""
+import functools
+
+import numpy as np
+
+from cfp.kernels import settings, workspace
+from cfp.kernels.conv.geometry import padded_size
+from cfp.kernels.conv.im2col import spread_plane_size, spread_planes
+
+# Winograd F(m x m, 3 x 3) (Lavin and Gray, 2016): a 3x3 stride-1 convolution computed on
+# (m + 2) x (m + 2) input tiles, each giving an m x m output tile, with (m + 2)^2 products per
+# tile and channel pair where direct convolution needs 9 m^2: 2.25 times fewer for m = 2, 4
+# times fewer for m = 4 (the default). Each of the three transforms (of the input tiles, of the
+# filters, of the products back to outputs) is linear in a tile's values, so each is one GEMM
+# with a small Kronecker-product matrix, (m + 2)^2 x (m + 2)^2 for the input: BLAS speed instead
+# of one pass of NumPy over memory per addition. The products are (m + 2)^2 batched GEMMs
+# (tiles x C) @ (C x F), the ones im2col makes, 4 times smaller. Backward-filter runs the same
+# tiles: dU_k = V_k^T dM_k with dM the adjoint of the output transform applied to dy's tiles,
+# and dw = G^T dU G. F(4x4) uses the points 0, 1, -1, 2, -1/2 (and infinity), whose float32
+# error is half that of 0, +-1, +-2 (measured: 4e-6 of the largest output, against 1e-5, with
+# 256 channels); float64 equals direct convolution to about 1e-14. By default (the setting
+# winograd = None, cfp/kernels/settings.py) float32 layers take it where it pays (_pays: outputs
+# of 4x4 and more; measured on cfp's machines, BENCHMARKS.md: 0.96-1.5 times PyTorch's oneDNN on
+# the 3x3 benchmark shapes, where im2col gives 0.8) and float64 layers, the dtype of
+# verification, stay on im2col (exact to rounding, and faster there in float64). winograd = True
+# (`with winograd()`, CFP_WINOGRAD=1) takes it for every dtype, False (`winograd(False)`,
+# CFP_WINOGRAD=0) for none: the plain GEMM path stays one switch away. The output tile's side m
+# is the setting winograd_tile, 2 or 4.
+
+_WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
+# Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
+# transform, G (m+2 x 3) the filter transform, B^T (m+2 x m+2) the input transform.
+_WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
+
+
+def applies(g, dtype):
+    """Whether geometry g (zero padding) in `dtype` takes Winograd: a 3x3 stride-1 undilated
+    ungrouped layer with something to compute, where the settings ask for it or it pays."""
+    switch = settings.current().winograd
+    wanted = switch if switch is not None else dtype == "float32" and _pays(g)
+    return wanted and (g.Kh, g.Kw, g.sh, g.sw, g.dh, g.dw, g.G) == (3, 3, 1, 1, 1, 1, 1) \
+        and g.N * g.C * g.F > 0 and g.mode == "zeros"
+
+
+def _pays(g):
+    """By default a layer takes Winograd where its outputs are at least a tile wide and its
+    tiles multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2).
+    Measured on cfp's machine, 32x256x256 float32, F(4x4) against im2col (three passes): 4x4
+    outputs 21 against 26 ms, 6x6 48 against 57 ms; but 1x1 21 against 5 ms, 2x2 (32x512x512)
+    83 against 43 ms, 3x3 22 against 18 ms, 5x5 47 against 39 ms: tiles mostly cropped away,
+    or too few of them to pay for the transforms."""
+    m = settings.current().winograd_tile
+    tiles = -(-g.Ho // m) * -(-g.Wo // m)
+    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo
+
+
+@functools.lru_cache(maxsize=None)
+def winograd_matrices(m):
+    """(A^T, G, B^T) of F(m, 3) as float64 NumPy arrays, built from its points (Toom-Cook): A^T
+    evaluates at the points (and keeps the leading coefficient for the point at infinity), G
+    evaluates the filter divided by the Lagrange denominators, B^T's rows are the coefficients
+    of the products of (x - p) over the other points (and of all of them), with signs that make
+    y = A^T [(G g) * (B^T d)] the correlation of d with g."""
+    points = _WINOGRAD_POINTS[m]
+    n = m + 2
+    AT, G = np.zeros((m, n)), np.zeros((n, 3))
+    BT = np.zeros((n, n))
+    for j, p in enumerate(points):
+        AT[:, j] = [p ** i for i in range(m)]
+        others = [q for q in points if q != p]
+        G[j] = [p ** k / np.prod([p - q for q in others]) for k in range(3)]
+        # M_j(x) = prod over the other finite points of (x - q): B^T row j holds its
+        # coefficients (lowest power first), read as the correlation's input weights
+        BT[j, :n - 1] = np.polynomial.polynomial.polyfromroots(others)
+    AT[m - 1, n - 1] = G[n - 1, 2] = 1.0
+    BT[n - 1] = np.polynomial.polynomial.polyfromroots(points)
+    for a in (AT, G, BT):
+        a.setflags(write=False)  # cached: shared by every call
+    return AT, G, BT
+
+
+@functools.lru_cache(maxsize=64)
+def _winograd_transforms(m, dtype, xp):
+    """The Kronecker products that transform whole tiles, in `dtype`: B^T (x) B^T ((m+2)^2 x
+    (m+2)^2), A^T (x) A^T (m^2 x (m+2)^2) and G (x) G ((m+2)^2 x 9)."""
+    return tuple(xp.asarray(np.kron(a, a), dtype=dtype) for a in winograd_matrices(m)[::-1])
+
+
+def _winograd_filters(w, G2, xp, flipped):
+    """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C', F') matrices, the
+    layout the products' GEMMs read, for a convolution of C' channels to F': GEMMs of G (x) G
+    with w's taps read where they lie, transposed by BLAS (copying them into a (9, C F) layout
+    first took as long as the GEMM, 2.6 ms for 256 x 256 filters). For w (F, C, 3, 3) itself
+    (C' = C, F' = F) one GEMM per channel c, G (x) G @ (w[:, c]'s taps)^T, written into
+    U[:, c]. flipped: w are a layer's filters and this is its backward-data's full convolution
+    (C' = F, F' = C, the taps flipped in space): U's (F, C) layout is then one GEMM of all the
+    taps, with G (x) G's columns reversed (tap t of a flipped filter is tap 8 - t), so that
+    the flipped filters are not copied either."""
+    F, C = w.shape[:2]
+    if flipped:
+        U = workspace.empty(xp, (G2.shape[0], F * C), w.dtype)
+        return xp.matmul(xp.ascontiguousarray(G2[:, ::-1]), w.reshape(F * C, 9).T, out=U).reshape(-1, F, C)
+    U = workspace.empty(xp, (G2.shape[0], C, F), w.dtype)
+    xp.matmul(G2, w.reshape(F, C, 9).transpose(1, 2, 0), out=U.transpose(1, 0, 2))
+    return U
+
+
+def _winograd_tile_sizes(g):
+    """(m, a, th, tw, Hp, Wp, step) of geometry g: the output tile's side m and the input's
+    a = m + 2, tiles th x tw a sample, the zero-padded input Hp x Wp (every tile whole), and
+    samples a block (about _WINOGRAD_ROWS tiles)."""
+    m = settings.current().winograd_tile
+    th, tw = -(-g.Ho // m), -(-g.Wo // m)
+    step = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw)))
+    return m, m + 2, th, tw, m * th + 2, m * tw + 2, step
+
+
+class _WinogradTiles:
+    """The input side shared by forward and backward-filter: blocks of samples of x, zero
+    padded, channel-last, cut into overlapping (m+2) x (m+2) tiles (m apart) and transformed:
+    V ((m+2)^2, tiles, C) = (B^T (x) B^T) @ d."""
+
+    def __init__(self, x, g, xp):
+        self.m, self.a, self.th, self.tw, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g)
+        m, a = self.m, self.a
+        self.x, self.g, self.xp = x, g, xp
+        self.B2, self.G2, self.A2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
+        tiles = self.step * self.th * self.tw
+        self.padded = spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
+        self.channel_last = workspace.empty(xp, (self.step, self.Hp, self.Wp, g.C), x.dtype)
+        self._d = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
+        self._v = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
+
+    def blocks(self):
+        """(start, n, V) for each block of n samples: V ((m+2)^2, n * th * tw, C)."""
+        g, xp, m, a, th, tw = self.g, self.xp, self.m, self.a, self.th, self.tw
+        for start in range(0, g.N, self.step):
+            n = min(self.step, g.N - start)
+            P = n * th * tw
+            self.padded[:n, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = self.x[start:start + n]
+            source = self.channel_last[:n]
+            source[...] = self.padded[:n].transpose(0, 2, 3, 1)
+            d = self._d[:a * a * P * g.C].reshape(a, a, n, th, tw, g.C)
+            for i in range(a):
+                for j in range(a):
+                    d[i, j] = source[:, i:i + m * (th - 1) + 1:m, j:j + m * (tw - 1) + 1:m]
+            v = self._v[:a * a * P * g.C].reshape(a * a, P * g.C)
+            xp.matmul(self.B2, d.reshape(a * a, P * g.C), out=v)
+            yield start, n, v.reshape(a * a, P, g.C)
+
+
+def forward(x, w, g, xp, y, flipped=False):
+    """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(m x m,
+    3 x 3) over blocks of samples: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
+    then the outputs (A^T (x) A^T) @ M, m x m per tile. (flipped: see _winograd_filters.)"""
+    tiles = _WinogradTiles(x, g, xp)
+    m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
+    U = _winograd_filters(w, tiles.G2, xp, flipped)
+    rows = tiles.step * th * tw
+    M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
+    # whole tiles go straight into y; otherwise through a block of whole tiles, then cropped
+    cropped = (m * th, m * tw) != (g.Ho, g.Wo)
+    whole = workspace.empty(xp, (tiles.step, g.F, m * th, m * tw), x.dtype) if cropped else None
+    for start, n, V in tiles.blocks():
+        P = n * th * tw
+        products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
+        xp.matmul(V, U, out=products)
+        out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
+        xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
+        tiled = out.reshape(m, m, n, th, tw, g.F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, th, m, tw, m)
+        if cropped:
+            whole[:n].reshape(tiled.shape)[...] = tiled
+            y[start:start + n] = whole[:n, :, :g.Ho, :g.Wo]
+        else:
+            y[start:start + n].reshape(tiled.shape)[...] = tiled
+
+
+def backward_filter(x, dy, g, xp):
+    """dw (F, C, 3, 3) by the forward's tiles: dy's m x m tiles (zero beyond Ho x Wo) taken back
+    through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k^T = dM_k^T @ V_k
+    (F x C) summed over the blocks, and dw (F C, 9) = dU^T @ (G (x) G), in w's layout."""
+    tiles = _WinogradTiles(x, g, xp)
+    m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
+    rows = tiles.step * th * tw
+    # dy's block channel-last (through planes an odd number of cache lines apart, as x's), zero
+    # beyond Ho x Wo, so that the tiles' gather runs over contiguous F
+    dy_planes = spread_planes(xp, (tiles.step, g.F, m * th, m * tw), x.dtype)
+    dy_last = workspace.empty(xp, (tiles.step, m * th, m * tw, g.F), x.dtype)
+    dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
+    dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
+    dU_t = workspace.empty(xp, (a * a, g.F, g.C), x.dtype)
+    # the first block's product is dU itself: a mini-batch in one block (8 samples of 16x16)
+    # needs neither a second buffer of (m+2)^2 C F values nor a pass adding it up
+    product = workspace.empty(xp, (a * a, g.F, g.C), x.dtype) if g.N > tiles.step else None
+    for start, n, V in tiles.blocks():
+        P = n * th * tw
+        dy_planes[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
+        dy_last[:n] = dy_planes[:n].transpose(0, 2, 3, 1)
+        t = dy_tiles[:m * m * P * g.F].reshape(m, m, n, th, tw, g.F)
+        t[...] = dy_last[:n].reshape(n, th, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
+        back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
+        xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
+        if start == 0:
+            xp.matmul(back.transpose(0, 2, 1), V, out=dU_t)
+        else:
+            dU_t += xp.matmul(back.transpose(0, 2, 1), V, out=product)
+    dw = xp.empty((g.F, g.C, 3, 3), x.dtype)
+    xp.matmul(dU_t.reshape(a * a, g.F * g.C).T, tiles.G2, out=dw.reshape(g.F * g.C, 9))
+    return dw
+
+
+# ---------------------------------------------------------------------------------------------
+# Dilated stride-1 layers by sub-grids: with dilation d along an axis, output position r reads
+# the padded input at r, r + d, r + 2d, ...: all of one residue class modulo d. Cut into its d
+# classes (every d-th position), the layer is d undilated convolutions with the same filters,
+# one per class; along both axes, dh * dw of them, run as one convolution over a batch dh * dw
+# times larger. A dilated 3x3 layer then takes Winograd (measured in BENCHMARKS.md: 8x256x256
+# x32x32 at dilation 2 from 0.75-0.8 to 1.1-1.25 times PyTorch's speed); other dilated layers stay on
+# im2col, whose patches read the dilated windows directly at no extra cost.
+
+def subgrids_apply(g, dtype):
+    """A dilated stride-1 layer whose sub-grid convolution takes Winograd."""
+    return (g.dh, g.dw) != (1, 1) and (g.sh, g.sw) == (1, 1) and applies(_subgrid_geometry(g), dtype)
+
+
+def _subgrid_geometry(g):
+    """The undilated, unpadded convolution over the classes: dh * dw * N samples of
+    ceil(Hp / dh) x ceil(Wp / dw) (the padded input, zero-extended to whole classes)."""
+    Hp, Wp = padded_size(g)
+    H, W = -(-Hp // g.dh), -(-Wp // g.dw)
+    return g._replace(N=g.dh * g.dw * g.N, H=H, W=W, pt=0, pb=0, pl=0, pr=0, dh=1, dw=1,
+                      Ho=H - g.Kh + 1, Wo=W - g.Kw + 1)
+
+
+def _to_subgrids(a, top, left, d, shape, xp):
+    """a (N, K, H, W) placed at (top, left) in a zero grid and cut into its d = (dh, dw) residue
+    classes: (dh * dw * N, K, *shape), class (p, q) holding the grid positions p::dh, q::dw."""
+    dh, dw = d
+    N, K = a.shape[:2]
+    out = workspace.zeros(xp, (dh, dw, N, K, *shape), a.dtype)
+    for p in range(dh):
+        r = (p - top) % dh  # the first row of a in class p, at row (r + top) // dh of the class
+        rows = a[:, :, r::dh]
+        for q in range(dw):
+            c = (q - left) % dw
+            part = rows[:, :, :, c::dw]
+            k, l = (r + top) // dh, (c + left) // dw
+            out[p, q, :, :, k:k + part.shape[2], l:l + part.shape[3]] = part
+    return out.reshape(dh * dw * N, K, *shape)
+
+
+def _from_subgrids(s, d, out):
+    """The classes s (dh * dw * N, K, Hs, Ws) put back: class (p, q) to out[:, :, p::dh, q::dw]
+    (out (N, K, Ho, Wo); what a class holds beyond out is dropped)."""
+    dh, dw = d
+    s = s.reshape(dh, dw, out.shape[0], out.shape[1], *s.shape[2:])
+    for p in range(dh):
+        for q in range(dw):
+            target = out[:, :, p::dh, q::dw]
+            target[...] = s[p, q, :, :, :target.shape[2], :target.shape[3]]
+    return out
+
+
+
+def subgrids_forward(x, w, g, xp, y, flipped=False):
+    """y (N, F, Ho, Wo) of a dilated layer: its classes convolved by Winograd (subgrids_apply),
+    the classes' outputs put back in place."""
+    s = _subgrid_geometry(g)
+    classes = _to_subgrids(x, g.pt, g.pl, (g.dh, g.dw), (s.H, s.W), xp)
+    out = xp.empty((s.N, s.F, s.Ho, s.Wo), x.dtype)
+    forward(classes, w, s, xp, out, flipped)
+    _from_subgrids(out, (g.dh, g.dw), y)
+
+
+def subgrids_backward_filter(x, dy, g, xp):
+    """dw of a dilated layer: the classes' backward-filter by Winograd, over the classes of x and
+    of dy together (every class shares the filters)."""
+    s, d = _subgrid_geometry(g), (g.dh, g.dw)
+    return backward_filter(_to_subgrids(x, g.pt, g.pl, d, (s.H, s.W), xp),
+                           _to_subgrids(dy, 0, 0, d, (s.Ho, s.Wo), xp), s, xp)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the Winograd passes ask of the workspace (cfp/kernels/workspace.py), for the cost model:
+# its 64-byte aligned pieces added up as the passes above take them, the largest of the three.
+# tests/test_kernels_workspace.py checks these sums against what the passes ask for.
+
+def _piece(count, itemsize):
+    return workspace.piece_bytes(count * itemsize)
+
+
+def _winograd_tiles_bytes(g, item):
+    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
+    tiles = step * th * tw
+    return (_piece(step * g.C * spread_plane_size(Hp, Wp, item), item) + _piece(step * Hp * Wp * g.C, item)
+            + 2 * _piece(a * a * tiles * g.C, item))
+
+
+def _winograd_forward_bytes(g, item):
+    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
+    rows = step * th * tw
+    cropped = (m * th, m * tw) != (g.Ho, g.Wo)
+    return (_winograd_tiles_bytes(g, item) + _piece(a * a * g.C * g.F, item)
+            + _piece(a * a * rows * g.F, item) + _piece(m * m * rows * g.F, item)
+            + (_piece(step * g.F * m * th * m * tw, item) if cropped else 0))
+
+
+def _winograd_backward_filter_bytes(g, item):
+    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
+    rows = step * th * tw
+    dy_planes = step * g.F * spread_plane_size(m * th, m * tw, item)
+    return (_winograd_tiles_bytes(g, item) + _piece(dy_planes, item) + _piece(step * m * th * m * tw * g.F, item)
+            + _piece(m * m * rows * g.F, item) + _piece(a * a * rows * g.F, item)
+            + _piece(a * a * g.C * g.F, item) * (2 if g.N > step else 1))
+
+
+def workspace_bytes(pass_name, g, dtype):
+    """The workspace bytes the Winograd pass `pass_name` asks for on geometry g (zero padding)
+    in dtype; None for a pass it does not run (its backward-data is a forward)."""
+    item = np.dtype(dtype).itemsize
+    if pass_name == "forward":
+        return _winograd_forward_bytes(g, item)
+    if pass_name == "backward-filter":
+        return _winograd_backward_filter_bytes(g, item)
+    return None
+
+
+def subgrids_workspace_bytes(pass_name, g, dtype):
+    """The same for a dilated layer by sub-grids: its classes, then the Winograd pass on them."""
+    item, s = np.dtype(dtype).itemsize, _subgrid_geometry(g)
+    classes = _piece(s.N * g.C * s.H * s.W, item)
+    if pass_name == "forward":
+        return classes + _winograd_forward_bytes(s, item)
+    if pass_name == "backward-filter":
+        return classes + _piece(s.N * g.F * s.Ho * s.Wo, item) + _winograd_backward_filter_bytes(s, item)
+    return None
