@@ -4,7 +4,9 @@ whose statistics are reduced over the ranks that hold the same channels, never a
 import numpy as np
 
 from .. import backend, comm
-from ..kernels.pool import avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward
+from ..halo import Halo
+from ..kernels.pool import (avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward,
+                            pool_geometry)
 from ..tensor import Layout
 from .module import Module, Parameter
 
@@ -23,8 +25,14 @@ def _spatial_whole(module, spec, first=2):
 class _PerPosition(Module):
     """Pooling works within each channel of each sample: the layout stays. On a grid that splits
     the image, each rank pools its block of the output, after a halo exchange of the input rows
-    and columns its windows read (algorithms.base.halo_plan, as for a convolution; phase
+    and columns its windows read (cfp/halo.py's halo_plan, as for a convolution; phase
     'halo'), and its gradient goes back by the adjoint."""
+
+    def output_shape(self, shape):
+        """(N, C, Ho, Wo) as the pooling kernel computes it (padding an int or (top, bottom,
+        left, right))."""
+        Ho, Wo, _ = pool_geometry(shape, self.kernel, self.stride, self.padding)
+        return (shape[0], shape[1], Ho, Wo)
 
     def output_spec(self, spec):
         grid, layout = spec
@@ -37,7 +45,6 @@ class _PerPosition(Module):
         self._plan = None
         if getattr(self, "_split", None) is None:
             return x, self.padding
-        from ..algorithms.base import Halo
         options = {"dilation": 1, "padding": self.padding, "padding_mode": "zeros", "stride": self.stride}
         self._plan = Halo(self.input_shape, self._layout, self._split, (self.kernel, self.kernel), options,
                           self.describe())
@@ -56,17 +63,9 @@ class ReLU(Module):
         return dy * self._mask
 
 
-def _pooled(shape, kernel, stride, padding):
-    n, c, h, w = shape
-    return (n, c, (h + 2 * padding - kernel) // stride + 1, (w + 2 * padding - kernel) // stride + 1)
-
-
 class MaxPool2d(_PerPosition):
     def __init__(self, kernel_size, stride=None, padding=0):
         self.kernel, self.stride, self.padding = kernel_size, stride or kernel_size, padding
-
-    def output_shape(self, shape):
-        return _pooled(shape, self.kernel, self.stride, self.padding)
 
     def forward(self, x):
         x, self._local_padding = self._halo(x)
@@ -82,9 +81,6 @@ class MaxPool2d(_PerPosition):
 class AvgPool2d(_PerPosition):
     def __init__(self, kernel_size, stride=None, padding=0):
         self.kernel, self.stride, self.padding = kernel_size, stride or kernel_size, padding
-
-    def output_shape(self, shape):
-        return _pooled(shape, self.kernel, self.stride, self.padding)
 
     def forward(self, x):
         x, self._local_padding = self._halo(x)
