@@ -35,7 +35,7 @@ import numpy as np
 
 from . import backend
 from .io import load_json, save_json, save_npz
-from .nn.module import assemble
+from .tensor import assemble
 
 FORMAT = "cfp-checkpoint-1"
 POINTER = "latest.json"

@@ -214,6 +214,15 @@ class Layout:
         return f"Layout({self._text()})"
 
 
+def activation_layout(grid_shape, channel):
+    """The layout of an NCHW activation: split by sample, by `channel` over the channel axis
+    (a Shard, 'channel' or None), and by height and width where `grid_shape` ({axis: size} or
+    (axis, size) pairs) has those axes larger than 1."""
+    shape = dict(grid_shape)
+    return Layout(("sample", channel, "height" if shape.get("height", 1) > 1 else None,
+                   "width" if shape.get("width", 1) > 1 else None))
+
+
 def _shape(grid):
     """{axis: size} of a ProcessGrid, a dict of sizes or a sorted tuple key."""
     shape = getattr(grid, "shape", grid)

@@ -82,16 +82,6 @@ def default_filter_groups(channel_parts):
                if channel_parts % d == 0 and d * d <= channel_parts)
 
 
-def filter_groups_of(algorithm, channel_parts, filter_groups=None):
-    """The p_f of `algorithm` in the stationary-w view: 1 for 'x' (and 'sample', whose weight
-    is whole), P_c for 'y', the given or default p_f (checked) for 'w'."""
-    if algorithm == "w":
-        p_f = default_filter_groups(channel_parts) if filter_groups is None else filter_groups
-        check_filter_groups(channel_parts, p_f)
-        return p_f
-    return channel_parts if algorithm == "y" else 1
-
-
 def row_and_column(c, filter_groups):
     """(row, column) of channel rank c: divmod(c, p_f)."""
     return divmod(c, filter_groups)

@@ -1,23 +1,25 @@
 """The cost model of the convolution algorithms: bytes each rank sends and receives per phase,
 and predicted time and memory per rank from a machine profile (docs/design.md section 4).
 
-Bytes are worked out from shapes and the partition arithmetic alone (never from the ledger), so
-that the ledger of a real run can be checked against them exactly. The byte convention is
-comm.py's: each element counted where it leaves a rank and where it arrives, never a rank's
-own block.
+Bytes are worked out from shapes alone (never from the ledger): every block from the layer's
+own layouts (ConvAlgorithm.layouts, through Layout.indices) and every collective from its
+algorithm's `messages`, so that the ledger of a real run can be checked against them exactly.
+The byte convention is comm.py's: each element counted where it leaves a rank and where it
+arrives, never a rank's own block.
 """
 import dataclasses
 import math
 import os
 
 from .algorithms import algorithm_class
+from .algorithms.base import HALO, HALO_ADJOINT, message_sent, run_order
 from .comm import PHASES as LEDGER_PHASES
-from .grid import AXES, parse_grid_spec, rank_of
+from .grid import AXES, coords_of, parse_grid_spec, rank_of
 from .io import load_json
+from .halo import halo_plan
 from .layout import piece_size
-from .kernels import conv2d_output_shape, winograd_workspace_bytes
-from .partition import (block_size, block_sizes, filter_groups_of, gather_group, scatter_group,
-                        union_of_blocks)
+from .kernels import conv2d_output_shape, workspace_bytes
+from .partition import block_sizes, gather_group, scatter_group
 
 PHASES = tuple(p for p in LEDGER_PHASES if p != "other")  # the phases predictions cover
 PASSES = ("forward", "backward-data", "backward-filter")
@@ -72,62 +74,55 @@ def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     (algorithms.base.run_order: the halo exchange on a spatial grid, the algorithm's
     `messages` that are sent, the halo's adjoint when dx is computed). Arguments as
     predict_bytes."""
-    from .algorithms.base import HALO, HALO_ADJOINT, run_order
     cls = algorithm_class(algorithm, groups)
     sizes = parse_grid_spec(grid)
-    P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
-    s, c = coords.get("sample", 0), coords.get("channel", 0)
-    N, C, H, W = x_shape
-    F, Cg, Kh, Kw = w_shape
-    _, _, Ho, Wo = conv2d_output_shape(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
-    n = block_size(N, P_n, s)
-    p_f = filter_groups_of(algorithm, P_c, filter_groups)
-    row, column = gather_group(c, P_c, p_f), scatter_group(c, P_c, p_f)
-    P_h, P_w = sizes.get("height", 1), sizes.get("width", 1)
+    shape = {a: sizes.get(a, 1) for a in AXES}
+    coords = {a: coords.get(a, 0) for a in AXES}
+    P_c = shape["channel"]
+    p_f = cls.filter_groups(P_c, filter_groups)
+    y_shape = conv2d_output_shape(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    # every block as the layer holds it: its layouts' index sets (Layout.indices)
+    layouts = cls.layouts({"height": shape["height"], "width": shape["width"]}, p_f, input_whole, groups)
+    x_ix = layouts["x"].indices(x_shape, shape, coords)
+    y_ix = layouts["y"].indices(y_shape, shape, coords)
     halo = None
-    if P_h * P_w > 1:  # the local blocks: x extended by its halo, y's own rows and columns
-        halo = _halo(cls, x_shape, w_shape, sizes, input_whole, groups, stride=stride, padding=padding,
-                     dilation=dilation, padding_mode=padding_mode)
-        out_rows, in_rows = halo["spans"]["height"][coords.get("height", 0)][:2]
-        out_cols, in_cols = halo["spans"]["width"][coords.get("width", 0)][:2]
-        H, W, Ho, Wo = len(in_rows), len(in_cols), out_rows, out_cols
-    blocks = {  # per group: (the members' block sizes, this rank's place, bytes per unit)
-        "row": ([block_size(C, P_c, k) for k in row], row.index(c), n * H * W * itemsize),
-        "column": ([block_size(F, P_c, k) for k in column], column.index(c), n * Ho * Wo * itemsize),
-    }
-    if cls.weight_replicated:
-        w_count = F * Cg * Kh * Kw + (F if bias else 0)
-    elif groups > 1:  # whole groups per channel rank
-        filters = block_size(groups, P_c, c) * (F // groups)
-        w_count = filters * Cg * Kh * Kw + (filters if bias else 0)
-    else:
-        w_count = (len(union_of_blocks(F, P_c, column)) * len(union_of_blocks(C, P_c, row)) * Kh * Kw
-                   + (block_size(F, P_c, c) if bias else 0))
-    # the ranks that hold the same shard: the sample and spatial ranks of one channel coordinate
-    sharing = P_n * P_h * P_w
-    me = (s * P_h + coords.get("height", 0)) * P_w + coords.get("width", 0)
+    if shape["height"] * shape["width"] > 1:  # x's block extended by its halo before the collectives
+        halo = _halo(layouts["x"], x_shape, w_shape, shape, stride=stride, padding=padding, dilation=dilation,
+                     padding_mode=padding_mode)
+        x_ix = halo["wanted"][rank_of(coords, shape)]
+    # Per tensor of a message, the elements of one channel block of this rank's samples and
+    # (extended) rows and columns: the member at channel coordinate k holds `channels(k)` of them.
+    per_channel = {"x": len(x_ix[0]) * len(x_ix[2]) * len(x_ix[3]), "y": len(y_ix[0]) * len(y_ix[2]) * len(y_ix[3])}
+    channels = {"x": lambda k: len(layouts["x"].indices(x_shape, shape, {**coords, "channel": k})[1]),
+                "y": lambda k: len(layouts["y"].indices(y_shape, shape, {**coords, "channel": k})[1])}
+    members = {"row": gather_group(coords["channel"], P_c, p_f), "column": scatter_group(coords["channel"], P_c, p_f)}
+    # the gradient allreduce: this rank's weight and bias shards, over the ranks holding the
+    # same ones (the sample and spatial ranks of its channel coordinate), in rank order
+    w_count = math.prod(layouts["w"].local_shape(w_shape, shape, coords))
+    w_count += math.prod(layouts["b"].local_shape((w_shape[0],), shape, coords)) if bias else 0
+    sharing = [r for r in range(math.prod(shape.values())) if coords_of(r, shape)["channel"] == coords["channel"]]
     out = []
     for m in run_order(cls.messages, halo is not None):
         if m == HALO:
-            out.append((m,) + _halo_bytes(halo, sizes, coords, itemsize))
+            out.append((m,) + _halo_bytes(halo, shape, coords, itemsize))
         elif m == HALO_ADJOINT:
             if need_dx:  # the adjoint sends the same pieces back
-                out.append((m,) + _halo_bytes(halo, sizes, coords, itemsize)[::-1])
-        elif _sent(m, input_whole, need_dx):
+                out.append((m,) + _halo_bytes(halo, shape, coords, itemsize)[::-1])
+        elif message_sent(m, input_whole, need_dx):
             if m.collective == "allreduce":
-                moved = _allreduce(w_count, sharing, me, itemsize)
+                moved = _allreduce(w_count, len(sharing), sharing.index(rank_of(coords, shape)), itemsize)
             else:
+                group = members[m.group]
                 collective = _allgather if m.collective == "allgather" else _reduce_scatter
-                moved = collective(*blocks[m.group])
+                moved = collective([channels[m.tensor](k) for k in group], group.index(coords["channel"]),
+                                   per_channel[m.tensor] * itemsize)
             out.append((m,) + tuple(moved))
     return out
 
 
-def _halo(cls, x_shape, w_shape, sizes, input_whole, groups, **options):
-    """The layer's halo exchange (algorithms.base.halo_plan, what the algorithm runs)."""
-    from .algorithms.base import activation_layout, halo_plan
-    shape = {a: sizes.get(a, 1) for a in AXES}
-    layout = activation_layout(shape, cls.input_channel(input_whole, groups))
+def _halo(layout, x_shape, w_shape, shape, **options):
+    """The layer's halo exchange of its input laid out by `layout` on a grid of `shape`
+    (halo.halo_plan, what the algorithm runs)."""
     return halo_plan(tuple(x_shape), layout, tuple(shape.items()), tuple(w_shape[2:]), tuple(sorted(options.items())))
 
 
@@ -137,13 +132,6 @@ def _halo_bytes(plan, sizes, coords, itemsize):
     sent = sum(piece_size(p) for s, d, p in plan["pieces"] if s == rank and d != rank) * itemsize
     received = sum(piece_size(p) for s, d, p in plan["pieces"] if d == rank and s != rank) * itemsize
     return sent, received
-
-
-def _sent(message, input_whole, need_dx):
-    """ConvAlgorithm.sends for a layer described by its flags."""
-    if message.phase == "backward-data":
-        return need_dx
-    return not (message.phase == "forward" and message.tensor == "x" and input_whole)
 
 
 def redistribute_bytes(global_shape, source, target, rank, itemsize=8):
@@ -309,22 +297,22 @@ def _kernel_point(point):
     return float(point[0]), None, float(point[1])
 
 
-def _shard_sizes(layer, algorithm, P_n, P_c, p_f):
-    """With p_f resolved (partition.filter_groups_of), the busiest rank's (n, x channels,
-    gathered channels, filters computed, y filters, weight elements, channels each filter
-    sees): the first block of each partition is the largest."""
-    n = block_size(layer.N, P_n, 0)
-    K2, G = layer.K ** 2, layer.groups
-    Cg, Fg = layer.C // G, layer.F // G
-    if algorithm == "sample":
-        return n, layer.C, layer.C, layer.F, layer.F, layer.F * Cg * K2, Cg
-    if G > 1:  # whole groups per channel rank (algorithms/grouped.py)
-        own = block_size(G, P_c, 0)
-        return n, layer.C if layer.first else own * Cg, own * Cg, own * Fg, own * Fg, own * Fg * Cg * K2, Cg
-    rows = len(union_of_blocks(layer.C, P_c, gather_group(0, P_c, p_f)))
-    cols = len(union_of_blocks(layer.F, P_c, scatter_group(0, P_c, p_f)))
-    x_channels = layer.C if layer.first else block_size(layer.C, P_c, 0)
-    return n, x_channels, rows, cols, block_size(layer.F, P_c, 0), cols * rows * K2, rows
+def _shard_sizes(layer, cls, layouts, shape):
+    """The busiest rank's (n, x channels, channels the kernel reads, filters computed, y
+    filters, weight elements, channels each filter sees, x rows, x columns, y rows, y
+    columns), from the layer's layouts (cls.layouts) on a grid of `shape`, at coordinate 0 of
+    every axis: the first block of each partition is the largest."""
+    G = layer.groups
+    x_shape, y_shape = (layer.N, layer.C, layer.H, layer.W), (layer.N, layer.F) + layer.out_hw
+    first = {a: 0 for a in AXES}
+    n, x_channels, x_rows, x_cols = map(len, layouts["x"].indices(x_shape, shape, first))
+    _, y_filters, y_rows, y_cols = map(len, layouts["y"].indices(y_shape, shape, first))
+    filters, seen = map(len, layouts["w"].indices((layer.F, layer.C // G, layer.K, layer.K), shape, first)[:2])
+    # The kernel reads the channels of the groups whose filters it holds (filters / (F/G) of
+    # them, all G under sample parallelism); ungrouped, the channels its filters see.
+    read = seen if G == 1 else seen * (filters // (layer.F // G))
+    return (n, x_channels, read, filters, y_filters, filters * seen * layer.K ** 2, seen,
+            x_rows, x_cols, y_rows, y_cols)
 
 
 def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1):
@@ -335,14 +323,17 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     Ranks of a channel row are neighbours (channel varies fastest), so the row, the column and
     the gradient group stay inside a node when the ranks they span fit in one.
     """
-    p_f = filter_groups_of(algorithm, P_c, p_f)
+    cls = algorithm_class(algorithm, layer.groups)
+    p_f = cls.filter_groups(P_c, p_f)
     q = P_c // p_f
     item = profile.itemsize
-    n, x_channels, rows, cols, y_filters, w_count, seen = _shard_sizes(layer, algorithm, P_n, P_c, p_f)
+    shape = {"sample": P_n, "height": P_h, "width": P_w, "channel": P_c}
+    layouts = cls.layouts({"height": P_h, "width": P_w}, p_f, layer.first, layer.groups)
+    n, x_channels, rows, cols, y_filters, w_count, seen, x_rows, x_cols, Ho, Wo = _shard_sizes(
+        layer, cls, layouts, shape)
     Ho_all, Wo_all = layer.out_hw
     # this rank's block of the image (the largest): its output rows and columns, and the input
     # rows and columns its windows read, halo included
-    Ho, Wo = block_size(Ho_all, P_h, 0), block_size(Wo_all, P_w, 0)
     extent = layer.dilation * (layer.K - 1) + 1
     H = min(layer.H, (Ho - 1) * layer.stride + extent) if P_h > 1 else layer.H
     W = min(layer.W, (Wo - 1) * layer.stride + extent) if P_w > 1 else layer.W
@@ -359,26 +350,25 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     comm = {phase: 0.0 for phase in PHASES}
     groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n * P_h * P_w, grad_intra)}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
-    for m in algorithm_class(algorithm, layer.groups).messages:
-        if _sent(m, layer.first, not layer.first):
+    for m in cls.messages:
+        if message_sent(m, layer.first, not layer.first):
             ranks, intra = groups[m.group]
             comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
     if P_h * P_w > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
-        own = block_size(layer.H, P_h, 0) * block_size(layer.W, P_w, 0)
-        received = n * x_channels * max(0, H * W - own) * item
+        received = n * x_channels * max(0, H * W - x_rows * x_cols) * item
         p = P_h * P_w
         halo = profile.collective_time("alltoall", p, received * p / (p - 1), grad_intra)
         comm["halo"] = halo * (1 if layer.first else 2)
     weights = w_count * item
     # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as the
-    # largest call's temporaries. A pass by Winograd asks for what winograd_workspace_bytes
+    # largest call's temporaries. A pass by Winograd asks for what kernels.workspace_bytes
     # sums (tiles, transformed filters, products: 34.2 MiB for 8x256x256x16x16, 15 weights); any
     # other pass is bounded by weight-sized buffers (three for cfp's NumPy im2col:
     # backward-filter's accumulator and its transpose, backward-data's flipped filters) and a
     # block of im2col patches of at most 4 MiB.
     bound = profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item)
     dtype = {4: "float32", 8: "float64"}.get(item)
-    winograd = {} if not (profile.winograd_workspace and dtype and layer.groups == 1) else winograd_workspace_bytes(
+    winograd = {} if not (profile.winograd_workspace and dtype and layer.groups == 1) else workspace_bytes(
         (n, rows, H, W), (cols, seen, layer.K, layer.K), dtype, layer.stride, layer.pad, layer.dilation)
     passes = ("forward", "backward-filter") if layer.first else ("forward", "backward-data", "backward-filter")
     memory = {

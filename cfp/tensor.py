@@ -12,7 +12,7 @@ from mpi4py import MPI
 from . import backend, comm as collectives
 from .layout import Layout, Shard, exchange_plan, global_extent, piece_size, positions, selector
 
-__all__ = ["DistTensor", "Layout", "Shard", "check_blocks", "move"]
+__all__ = ["DistTensor", "Layout", "Shard", "assemble", "check_blocks", "move"]
 
 
 def _same_ranks(grid_a, grid_b):
@@ -65,7 +65,9 @@ class DistTensor:
         return self.layout.indices(self.global_shape, self.grid, coords)
 
     def gather(self, root=None):
-        """The global array on every rank (root=None), or on `root` only (None elsewhere)."""
+        """The global array on every rank (root=None), or on `root` only (None elsewhere): the
+        one way cfp makes a distributed tensor whole (activations, weights and their gradients,
+        parameters), by one all-to-all in which each rank receives what it lacks from one copy."""
         if root is None:
             return self.redistribute(Layout.replicated(self.ndim)).local
         if not 0 <= root < self.grid.size:
@@ -110,6 +112,23 @@ class DistTensor:
     def __repr__(self):
         return (f"DistTensor(global_shape={self.global_shape}, layout={self.layout}, "
                 f"grid={self.grid.describe()}, local_shape={tuple(self.local.shape)})")
+
+
+def assemble(global_shape, pieces, dtype):
+    """The global array of `global_shape` from shards in hand, [(index sets, shard)]: per
+    dimension the global indices the shard covers (None: all), as a checkpoint's files keep
+    them; the pieces must cover it (copies may repeat). A tensor on a grid is made whole by
+    DistTensor.gather instead, which moves only what each rank lacks."""
+    out = np.zeros(global_shape, dtype=dtype)
+    covered = np.zeros(global_shape, dtype=bool)
+    for index, shard in pieces:
+        full = tuple(range(n) if ix is None else ix for n, ix in zip(global_shape, index))
+        out[np.ix_(*full)] = shard
+        covered[np.ix_(*full)] = True
+    if not covered.all():
+        raise ValueError(f"the shards cover {int(covered.sum())} of the {covered.size} entries of a "
+                         f"tensor of shape {tuple(global_shape)}")
+    return out
 
 
 def move(local, held, pieces, wanted, comm):

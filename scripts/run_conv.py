@@ -155,10 +155,10 @@ def main(argv=None):
     results = {
         "y": DistTensor(y_local, dy.shape, conv.output_layout, grid).gather(root=0),
         "dx": DistTensor(dx_local, x.shape, conv.input_layout, grid).gather(root=0),
-        "dw": conv.gather_weight(dw),
+        "dw": conv.weight_tensor(dw).gather(root=0),
     }
     if b is not None:
-        results["db"] = conv.gather_bias(db)
+        results["db"] = conv.bias_tensor(db).gather(root=0)
     table = ledger_table(ledger, world)
     if rank == 0:
         save_npz(args.out, **results)

@@ -67,7 +67,7 @@ def check_against_serial(grid, config, case, name):
         dx_local, dw, db = conv.backward(dy_local)
     got = {"y": DistTensor(y_local, dy.shape, conv.output_layout, grid).gather(),
            "dx": DistTensor(dx_local, x.shape, conv.input_layout, grid).gather(),
-           "dw": conv.gather_weight(dw), "db": conv.gather_bias(db)}
+           "dw": conv.weight_tensor(dw).gather(), "db": conv.bias_tensor(db).gather()}
     expected = {"y": conv2d_forward(x, w, b, **opts), "dx": conv2d_backward_data(dy, w, x.shape, **opts),
                 "dw": conv2d_backward_filter(x, dy, w.shape, **opts), "db": conv2d_backward_bias(dy)}
     for key in expected:

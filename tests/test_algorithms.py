@@ -82,8 +82,8 @@ def run_distributed(grid, algorithm, p_f, shape, bias=True, first=False, dtype=n
     results = {
         "y": DistTensor(y_local, dy.shape, out_layout, grid).gather(),
         "dx": None if dx_local is None else DistTensor(dx_local, x.shape, in_layout, grid).gather(),
-        "dw": conv.gather_weight(dw),
-        "db": conv.gather_bias(db) if bias else None,
+        "dw": conv.weight_tensor(dw).gather(),
+        "db": conv.bias_tensor(db).gather() if bias else None,
         "w_shard": w_shard,
     }
     return conv, ledger, results, (x, w, b, dy)

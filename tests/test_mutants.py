@@ -271,7 +271,7 @@ def _self_grid(spec="sample=1,channel=1"):
 def test_halo_plan_of_an_empty_output_block_by_hand():
     # 3x3 input, 3x3 kernel, padding 1: 3 output rows over 4 height ranks, 1, 1, 1 and 0.
     # Rank c computes row c and reads input rows c-1..c+1, clipped to 0..2, the rest padding.
-    from cfp.algorithms.base import halo_plan
+    from cfp.halo import halo_plan
     plan = halo_plan((1, 1, 3, 3), Layout(("sample", None, "height", "width")),
                      (("sample", 1), ("height", 4), ("width", 1)), (3, 3), (("padding", 1),))
     assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0, None), (1, range(0, 3), 0, 0, None),
@@ -564,9 +564,13 @@ def test_alltoallv_inside_inputs_checked_sends_no_count_check():
 
 
 def test_filter_groups_of_each_algorithm():
-    from cfp.partition import filter_groups_of
+    from cfp.algorithms import filter_groups_of
     assert filter_groups_of("w", 4, 4) == 4 and filter_groups_of("w", 4, 1) == 1 and filter_groups_of("w", 4) == 2
-    assert filter_groups_of("y", 4, 2) == 4 and filter_groups_of("x", 4) == 1 and filter_groups_of("sample", 4) == 1
+    assert filter_groups_of("y", 4) == 4 and filter_groups_of("x", 4) == 1 and filter_groups_of("sample", 4) == 1
+    assert filter_groups_of("y", 4, groups=2) == 4 and filter_groups_of("w", 4, groups=2) == 2
+    for fixed in ("sample", "x", "y"):  # only stationary-w chooses a p_f
+        with pytest.raises(ValueError, match=f"applies to algorithm 'w' only, not '{fixed}'"):
+            filter_groups_of(fixed, 4, 2)
     with pytest.raises(ValueError, match=r"p_f=3 does not divide the channel grid size P_c=4; expected one of \[1, 2, 4\]"):
         filter_groups_of("w", 4, 3)
 
@@ -1077,18 +1081,27 @@ def test_kept_bytes_before_and_after_forward():
     grid.free()
 
 
-def test_flat_shards_of_three_channel_ranks_split_back():
-    """_gather_flat's allgather of 2, 3 and 1 values (rank 0's [1, 2], the others scripted)
-    comes back as three pieces of those sizes."""
+def test_shards_of_three_channel_ranks_gather_back_in_place():
+    """DistTensor.gather of a bias (7,) over channel=3 (blocks of 3, 2 and 2; rank 0 holds
+    [1, 2, 3], ranks 1 and 2 send [4, 5] and [6, 7], scripted) puts each block at its place:
+    rank 0 sends its block to every rank (itself included), and what arrives is split back by
+    the senders' block sizes."""
     import types
-    from cfp.algorithms.base import ConvAlgorithm
+    from cfp import comm as C
+    from cfp.tensor import DistTensor, Layout
 
     class Three(_Ranks):
-        def Allgatherv(self, mine, spec):
-            out, (counts, displs) = spec
-            out[...] = np.arange(1.0, 7.0)
-    pieces = ConvAlgorithm._gather_flat(types.SimpleNamespace(channel_comm=Three(3)), np.array([1.0, 2.0]), [2, 3, 1])
-    assert [p.tolist() for p in pieces] == [[1, 2], [3, 4, 5], [6]]
+        def Alltoallv(self, send, recv):
+            (sendbuf, (send_counts, _)), (recvbuf, (recv_counts, _)) = send, recv
+            self.calls.append((sendbuf.tolist(), list(send_counts), list(recv_counts)))
+            recvbuf[:3] = sendbuf[:3]  # its own block, to itself
+            recvbuf[3:] = np.arange(4.0, 8.0)
+    comm = Three(3)
+    grid = types.SimpleNamespace(shape={"channel": 3}, coords={"channel": 0}, rank=0, size=3, comm=comm)
+    with C.inputs_checked():  # no count agreement: only the exchange is scripted
+        whole = DistTensor(np.array([1.0, 2.0, 3.0]), (7,), Layout(("channel",)), grid).gather()
+    assert whole.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert comm.calls == [([1, 2, 3] * 3, [3, 3, 3], [3, 2, 2])]
 
 
 def test_conv_options_defaults():
@@ -1180,7 +1193,7 @@ def test_pooling_windows_larger_than_one_side_are_refused():
 
 
 def test_activation_layout_splits_only_the_axes_the_grid_splits():
-    from cfp.algorithms.base import activation_layout
+    from cfp.layout import activation_layout
     one = {"sample": 2, "height": 1, "width": 1, "channel": 1}
     assert activation_layout(one, "channel") == Layout(("sample", "channel", None, None))
     assert activation_layout(dict(one, height=2), None) == Layout(("sample", None, "height", None))
@@ -1246,7 +1259,7 @@ def test_halo_plan_of_a_block_in_the_padding_only_by_hand():
     # 2 columns padded by 1 on the left and 5 on the right, 2x2 kernel: 7 output columns over
     # 2 width ranks, 4 and 3. Rank 0 reads padded columns -1..3: image columns 0..1, one zero
     # column before and two after; rank 1 reads 3..6, all beyond the image: four zero columns.
-    from cfp.algorithms.base import halo_plan
+    from cfp.halo import halo_plan
     plan = halo_plan((1, 1, 1, 2), Layout(("sample", None, "height", "width")),
                      (("sample", 1), ("height", 1), ("width", 2)), (1, 2), (("padding", (0, 0, 1, 5)),))
     assert plan["spans"]["width"] == [(4, range(0, 2), 1, 2, None), (3, range(2, 2), 0, 4, None)]
@@ -1262,7 +1275,7 @@ def test_halo_plan_of_a_block_in_the_padding_only_by_hand():
 
 def test_halo_plan_of_two_empty_output_blocks_by_hand():
     # 2x3 input, 3x3 kernel, padding 1: 2 output rows over 4 height ranks, 1, 1, 0 and 0.
-    from cfp.algorithms.base import halo_plan
+    from cfp.halo import halo_plan
     plan = halo_plan((1, 1, 2, 3), Layout(("sample", None, "height", "width")),
                      (("sample", 1), ("height", 4), ("width", 1)), (3, 3), (("padding", 1),))
     assert plan["spans"]["height"] == [(1, range(0, 2), 1, 0, None), (1, range(0, 2), 0, 1, None),
@@ -1334,7 +1347,7 @@ def test_an_input_of_no_rows_padded_into_outputs():
 
 
 def test_a_too_small_image_names_its_height_and_width():
-    from cfp.algorithms.base import check_image_fits, halo_plan
+    from cfp.halo import check_image_fits, halo_plan
     plan = halo_plan((1, 1, 1, 5), Layout(("sample", None, "height", None)),
                      (("sample", 1), ("height", 2), ("width", 1)), (1, 1), ())
     with pytest.raises(ValueError, match=r"^c1: an input of 1x5 gives 1 output rows, too few for the 2 ranks of the "

@@ -9,7 +9,6 @@ from cfp import comm as C
 from cfp.grid import ProcessGrid
 from cfp.nn import (AvgPool2d, BatchNorm2d, Conv2d, Flatten, GlobalAvgPool2d, Linear, MaxPool2d, ReLU,
                     Redistribute, Residual, Sequential, SoftmaxCrossEntropy)
-from cfp.nn.module import assemble
 from cfp.perfmodel import ledger_bytes
 from cfp.tensor import DistTensor, Layout
 from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs
@@ -45,10 +44,9 @@ def layout(ndim, split):
     return Layout(("sample", "channel" if split else None) + (None,) * (ndim - 2))
 
 
-def gather_parameter(p, grid, what="grad"):
-    value = backend.to_host(getattr(p, what))
-    pieces = grid.comm.allgather((p.index, value))
-    return assemble(p.global_shape, pieces, value.dtype)
+def gather_parameter(p, what="grad"):
+    """The global array of a parameter's gradient (or data), gathered from the ranks' shards."""
+    return backend.to_host(p.tensor(getattr(p, what)).gather())
 
 
 def compare(make, grids, spec, x, dy, in_split, out_split, what, train_passes=1):
@@ -67,8 +65,8 @@ def compare(make, grids, spec, x, dy, in_split, out_split, what, train_passes=1)
         results[which] = {
             "y": DistTensor(y_local, dy.shape, layout(dy.ndim, split_out), grid).gather(),
             "dx": None if dx_local is None else DistTensor(dx_local, x.shape, layout(x.ndim, split_in), grid).gather(),
-            "grads": {p.name: gather_parameter(p, grid) for p in module.parameters()},
-            "buffers": {n: gather_parameter(b, grid, "data") for n, b in module.buffers().items()},
+            "grads": {p.name: gather_parameter(p) for p in module.parameters()},
+            "buffers": {n: gather_parameter(b, "data") for n, b in module.buffers().items()},
         }
     serial, dist = results["serial"], results[spec]
     assert_close_all_ranks(dist["y"], serial["y"], 1e-10, f"{what} y")
@@ -231,7 +229,7 @@ def test_head_linear_gather_and_loss(grids, case):
             logits = head.forward(x_dist)
             loss, correct = loss_fn.forward(logits.local, sample_box)
             dx = head.backward(DistTensor(loss_fn.backward(), logits.global_shape, logits.layout, grid))
-        out[which] = (loss, correct, dx.gather(), gather_parameter(head.modules[1].weight, grid))
+        out[which] = (loss, correct, dx.gather(), gather_parameter(head.modules[1].weight))
         # the ledger holds the Linear's phases and the redistribution of the logits to their
         # prediction, forward and back (what Network.predicted_bytes reads)
         fc, moves = head.modules[1], [m for m in head.modules if isinstance(m, Redistribute)]
@@ -425,14 +423,20 @@ def test_a_container_holds_its_childrens_buffers_and_parameters():
     grid.free()
 
 
-def test_a_non_square_kernels_weight_gathers_whole():
-    """A 3x1 kernel under stationary-y on channel=P: ConvAlgorithm.gather_weight (the channel
-    ranks' flat shards) equals the parameter's blocks assembled by their index sets."""
+def test_a_non_square_kernels_weight_gathers_whole(grids):
+    """A 3x1 kernel under stationary-y and stationary-w on channel=P: the weight gathered from
+    the channel ranks' shards (ConvAlgorithm.weight_tensor(...).gather()) is the whole weight
+    that the same seed gives on one rank."""
     size = MPI.COMM_WORLD.Get_size()
     grid = ProcessGrid(f"channel={size}")
-    conv = Conv2d(grid, 4, 5, (3, 1), padding=(1, 0), algorithm="y", name="c", dtype=np.float64)
-    whole = conv.conv.gather_weight(conv.weight.data)
-    assert_close_all_ranks(whole, gather_parameter(conv.weight, grid, "data"), 1e-15, "the gathered weight")
+    for algorithm in ("y", "w"):
+        kw = dict(padding=(1, 0), algorithm=algorithm, name="c", dtype=np.float64)
+        conv = Conv2d(grid, 4, 5, (3, 1), **kw)
+        whole = conv.conv.weight_tensor(conv.weight.data).gather()
+        one_rank = Conv2d(grids["serial"], 4, 5, (3, 1), **kw).weight.data
+        assert_close_all_ranks(whole, one_rank, 1e-15, f"the gathered weight of {algorithm}")
+        assert_close_all_ranks(gather_parameter(conv.weight, "data"), one_rank, 1e-15,
+                               f"{algorithm}'s weight parameter")
     grid.free()
 
 

@@ -18,7 +18,6 @@ from mpi4py import MPI
 from cfp import backend
 from cfp.grid import AXES, ProcessGrid
 from cfp.nn import BatchNorm2d, Conv2d, Linear, SoftmaxCrossEntropy
-from cfp.nn.module import assemble
 from cfp.optim import Optimizer
 from cfp.tensor import DistTensor, Layout
 from cfp.train import TrainConfig, train
@@ -26,10 +25,9 @@ from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs, rel_e
 from test_kernels_conv import numerical_gradient
 
 
-def gathered(p, grid, what="grad"):
+def gathered(p, what="grad"):
     """The global array of a parameter's gradient (or data) from every rank's shard."""
-    value = backend.to_host(getattr(p, what))
-    return assemble(p.global_shape, grid.comm.allgather((p.index, value)), value.dtype)
+    return backend.to_host(p.tensor(getattr(p, what)).gather())
 
 
 def serial_grid():
@@ -101,12 +99,12 @@ def test_batchnorm_statistics_and_running_averages_by_hand(spec):
         y_local = bn.forward(DistTensor.from_global(x, BN_LAYOUT, grid).local)
         bn.backward(dy_local)
         assert_close_all_ranks(DistTensor(y_local, BN_SHAPE, BN_LAYOUT, grid).gather(), y, 1e-12, f"batch {i} y")
-        assert_close_all_ranks(gathered(bn.bias, grid), dy.sum(axis=(0, 2, 3)), 1e-12, f"batch {i} dbeta")
-        assert_close_all_ranks(gathered(bn.weight, grid), (dy * x_hat).sum(axis=(0, 2, 3)), 1e-12,
+        assert_close_all_ranks(gathered(bn.bias), dy.sum(axis=(0, 2, 3)), 1e-12, f"batch {i} dbeta")
+        assert_close_all_ranks(gathered(bn.weight), (dy * x_hat).sum(axis=(0, 2, 3)), 1e-12,
                                f"batch {i} dgamma")
-        assert_close_all_ranks(gathered(bn.running_mean, grid, "data"), running_mean, 1e-12,
+        assert_close_all_ranks(gathered(bn.running_mean, "data"), running_mean, 1e-12,
                                f"running mean after batch {i}")
-        assert_close_all_ranks(gathered(bn.running_var, grid, "data"), running_var, 1e-12,
+        assert_close_all_ranks(gathered(bn.running_var, "data"), running_var, 1e-12,
                                f"running variance after batch {i} (unbiased: n / (n - 1) times the batch's)")
     bn.eval()
     x = batches[0][0]

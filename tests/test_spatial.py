@@ -8,9 +8,10 @@ import pytest
 
 from cfp import comm as C
 from cfp.algorithms import make_conv
-from cfp.algorithms.base import activation_layout, halo_plan
 from cfp.grid import AXES, ProcessGrid
+from cfp.halo import halo_plan
 from cfp.kernels import fold_index
+from cfp.layout import activation_layout
 from cfp.perfmodel import ledger_bytes
 from cfp.tensor import DistTensor
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks

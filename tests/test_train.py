@@ -10,7 +10,6 @@ from mpi4py import MPI
 
 from cfp import backend
 from cfp.checkpoint import latest_checkpoint, load_checkpoint, resume_point
-from cfp.nn.module import assemble
 from cfp.train import TrainConfig, train, train_model
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 
@@ -31,8 +30,7 @@ def weights(model):
     communicators it then frees."""
     out = {}
     for p in model.parameters():
-        pieces = model.grid.comm.allgather((p.index, backend.to_host(p.data)))
-        out[p.name] = assemble(p.global_shape, pieces, p.data.dtype)
+        out[p.name] = backend.to_host(p.tensor().gather())
     model.free()
     return out
 

@@ -1,9 +1,11 @@
-"""The convolution algorithms of Dryden et al. (SC'19) on a sample x channel ProcessGrid.
+"""The convolution algorithms of Dryden et al. (SC'19) on a ProcessGrid of sample x height x
+width x channel axes: each splits the samples, the image (a halo exchange) and, but for
+sample parallelism, the channels and filters.
 
 `make_conv(algorithm, grid, C, F, kernel, ...)` with algorithm one of 'sample', 'x', 'y', 'w'.
 """
 from .base import ConvAlgorithm
-from .grouped import GroupedChannels
+from .grouped import GroupedChannels, grouped
 from .sample import SampleParallel
 from .stationary_w import StationaryW
 from .stationary_x import StationaryX
@@ -15,10 +17,17 @@ ALGORITHMS = {"sample": SampleParallel, "x": StationaryX, "y": StationaryY, "w":
 def algorithm_class(algorithm, groups=1):
     """The class that runs `algorithm` for a convolution of `groups` groups: a grouped layer
     under channel/filter parallelism moves nothing along the channel axis, whichever of x, y, w
-    it is (algorithms/grouped.py)."""
+    it is (algorithms/grouped.py: the grouped class keeps the name and p_f rule asked for)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-    return GroupedChannels if groups > 1 and algorithm != "sample" else ALGORITHMS[algorithm]
+    cls = ALGORITHMS[algorithm]
+    return grouped(cls) if groups > 1 and not cls.weight_replicated else cls
+
+
+def filter_groups_of(algorithm, channel_parts, filter_groups=None, groups=1):
+    """The p_f of `algorithm` on P_c = channel_parts channel ranks, as its class declares it
+    (ConvAlgorithm.filter_groups; a p_f given to any but 'w' is refused)."""
+    return algorithm_class(algorithm, groups).filter_groups(channel_parts, filter_groups)
 
 
 def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_groups=None, **kwargs):
@@ -30,15 +39,9 @@ def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_gr
     Other keywords: stride, padding, dilation, groups, padding_mode (nn.Conv2d's), bias,
     input_whole (x holds all C: the first layer), need_dx, layer.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-    if filter_groups is not None and algorithm != "w":
-        raise ValueError(f"filter_groups (p_f) applies to algorithm 'w' only, not {algorithm!r}")
     cls = algorithm_class(algorithm, kwargs.get("groups", 1))
-    if cls is GroupedChannels:
-        return cls(algorithm, grid, in_channels, out_channels, kernel_size, filter_groups=filter_groups, **kwargs)
     return cls(grid, in_channels, out_channels, kernel_size, filter_groups=filter_groups, **kwargs)
 
 
 __all__ = ["ALGORITHMS", "ConvAlgorithm", "GroupedChannels", "SampleParallel", "StationaryW", "StationaryX",
-           "StationaryY", "algorithm_class", "make_conv"]
+           "StationaryY", "algorithm_class", "filter_groups_of", "grouped", "make_conv"]

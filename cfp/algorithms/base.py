@@ -8,19 +8,15 @@ of these are layouts (cfp/layout.py): `input_layout`, `output_layout`, `weight_l
 `bias_layout`, and every index set below is read from them.
 """
 import collections
-import functools
-import math
-
-import numpy as np
 
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
+from ..halo import Halo, window_options
 from ..kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv2d_output_shape,
-                       conv_geometry, conv_options, fold_index, pad_index)
-from ..grid import coords_of
-from ..layout import Shard, gather_plan, index_set
-from ..partition import block_range, block_sizes, filter_groups_of
-from ..tensor import Layout, check_blocks, move
+                       conv_options)
+from ..layout import activation_layout
+from ..partition import block_sizes
+from ..tensor import DistTensor, Layout, check_blocks
 
 
 Message = collections.namedtuple("Message", "phase collective group tensor")
@@ -43,7 +39,7 @@ when no dx is wanted."""
 GRADIENT_SYNC = Message("gradient-sync", "allreduce", "gradient", "w")
 # On a grid that splits the image, a layer's forward begins with the halo exchange of x and its
 # backward ends with the adjoint, which sends the gradient of the same rows back (one
-# all-to-all over the grid each; Halo below).
+# all-to-all over the grid each; cfp/halo.py).
 HALO = Message("halo", "alltoall", "grid", "x")
 HALO_ADJOINT = Message("halo", "alltoall", "grid", "dx")
 
@@ -54,145 +50,24 @@ def run_order(messages, spatial):
     return ((HALO,) if spatial else ()) + tuple(messages) + ((HALO_ADJOINT,) if spatial else ())
 
 
-@functools.lru_cache(maxsize=256)
-def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
-    """The halo exchange of a convolution whose input (global x_shape, NCHW) is laid out by
-    `layout` on a grid of `grid_shape` ((axis, size) pairs) that splits height and width, for
-    kernel_size and the spatial `options` ((name, value) pairs: stride, padding, dilation,
-    padding_mode): per axis and coordinate (output extent, input indices needed, zero padding
-    before, zero padding after, the padded block's positions in the needed ones or None), the
-    indices each rank wants, and the pieces that bring them (layout.gather_plan). Pure
-    arithmetic: the algorithms run it, perfmodel counts it.
-
-    Coordinate c of an axis computes output rows o_lo..o_hi-1 (balanced blocks of the output)
-    and reads padded input rows s*o_lo - p_before to s*(o_hi - 1) + d*(k - 1) - p_before. With
-    zero padding it needs those rows clipped to the image, and the rows beyond the image are
-    its local zero padding. With another padding mode a padded row is a copy of an image row
-    (kernels.pad_index: reflected, the edge's, wrapped around), which may lie on another rank:
-    it needs the image rows its padded rows copy, and builds its padded block from them by an
-    index gather (Halo.pad; positions None where that gather is the identity). What it does
-    not hold arrives in one all-to-all from whichever ranks hold it, however wide the halo (no
-    multi-hop); what it holds but does not need is skipped. (An empty output block, which
-    ConvAlgorithm refuses, would need nothing.)"""
-    N, C, H, W = x_shape
-    shape = dict(grid_shape)
-    g = conv_geometry((1, 1, H, W), (1, 1) + tuple(kernel_size), **dict(options))
-    spans = {}
-    for axis, extent, out, s, d, k, before, after in (("height", H, g.Ho, g.sh, g.dh, g.Kh, g.pt, g.pb),
-                                                      ("width", W, g.Wo, g.sw, g.dw, g.Kw, g.pl, g.pr)):
-        spans[axis] = []
-        # the image row each padded row copies, for a padding mode other than zeros
-        copies = None if g.mode == "zeros" else pad_index(extent, before, after, g.mode)
-        for c in range(shape.get(axis, 1)):
-            lo, hi = block_range(out, shape.get(axis, 1), c)
-            if hi == lo:
-                spans[axis].append((0, range(0), 0, 0, None))
-                continue
-            first, last = s * lo - before, s * (hi - 1) + d * (k - 1) - before  # inclusive
-            if copies is None:  # the rows read, clipped to the image; the rest zero padding
-                start = min(max(0, first), extent)  # a block may read padding only
-                need = range(start, max(start, min(extent, last + 1)))
-                top = min(max(0, -first), last - first + 1)
-                spans[axis].append((hi - lo, need, top, last - first + 1 - top - len(need), None))
-                continue
-            reads = copies[first + before:last + before + 1]
-            rows = np.unique(reads)
-            need = index_set(rows)
-            at = np.searchsorted(rows, reads)
-            identity = np.array_equal(at, np.arange(rows.size))  # a block that meets no border
-            spans[axis].append((hi - lo, need, 0, 0, None if identity else tuple(int(i) for i in at)))
-    wanted = []
-    for r in range(math.prod(shape.values())):
-        c = coords_of(r, shape)
-        n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
-        wanted.append((n_ix, c_ix, spans["height"][c.get("height", 0)][1], spans["width"][c.get("width", 0)][1]))
-    wanted = tuple(wanted)
-    return {"spans": spans, "wanted": wanted, "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
-
-
-def check_image_fits(plan, x_shape, grid_text, what):
-    """ValueError unless every rank of the height and width axes of halo_plan's `plan` computes
-    at least one output row and column: an image too small for the grid is refused."""
-    for axis, name in (("height", "rows"), ("width", "columns")):
-        outs = [span[0] for span in plan["spans"][axis]]
-        if min(outs) == 0:
-            raise ValueError(
-                f"{what}: an input of {x_shape[2]}x{x_shape[3]} gives {sum(outs)} output {name}, too few "
-                f"for the {len(outs)} ranks of the {axis} axis of grid {grid_text}: the image "
-                f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
-
-
-class Halo:
-    """One rank's halo exchange for one global input shape (from halo_plan): its output block
-    (out_rows x out_cols), the zero padding of its local kernel (top, bottom, left, right), and
-    the exchange and its adjoint. `what` names the layer in the refusal of an image too small
-    for the grid (fewer output rows or columns than ranks along that axis). Used by the
-    convolutions and by pooling."""
-
-    def __init__(self, x_shape, layout, grid, kernel_size, options, what):
-        x_shape = tuple(int(n) for n in x_shape)
-        plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
-                         tuple(sorted(options.items())))
-        check_image_fits(plan, x_shape, grid.describe(), what)
-        self.out_rows, _, top, bottom, self.rows_at = plan["spans"]["height"][grid.coord("height")]
-        self.out_cols, _, left, right, self.cols_at = plan["spans"]["width"][grid.coord("width")]
-        self.padding = (top, bottom, left, right)  # the local kernel's zero padding
-        self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
-        self.held = layout.indices(x_shape, grid, grid.coords)
-        self.comm = grid.comm
-
-    def exchange(self, x, layer):
-        """x's block extended by the rows and columns the windows read (phase 'halo')."""
-        with comm.tag(layer=layer, phase="halo"):
-            return move(x, self.held, self.pieces, self.wanted, self.comm)
-
-    def pad(self, x):
-        """The padded block the local kernel convolves without padding, gathered from the
-        extended block x (the rows and columns the padded ones copy): x itself where the
-        padding is zeros (the kernel's own) or this block meets no border."""
-        xp = backend.get_array_module(x)
-        if self.rows_at is not None:
-            x = x[:, :, xp.asarray(self.rows_at)]
-        if self.cols_at is not None:
-            x = x[:, :, :, xp.asarray(self.cols_at)]
-        return x
-
-    def padded_shape(self, shape):
-        """The shape pad() gives an extended block of `shape`."""
-        n, c, h, w = shape
-        return (n, c, h if self.rows_at is None else len(self.rows_at),
-                w if self.cols_at is None else len(self.cols_at))
-
-    def fold(self, d_padded, shape):
-        """The adjoint of pad: the gradient of the padded block added onto the extended block's
-        rows and columns (of `shape`) that its rows and columns copied."""
-        d = d_padded
-        for axis, at in ((2, self.rows_at), (3, self.cols_at)):
-            if at is not None:
-                d = fold_index(d, at, shape[axis], axis)
-        return d
-
-    def adjoint(self, dx_extended, layer):
-        """The gradient of the extended block added back onto the blocks the rows came from."""
-        back = [(d, s, piece) for s, d, piece in self.pieces]
-        with comm.tag(layer=layer, phase="halo"):
-            return move(dx_extended, self.wanted, back, self.held, self.comm)
-
-
-def activation_layout(grid_shape, channel):
-    """NCHW split by sample, by `channel` over the channel axis (a Shard, 'channel' or None),
-    and by height and width where the grid has those axes."""
-    shape = dict(grid_shape)
-    return Layout(("sample", channel, "height" if shape.get("height", 1) > 1 else None,
-                   "width" if shape.get("width", 1) > 1 else None))
+def message_sent(message, input_whole, need_dx):
+    """Whether a layer sends `message` (one of its algorithm's `messages`): not the forward's
+    gather of x when its input is whole over the channel axis (the first layer), nor anything
+    of backward-data when it computes no dx. The layer (ConvAlgorithm.sends) and perfmodel
+    both ask here."""
+    if message.phase == "backward-data":
+        return need_dx
+    return not (message.phase == "forward" and message.tensor == "x" and input_whole)
 
 
 class ConvAlgorithm:
-    """Base of the distributed convolutions on a sample x channel ProcessGrid.
+    """Base of the distributed convolutions on a ProcessGrid of sample x height x width x
+    channel axes (the image split over height and width by a halo exchange, cfp/halo.py).
 
-    Subclasses set `name` and implement `forward(x, w, b)` and `backward(dy)`; `p_f` is the
-    algorithm's filter groups in the stationary-w view (1 for stationary-x, P_c for
-    stationary-y, given or default for stationary-w; partition.filter_groups_of).
+    Subclasses set `name` and `messages`, declare their weight layout (`weight_layout_of`) and
+    their filter groups (`filter_groups`), and implement `forward(x, w, b)` and `backward(dy)`;
+    `p_f` is the algorithm's filter groups in the stationary-w view (1 for stationary-x, P_c
+    for stationary-y, given or default for stationary-w).
     `backward` returns (dx, dw, db) with dw and db already summed over the ranks holding the
     same shard (the segmented allreduce), so they equal the shard of the serial gradient.
     """
@@ -208,7 +83,7 @@ class ConvAlgorithm:
         self.C = positive_int(in_channels, "in_channels")
         self.F = positive_int(out_channels, "out_channels")
         self.kernel_size = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
-        # PyTorch's nn.Conv2d options (kernels/conv.py): checked now, the shapes at forward
+        # PyTorch's nn.Conv2d options (kernels/conv/geometry.py): checked now, the shapes at forward
         self.options = conv_options(stride, padding, dilation, groups, padding_mode)
         self.stride, self.padding = self.options["stride"], self.options["padding"]
         self.groups = self.options["groups"]
@@ -232,7 +107,7 @@ class ConvAlgorithm:
         self.P_h, self.P_w = (grid.axis_size("height"), grid.axis_size("width")) if split_image else (1, 1)
         self.spatial = self.P_h * self.P_w > 1
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
-        self.p_f = filter_groups_of(self.name, self.P_c, filter_groups)
+        self.p_f = self.filter_groups(self.P_c, filter_groups)
         c = grid.coord("channel")
         self.channel_comm = grid.axis_comm("channel")
         # the ranks holding the same shard: other samples and (when it splits the image) other blocks
@@ -262,6 +137,34 @@ class ConvAlgorithm:
     def bias_shape(self):
         return (len(self.b_filters),)
 
+    # -- what each algorithm declares: its weight layout and its filter groups ------------------
+
+    @classmethod
+    def weight_layout_of(cls, p_f, groups=1):
+        """The layout of w (F, C/groups, Kh, Kw) over the channel axis with p_f filter groups:
+        each algorithm declares its own (an algorithm without one is refused, never given
+        another's)."""
+        raise TypeError(f"algorithm class {cls.__name__} (name {cls.name!r}) declares no weight layout: "
+                        f"define the classmethod weight_layout_of(p_f, groups) returning a Layout of w")
+
+    @classmethod
+    def filter_groups(cls, channel_parts, filter_groups=None):
+        """This algorithm's p_f on P_c = channel_parts channel ranks, in the stationary-w view
+        (rank c at (row, column) = divmod(c, p_f): its `messages` gather x within the row of p_f
+        ranks and reduce-scatter y within the column of P_c / p_f), from the p_f asked for
+        (None: the algorithm's own). Each algorithm declares its own rule."""
+        raise TypeError(f"algorithm class {cls.__name__} (name {cls.name!r}) declares no filter-group rule: "
+                        f"define the classmethod filter_groups(channel_parts, filter_groups=None) returning p_f")
+
+    @classmethod
+    def fixed_filter_groups(cls, p_f, filter_groups):
+        """p_f for an algorithm whose p_f is fixed (1 for stationary-x, P_c for stationary-y):
+        a p_f asked for is refused, as only stationary-w chooses one."""
+        if filter_groups is not None:
+            raise ValueError(f"filter_groups (p_f) applies to algorithm 'w' only, not {cls.name!r} "
+                             f"(got filter_groups={filter_groups!r}; {cls.name!r} always has p_f={p_f})")
+        return p_f
+
     @classmethod
     def input_channel(cls, input_whole, groups):
         """How x's channels are split over the channel axis: by block, or not at all when the
@@ -269,32 +172,27 @@ class ConvAlgorithm:
         return None if input_whole or cls.weight_replicated else "channel"
 
     @classmethod
+    def output_channel(cls, groups):
+        """How y's filters are split over the channel axis: by block, or not at all when the
+        weight is whole on every rank (sample parallelism)."""
+        return None if cls.weight_replicated else "channel"
+
+    @classmethod
     def layouts(cls, image_split, p_f, input_whole=False, groups=1):
         """{'x', 'y', 'w', 'b'}: the layouts of x, y (and dy), the weight and the bias of this
         algorithm with p_f filter groups, on a grid splitting the image as `image_split`
         ({'height': P_h, 'width': P_w}). Pure: the layer reads its layouts from here, and so
-        does cfp.explain, which has no grid.
+        do perfmodel and cfp.explain, which have no grid.
 
-        x: split by sample, by channel unless every rank holds all of C, and by height and
-        width (balanced blocks of the image's rows and columns). y: by sample, by filter unless
-        w is whole everywhere, by height and width in blocks of the output. w (F, C, Kh, Kw)
-        over the channel axis: whole under sample parallelism; by input channel under
-        stationary-x, by filter under stationary-y; under stationary-w the filters of the
-        column's blocks and the channels of the row's (partition.py). b (F,): added where y's
-        filter block is, so it follows y's filter split."""
-        whole = input_whole or cls.weight_replicated
-        out = {"x": activation_layout(image_split, cls.input_channel(whole, groups)),
-               "y": activation_layout(image_split, None if cls.weight_replicated else "channel"),
-               "b": Layout((None if cls.weight_replicated else "channel",))}
-        if cls.weight_replicated:
-            out["w"] = Layout.replicated(4)
-        elif cls.name == "x":
-            out["w"] = Layout((None, "channel", None, None))
-        elif cls.name == "y":
-            out["w"] = Layout(("channel", None, None, None))
-        else:
-            out["w"] = Layout((Shard("channel", "column", p_f), Shard("channel", "row", p_f), None, None))
-        return out
+        x: split by sample, by channel unless every rank holds all of C (input_channel), and
+        by height and width (balanced blocks of the image's rows and columns). y: by sample,
+        by filter unless w is whole everywhere (output_channel), by height and width in
+        blocks of the output. w (F, C/groups, Kh, Kw): as the algorithm declares it
+        (weight_layout_of). b (F,): added where y's filter block is, so it follows y's filter
+        split."""
+        y = activation_layout(image_split, cls.output_channel(groups))
+        return {"x": activation_layout(image_split, cls.input_channel(input_whole, groups)), "y": y,
+                "w": cls.weight_layout_of(p_f, groups), "b": Layout((y.dims[1],))}
 
     @property
     def _layouts(self):
@@ -327,8 +225,7 @@ class ConvAlgorithm:
 
     def output_hw(self, H, W):
         """The output's (H', W') for an input of H x W."""
-        spatial = {k: v for k, v in self.options.items() if k != "groups"}
-        return conv2d_output_shape((1, 1, H, W), (1, 1) + self.kernel_size, **spatial)[2:]
+        return conv2d_output_shape((1, 1, H, W), (1, 1) + self.kernel_size, **window_options(self.options))[2:]
 
     # -- spatial splits: the halo ---------------------------------------------------------------
 
@@ -336,8 +233,8 @@ class ConvAlgorithm:
         """This rank's Halo for a global input of x_shape (cached per shape)."""
         key = tuple(int(n) for n in x_shape)
         if key not in self._halo_plans:
-            spatial = {k: v for k, v in self.options.items() if k != "groups"}
-            self._halo_plans[key] = Halo(key, self.input_layout, self.grid, self.kernel_size, spatial, self.layer)
+            self._halo_plans[key] = Halo(key, self.input_layout, self.grid, self.kernel_size,
+                                         window_options(self.options), self.layer)
         return self._halo_plans[key]
 
     def halo(self, x):
@@ -429,10 +326,8 @@ class ConvAlgorithm:
         return x, w
 
     def sends(self, message):
-        """Whether `message` (one of self.messages) is sent by this layer."""
-        if message.phase == "backward-data":
-            return self.need_dx
-        return not (message.phase == "forward" and message.tensor == "x" and self.input_whole)
+        """Whether `message` (one of self.messages) is sent by this layer (message_sent)."""
+        return message_sent(message, self.input_whole, self.need_dx)
 
     def conv_args(self):
         """The kernels' keyword arguments: stride, padding, dilation, groups, padding_mode."""
@@ -448,29 +343,14 @@ class ConvAlgorithm:
     def shard_bias(self, b):
         return b[self.b_filters].copy()
 
-    def gather_weight(self, w_shard):
-        """The global weight (F, C/groups, Kh, Kw) on every rank, from the channel ranks' shards."""
-        pieces = [self.shard_indices(c)[:2] for c in range(self.P_c)]
-        per_filter_channel = self.kernel_size[0] * self.kernel_size[1]
-        flat = self._gather_flat(w_shard, [len(f) * len(ch) * per_filter_channel for f, ch in pieces])
-        out = np.zeros(self.w_global_shape, dtype=w_shard.dtype)
-        for (f, ch), block in zip(pieces, flat):
-            out[np.ix_(f, ch)] = block.reshape((len(f), len(ch)) + self.kernel_size)
-        return out
+    def weight_tensor(self, w_shard):
+        """A weight shard (the weight, dw) as the DistTensor of the global (F, C/groups, Kh, Kw)
+        in weight_layout: gather() makes it whole."""
+        return DistTensor(w_shard, self.w_global_shape, self.weight_layout, self.grid)
 
-    def gather_bias(self, b_shard):
-        """The global bias (F,) on every rank."""
-        pieces = [self.shard_indices(c)[2] for c in range(self.P_c)]
-        flat = self._gather_flat(b_shard, [len(f) for f in pieces])
-        out = np.zeros(self.F, dtype=b_shard.dtype)
-        for f, block in zip(pieces, flat):
-            out[f] = block.reshape(-1)
-        return out
-
-    def _gather_flat(self, shard, sizes):
-        """The flattened shards of all channel ranks (sizes[c] elements at coordinate c)."""
-        flat = np.ascontiguousarray(backend.to_host(shard)).reshape(-1)
-        return np.split(comm.allgather(self.channel_comm, flat, 0, sizes), np.cumsum(sizes)[:-1])
+    def bias_tensor(self, b_shard):
+        """A bias shard (the bias, db) as the DistTensor of the global (F,) in bias_layout."""
+        return DistTensor(b_shard, (self.F,), self.bias_layout, self.grid)
 
     # -- gradient synchronisation ------------------------------------------------------------
 

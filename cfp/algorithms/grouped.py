@@ -13,22 +13,24 @@ backward-filter:  local
 backward-data:    local
 x: (n, G_c C/G, H, W) -> y: (n, G_c F/G, H', W'), w shard: (G_c F/G, C/G, Kh, Kw), G_c groups here.
 """
+import functools
+
 import numpy as np
 
 from .. import comm
 from ..kernels import conv2d_backward_bias
 from ..layout import Shard
 from ..tensor import Layout
-from .base import GRADIENT_SYNC, ConvAlgorithm, activation_layout
+from .base import GRADIENT_SYNC, ConvAlgorithm
 
 
 class GroupedChannels(ConvAlgorithm):
-    """Any of 'x', 'y', 'w' for groups > 1 (`name` stays the one asked for)."""
+    """Any of 'x', 'y', 'w' for groups > 1: run as `grouped(StationaryX)` etc., a subclass
+    that keeps the name and the filter-group rule (p_f) of the algorithm asked for."""
 
     messages = (GRADIENT_SYNC,)
 
-    def __init__(self, name, grid, in_channels, out_channels, kernel_size, **kwargs):
-        self.name = name
+    def __init__(self, grid, in_channels, out_channels, kernel_size, **kwargs):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)
         self.own_groups = len(self._groups.blocks(self.P_c, grid.coord("channel")))
         # the channels of this rank's groups (what the first layer takes from its whole input)
@@ -43,13 +45,14 @@ class GroupedChannels(ConvAlgorithm):
         return None if input_whole else Shard("channel", "groups", groups)
 
     @classmethod
-    def layouts(cls, image_split, p_f, input_whole=False, groups=1):
-        """x, y, w and b all split by whole groups over the channel axis (x whole when the
-        input is, at the first layer)."""
-        by_groups = Shard("channel", "groups", groups)
-        return {"x": activation_layout(image_split, cls.input_channel(input_whole, groups)),
-                "y": activation_layout(image_split, by_groups),
-                "w": Layout((by_groups, None, None, None)), "b": Layout((by_groups,))}
+    def output_channel(cls, groups):
+        return Shard("channel", "groups", groups)
+
+    @classmethod
+    def weight_layout_of(cls, p_f, groups=1):
+        """x, y, w (and so b) all split by whole groups over the channel axis (x whole when
+        the input is, at the first layer); p_f moves nothing."""
+        return Layout((Shard("channel", "groups", groups), None, None, None))
 
     def kernel_args(self):
         return {**super().kernel_args(), "groups": max(1, self.own_groups)}
@@ -77,3 +80,14 @@ class GroupedChannels(ConvAlgorithm):
             dw, dx = np.zeros(w.shape, dy.dtype), (np.zeros(x.shape, dy.dtype) if self.need_dx else None)
         dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db
+
+
+@functools.lru_cache(maxsize=None)
+def grouped(cls):
+    """The GroupedChannels class that runs algorithm class `cls` (StationaryX, StationaryY,
+    StationaryW or another's) on a grouped layer: its name and its filter-group rule, whole
+    groups' layouts and recipe. One class per `cls`, so a class compares equal to itself."""
+    return type(f"Grouped{cls.__name__}", (GroupedChannels,),
+                {"name": cls.name, "filter_groups": classmethod(cls.filter_groups.__func__),
+                 "__doc__": f"{cls.__name__} on a grouped layer: whole groups per channel rank, nothing moves "
+                            f"along the channel axis (GroupedChannels)."})

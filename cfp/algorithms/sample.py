@@ -7,6 +7,7 @@ x: (n, C, H, W) -> y: (n, F, H', W'), w: (F, C, Kh, Kw) on every rank.
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias
+from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm
 
 
@@ -14,6 +15,16 @@ class SampleParallel(ConvAlgorithm):
     name = "sample"
     weight_replicated = True
     messages = (GRADIENT_SYNC,)
+
+    @classmethod
+    def weight_layout_of(cls, p_f, groups=1):
+        """w whole on every rank."""
+        return Layout.replicated(4)
+
+    @classmethod
+    def filter_groups(cls, channel_parts, filter_groups=None):
+        """p_f = 1: the weight is whole, nothing moves along the channel axis."""
+        return cls.fixed_filter_groups(1, filter_groups)
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)

@@ -10,7 +10,8 @@ column's F blocks and the channels of the row's C blocks (partition.union_of_blo
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias
-from ..partition import block_size, gather_group, scatter_group
+from ..layout import Layout, Shard
+from ..partition import block_size, check_filter_groups, default_filter_groups, gather_group, scatter_group
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message
 
 
@@ -19,6 +20,20 @@ class StationaryW(ConvAlgorithm):
     messages = (Message("forward", "allgather", "row", "x"), Message("forward", "reduce_scatter", "column", "y"),
                 Message("backward-filter", "allgather", "column", "y"),
                 Message("backward-data", "reduce_scatter", "row", "x"), GRADIENT_SYNC)
+
+    @classmethod
+    def weight_layout_of(cls, p_f, groups=1):
+        """w (F / p_f, C / q, Kh, Kw) at channel coordinate c: the filters of the blocks of
+        c's column, the channels of the blocks of c's row."""
+        return Layout((Shard("channel", "column", p_f), Shard("channel", "row", p_f), None, None))
+
+    @classmethod
+    def filter_groups(cls, channel_parts, filter_groups=None):
+        """The p_f asked for, or the divisor of P_c nearest sqrt(P_c) from below; it must
+        divide P_c."""
+        p_f = default_filter_groups(channel_parts) if filter_groups is None else filter_groups
+        check_filter_groups(channel_parts, p_f)
+        return p_f
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, **kwargs):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)

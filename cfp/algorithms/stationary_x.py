@@ -7,6 +7,7 @@ x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias
+from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
 
@@ -14,6 +15,16 @@ class StationaryX(ConvAlgorithm):
     name = "x"
     messages = (Message("forward", "reduce_scatter", "column", "y"),
                 Message("backward-filter", "allgather", "column", "y"), GRADIENT_SYNC)
+
+    @classmethod
+    def weight_layout_of(cls, p_f, groups=1):
+        """w split by input channel: (F, C_c, Kh, Kw) at channel coordinate c."""
+        return Layout((None, "channel", None, None))
+
+    @classmethod
+    def filter_groups(cls, channel_parts, filter_groups=None):
+        """p_f = 1: rows of one rank (nothing to gather of x), one column of all P_c."""
+        return cls.fixed_filter_groups(1, filter_groups)
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)

@@ -7,6 +7,7 @@ x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F_c, C, Kh, Kw).
 """
 from .. import comm
 from ..kernels import conv2d_backward_bias
+from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
 
@@ -14,6 +15,16 @@ class StationaryY(ConvAlgorithm):
     name = "y"
     messages = (Message("forward", "allgather", "row", "x"),
                 Message("backward-data", "reduce_scatter", "row", "x"), GRADIENT_SYNC)
+
+    @classmethod
+    def weight_layout_of(cls, p_f, groups=1):
+        """w split by output filter: (F_c, C, Kh, Kw) at channel coordinate c."""
+        return Layout(("channel", None, None, None))
+
+    @classmethod
+    def filter_groups(cls, channel_parts, filter_groups=None):
+        """p_f = P_c: one row of all P_c (x gathered from all), columns of one rank."""
+        return cls.fixed_filter_groups(channel_parts, filter_groups)
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)

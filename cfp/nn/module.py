@@ -12,6 +12,8 @@ insert a Redistribute wherever one module's output is not where the next one's i
 """
 import numpy as np
 
+from ..tensor import DistTensor, Layout
+
 
 class Parameter:
     def __init__(self, name, data, global_shape, layout=None, grid=None):
@@ -44,26 +46,19 @@ class Parameter:
         writes once)."""
         return self.layout is None or self.layout.is_primary(self.grid, self.grid.coords)
 
+    def tensor(self, value=None):
+        """This shard (or `value`, an array of its shape: its gradient, an optimizer buffer)
+        as a DistTensor of global_shape in the parameter's layout, whose gather() is the
+        global array."""
+        layout = self.layout if self.layout is not None else Layout.replicated(len(self.global_shape))
+        return DistTensor(self.data if value is None else value, self.global_shape, layout, self.grid)
+
     def full_index(self):
         """The index sets with None replaced by the whole range."""
         return tuple(range(n) if ix is None else ix for n, ix in zip(self.global_shape, self.index))
 
     def __repr__(self):
         return f"Parameter({self.name}, shard {tuple(self.data.shape)} of {self.global_shape})"
-
-
-def assemble(global_shape, pieces, dtype):
-    """The global array from (index sets, shard) pieces that cover it (replicas may repeat)."""
-    out = np.zeros(global_shape, dtype=dtype)
-    covered = np.zeros(global_shape, dtype=bool)
-    for index, shard in pieces:
-        full = tuple(range(n) if ix is None else ix for n, ix in zip(global_shape, index))
-        out[np.ix_(*full)] = shard
-        covered[np.ix_(*full)] = True
-    if not covered.all():
-        raise ValueError(f"the shards cover {int(covered.sum())} of the {covered.size} entries of a "
-                         f"tensor of shape {tuple(global_shape)}")
-    return out
 
 
 def same_place(a, b):
