@@ -9,8 +9,10 @@ Rank 0 of each MPI run prints its pytest report live; the other ranks write thei
 .test-logs/np{P}/rank{r}.log, shown only when that rank failed. Every rank writes a JUnit XML
 file from which the closing summary is made. A hung collective is bounded twice: pytest-timeout
 ends the stuck test's process (which makes mpiexec end the job), and MPIEXEC_TIMEOUT ends the
-whole run at that rank count. The run fails when any rank fails, or when a rank count executed
-no test (pytest's exit status 5 is a failure here, not a pass).
+whole run at that rank count. The run fails when any rank fails, or when a rank count's tests
+all skipped. A run whose selection holds no test at all (pytest's exit status 5, e.g. `-k
+partition` at 1 rank, where only 2-rank tests match) is shown as "no tests selected" and does
+not fail; the whole run fails when no run selected any test.
 """
 import argparse
 import compileall
@@ -22,6 +24,8 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
+
+NO_TESTS_COLLECTED = int(pytest.ExitCode.NO_TESTS_COLLECTED)  # 5: the selection holds no test
 
 from launcher import check_launcher, launch_env, launcher
 
@@ -115,7 +119,7 @@ def run_serial(pytest_args, timeout):
         cwd=ROOT, env=single_thread_env(),
     )
     return {"label": "serial", "rc": rc, "counts": junit_counts(junit),
-            "wall": time.time() - start, "failed_ranks": [0] if rc not in (0,) else []}
+            "wall": time.time() - start, "failed_ranks": [0] if rc not in (0, NO_TESTS_COLLECTED) else []}
 
 
 def run_mpi(nprocs, pytest_args, timeout, job_timeout):
@@ -135,7 +139,7 @@ def run_mpi(nprocs, pytest_args, timeout, job_timeout):
                 rank_rc = int(f.read().strip() or 1)
         except (OSError, ValueError):
             rank_rc = None  # the rank never finished (killed, aborted or timed out)
-        if rank_rc != 0:
+        if rank_rc not in (0, NO_TESTS_COLLECTED):
             failed.append(r)
     for r in failed:
         log = os.path.join(logdir, f"rank{r}.log")
@@ -152,10 +156,14 @@ def summarize(results):
     print("\n" + "=" * 27 + " summary per rank count " + "=" * 27)
     header = f"{'run':<10}{'passed':>8}{'failed':>8}{'errors':>8}{'skipped':>9}{'seconds':>9}  status"
     print(header)
-    all_ok = True
+    all_ok, selected = True, False
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for res in results:
         c = res["counts"]
+        if c is not None and c["tests"] == 0 and res["rc"] in (0, NO_TESTS_COLLECTED) and not res["failed_ranks"]:
+            print(f"{res['label']:<10}{0:>8}{0:>8}{0:>8}{0:>9}{res['wall']:>9.1f}  no tests selected")
+            continue
+        selected = True
         if c is None:
             status = f"no report (exit status {res['rc']})"
             ok = False
@@ -178,7 +186,10 @@ def summarize(results):
                   f"{c['skipped']:>9}{res['wall']:>9.1f}  {status}")
         all_ok &= ok
     print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
-    return all_ok
+    if not selected:
+        print("FAILED: no test was selected at any rank count; check the -k expression, the markers "
+              "and the test paths given to pytest")
+    return all_ok and selected
 
 
 def parse_args(argv):

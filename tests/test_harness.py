@@ -71,6 +71,46 @@ def test_the_readme_form_of_pytest_args_runs(tmp_path):
     assert os.path.exists(tmp_path / "logs" / "np1" / "rank0.xml")
 
 
+
+def _summary(*runs):
+    """run_suite.summarize over runs given as (label, rc, tests, failures, skipped, failed ranks)."""
+    from run_suite import summarize
+    return summarize([{"label": label, "rc": rc, "wall": 1.0, "failed_ranks": failed,
+                       "counts": {"tests": tests, "failures": failures, "errors": 0, "skipped": skipped}}
+                      for label, rc, tests, failures, skipped, failed in runs])
+
+
+def test_a_rank_count_that_selects_nothing_is_shown_and_passes(capsys):
+    """A selection with no test at some rank count (pytest's exit status 5) is "no tests
+    selected" there and passes; the run fails if nothing was selected anywhere, or where a
+    rank count's selected tests all skipped or one failed."""
+    assert _summary(("serial", 0, 3, 0, 0, []), ("1 rank", 5, 0, 0, 0, []))
+    out = capsys.readouterr().out
+    assert re.search(r"^1 rank\s+0\s+0\s+0\s+0\s+1\.0\s+no tests selected$", out, re.M), out
+    assert not _summary(("serial", 5, 0, 0, 0, []), ("1 rank", 5, 0, 0, 0, []))
+    assert "FAILED: no test was selected at any rank count" in capsys.readouterr().out
+    assert not _summary(("serial", 0, 3, 0, 0, []), ("2 ranks", 0, 2, 0, 2, []))  # all skipped
+    assert "FAILED: no test executed" in capsys.readouterr().out
+    assert not _summary(("serial", 0, 3, 0, 0, []), ("2 ranks", 1, 2, 1, 0, [0]))
+    assert not _summary(("serial", 5, 0, 0, 0, []), ("2 ranks", 5, 0, 0, 0, [1]))  # a rank did not finish
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("selection,passes", [("test_block_sizes", True), ("nothing_matches_this", False)])
+def test_a_selection_empty_at_a_rank_count(tmp_path, selection, passes):
+    """`-k test_block_sizes` in test_partition.py selects serial tests only: the 1-rank job
+    shows "no tests selected" and the run passes; a selection that matches nothing anywhere
+    fails with one clear line."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "run_suite.py"), "--ranks", "1",
+                           os.path.join(HERE, "test_partition.py"), "-k", selection],
+                          cwd=ROOT, capture_output=True, text=True, timeout=140,
+                          env=single_thread_env(CFP_TEST_LOGS=tmp_path / "logs"))
+    output = proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == passes, output
+    assert re.search(r"^1 rank\s+0\s+0\s+0\s+0\s+[\d.]+\s+no tests selected$", proc.stdout, re.M), output
+    assert ("FAILED: no test was selected at any rank count" in proc.stdout) == (not passes), output
+
+
 # -- the launcher (tests/launcher.py) --------------------------------------------------------
 
 VERSIONS = [
