@@ -7,6 +7,7 @@ the epoch, never on the grid, which is what lets a run on any grid be compared w
 one rank.
 """
 import math
+import os
 
 import numpy as np
 
@@ -84,21 +85,111 @@ def _labels(y, n, where):
     return y.astype(np.int64)
 
 
+def _available_memory():
+    """Bytes of memory the system can give now (Linux's MemAvailable; else free pages), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _declared_bytes(npz):
+    """{array: bytes its header declares} of an open NpzFile, read from the headers alone (no
+    data), so that a damaged or crafted file declaring an array larger than memory is refused
+    before it is read."""
+    out = {}
+    for member_name in npz.zip.namelist():
+        if not member_name.endswith(".npy"):
+            continue
+        with npz.zip.open(member_name) as member:
+            version = np.lib.format.read_magic(member)
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read is None:
+                continue  # a newer header format: numpy's own reading checks it
+            shape, _, dtype = read(member)
+        out[member_name[:-4]] = math.prod(shape) * dtype.itemsize
+    return out
+
+
+def _too_large(declared, where):
+    """The refusal of arrays that declare more bytes than the memory available, or None."""
+    available = _available_memory()
+    total = sum(declared.values())
+    if available is None or total <= available:
+        return None
+    from .report import format_bytes
+    arrays = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(declared.items()))
+    return (f"{where}: its arrays declare {format_bytes(total)} ({arrays}), more than the "
+            f"{format_bytes(available)} of memory available; a damaged file, or one too large for this machine")
+
+
+def check_classes(y_train, y_test, where):
+    """K, the number of classes: max training label + 1. Refused (ValueError naming them): a
+    class in 0..K-1 with no training sample (labels 1..10 leave class 0 empty; sparse label ids
+    leave gaps), and a test label that is not a training class."""
+    classes = int(y_train.max(initial=-1)) + 1
+    seen = np.bincount(y_train, minlength=classes) if classes else np.zeros(0, np.int64)
+    empty = np.flatnonzero(seen == 0)
+    if len(empty):
+        named = ", ".join(str(int(c)) for c in empty[:10]) + (", ..." if len(empty) > 10 else "")
+        raise ValueError(f"{where}: the training labels run to {classes - 1}, so there are {classes} classes "
+                         f"0..{classes - 1}, but {len(empty)} of them have no training sample ({named}); "
+                         f"expected labels 0..K-1 with every class present (relabel, e.g. y - 1 for "
+                         f"labels 1..K)")
+    unseen = np.setdiff1d(np.unique(y_test), np.arange(classes))
+    if len(unseen):
+        named = ", ".join(str(int(c)) for c in unseen[:10]) + (", ..." if len(unseen) > 10 else "")
+        raise ValueError(f"{where}: test label(s) {named} are not among the {classes} training classes "
+                         f"0..{classes - 1}")
+    return classes
+
+
+def _stratified_split(y, test_fraction, seed, where):
+    """(train, test) indices of a stratified split; a label with a single sample, which cannot
+    be on both sides, is refused naming it and the fix."""
+    from sklearn.model_selection import train_test_split
+    counts = np.bincount(y)
+    single = np.flatnonzero(counts == 1)
+    if len(single):
+        named = ", ".join(str(int(c)) for c in single[:10]) + (", ..." if len(single) > 10 else "")
+        raise ValueError(f"{where}: label(s) {named} have a single sample, too few to split off a "
+                         f"stratified test set (each label needs one training and one test sample); give "
+                         f"x_test and y_test, or at least 2 samples of every label")
+    try:
+        return train_test_split(np.arange(len(y)), test_size=test_fraction, stratify=y, random_state=seed)
+    except ValueError as e:
+        raise ValueError(f"{where}: cannot split off a stratified test set of {test_fraction:g} of the "
+                         f"{len(y)} samples ({e}); give x_test and y_test") from None
+
+
 def load_npz(path, test_fraction=0.2, seed=0, dtype=np.float32):
     """A dataset of one's own from an .npz file: `x` (N, C, H, W), (N, H, W, C) or (N, H, W),
     uint8 (scaled to [0, 1]) or floating-point, and `y` integer labels 0..K-1; optionally
     `x_test` and `y_test`, else a stratified split of `test_fraction` (sklearn's
     train_test_split with random_state=seed). Standardised per channel with the training set's
     statistics. Returns (x_train, y_train, x_test, y_test, classes). Every problem is a
-    ValueError naming the file and the array. Read with allow_pickle=False."""
+    ValueError naming the file and the array: among them labels that leave a class without a
+    training sample, and arrays whose headers declare more bytes than the memory available
+    (checked before reading). Read with allow_pickle=False."""
     where = f"dataset {path!r}"
     try:
         with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
+            too_large = _too_large(_declared_bytes(f), where)
+            arrays = {} if too_large else {k: f[k] for k in f.files}
     except FileNotFoundError:
         raise ValueError(f"{where} does not exist") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{where} is not an .npz file of plain arrays: {e}") from None
+    if too_large:
+        raise ValueError(too_large)
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
         raise ValueError(f"{where} lacks the array(s) {', '.join(missing)}; it has {', '.join(sorted(arrays)) or 'none'}")
@@ -113,14 +204,10 @@ def load_npz(path, test_fraction=0.2, seed=0, dtype=np.float32):
             raise ValueError(f"{where}: x_test's images are {x_test.shape[1:]}, x's {x.shape[1:]}")
         x_train, y_train = x, y
     else:
-        from sklearn.model_selection import train_test_split
-        try:
-            train, test = train_test_split(np.arange(len(y)), test_size=test_fraction, stratify=y,
-                                           random_state=seed)
-        except ValueError as e:
-            raise ValueError(f"{where}: cannot split off a stratified test set ({e}); give x_test and y_test") from None
+        check_classes(y, y[:0], where)  # the classes before the split, whose sides hold them all
+        train, test = _stratified_split(y, test_fraction, seed, where)
         x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
-    classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
+    classes = check_classes(y_train, y_test, where)
     x_train, x_test = _standardised(x_train, x_test, dtype)
     return x_train, y_train, x_test, y_test, classes
 
@@ -132,7 +219,10 @@ def load_cifar10(directory, dtype=np.float32):
     """CIFAR-10's binary version from `directory` (data_batch_1.bin ... data_batch_5.bin and
     test_batch.bin, 3073-byte records), read as bytes (no pickle), standardised per channel
     with the training set's statistics. Returns (x_train, y_train, x_test, y_test, 10)."""
-    import os
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise ValueError(f"CIFAR-10 directory {directory!r} {what}; expected the directory of CIFAR-10's binary "
+                         f"version (cifar-10-batches-bin, holding data_batch_1.bin ... test_batch.bin)")
     names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
     missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
     if missing:

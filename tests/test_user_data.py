@@ -67,6 +67,55 @@ def test_object_arrays_and_missing_files_are_refused(tmp_path):
         load_npz(str(tmp_path / "nowhere.npz"))
 
 
+@pytest.mark.parametrize("arrays,message", [
+    # labels 1..10: no class 0
+    ({"x": np.zeros((20, 1, 2, 2)), "y": np.arange(20) % 10 + 1},
+     r"the training labels run to 10, so there are 11 classes 0..10, but 1 of them have no training sample "
+     r"\(0\); expected labels 0..K-1 with every class present \(relabel, e.g. y - 1 for labels 1..K\)"),
+    # sparse label ids
+    ({"x": np.zeros((12, 1, 2, 2)), "y": np.array([0, 2, 5] * 4)}, r"6 classes 0..5, but 3 of them have no "
+     r"training sample \(1, 3, 4\)"),
+    # a test label never seen in training
+    ({"x": np.zeros((8, 1, 2, 2)), "y": np.arange(8) % 4, "x_test": np.zeros((3, 1, 2, 2)), "y_test": np.array([0, 3, 7])},
+     r"test label\(s\) 7 are not among the 4 training classes 0..3"),
+    # a training set of given test data that lacks a class the test set has
+    ({"x": np.zeros((4, 1, 2, 2)), "y": np.array([0, 2, 0, 2]), "x_test": np.zeros((2, 1, 2, 2)), "y_test": np.array([1, 1])},
+     r"3 classes 0..2, but 1 of them have no training sample \(1\)"),
+    # a label with one sample, which a stratified split cannot put on both sides
+    ({"x": np.zeros((9, 1, 2, 2)), "y": np.array([0, 0, 0, 0, 1, 1, 1, 1, 2])},
+     r"label\(s\) 2 have a single sample, too few to split off a stratified test set .*give x_test and y_test, "
+     r"or at least 2 samples of every label"),
+])
+def test_labels_that_leave_a_class_empty_are_refused(tmp_path, arrays, message):
+    path = tmp_path / "labels.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=message):
+        load_npz(str(path))
+
+
+def _crafted_npz(path, shape):
+    """An .npz whose x declares `shape` (uint8) in its header but holds 16 bytes of data."""
+    import io
+    import zipfile
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", header.getvalue() + bytes(16))
+        y = io.BytesIO()
+        np.save(y, np.zeros(4, np.int64))
+        z.writestr("y.npy", y.getvalue())
+
+
+def test_an_array_declared_larger_than_memory_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "crafted.npz"
+    _crafted_npz(path, (1 << 20, 1 << 20, 64))  # 64 TiB of uint8
+    with pytest.raises(ValueError, match=r"crafted.npz': its arrays declare 65536.0 GiB \(x 65536.0 GiB, y 32 B\), "
+                                         r"more than the .* GiB of memory available; a damaged file"):
+        load_npz(str(path))
+    _crafted_npz(path, (4, 1, 2, 2))  # declares 16 bytes: read, and loads
+    assert load_npz(str(path), test_fraction=0.5)[4] == 1
+
+
 def write_cifar(directory, per_file=12, seed=0):
     """Files in CIFAR-10's binary format: 3073-byte records, a label then 3 x 32 x 32 pixels."""
     rng = np.random.default_rng(seed)
@@ -88,6 +137,11 @@ def test_cifar10_binary_files(tmp_path):
     os.remove(tmp_path / "cifar" / "data_batch_3.bin")
     with pytest.raises(ValueError, match="lacks data_batch_3.bin"):
         load_cifar10(str(tmp_path / "cifar"))
+    with pytest.raises(ValueError, match=r"CIFAR-10 directory '.*nowhere' does not exist; expected the directory of "
+                                         r"CIFAR-10's binary version \(cifar-10-batches-bin"):
+        load_cifar10(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"CIFAR-10 directory '.*test_batch.bin' is not a directory"):
+        load_cifar10(str(tmp_path / "cifar" / "test_batch.bin"))
 
 
 def test_train_script_on_an_npz_and_on_cifar_files(tmp_path):
