@@ -72,7 +72,7 @@ TRAIN_CASES = [
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'; expected one of digits, synthetic, npz:PATH, cifar10:DIR"),
     (["--dataset", "npz:/nonexistent/data.npz"], "dataset '/nonexistent/data.npz' does not exist"),
-    (["--dataset", "cifar10:/nonexistent"], "CIFAR-10 directory '/nonexistent' lacks data_batch_1.bin"),
+    (["--dataset", "cifar10:/nonexistent"], "CIFAR-10 directory '/nonexistent' does not exist"),
     (["--dataset", "npz:x.npz", "--upsample", "2"], "--upsample applies to --dataset digits and synthetic only"),
     (["--augment", "--eval-only", "--resume", "--checkpoint-dir", "ckpt"],
      "--augment changes the training batches only; with --eval-only, which does not train, it would be ignored"),
