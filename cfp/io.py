@@ -70,9 +70,31 @@ def save_npz(path, **arrays):
     _atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
+FIGURE_FORMATS = ("png", "pdf", "svg")  # what a picture's file name may end in
+
+
+def figure_format(path, what="picture"):
+    """The format a picture is written in, from its file name's extension (.png, .pdf or .svg,
+    any case); any other is refused, naming the path, rather than written under a wrong name."""
+    extension = os.path.splitext(str(path))[1].lower()
+    if extension[1:] not in FIGURE_FORMATS:
+        given = f"'{extension}'" if extension else "none"
+        raise ValueError(f"{what} {str(path)!r}: the file name's extension chooses the picture's format; expected "
+                         f"{', '.join('.' + f for f in FIGURE_FORMATS)}, got {given}")
+    return extension[1:]
+
+
+def check_figure_path(path, what):
+    """check_writable for a picture, and its format from the extension (figure_format)."""
+    figure_format(path, what)
+    check_writable(path, what)
+
+
 def save_figure(path, fig, dpi=100):
-    """Write the matplotlib figure `fig` as a PNG to `path` atomically."""
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    """Write the matplotlib figure `fig` to `path` atomically, as PNG, PDF or SVG by the file
+    name's extension (figure_format)."""
+    file_format = figure_format(path)
+    _atomic_write(path, lambda f: fig.savefig(f, format=file_format, dpi=dpi))
 
 
 def save_json(path, obj, sort_keys=True):

@@ -28,7 +28,7 @@ import time
 
 from cfp import cli, planner
 from cfp.checks import int_options
-from cfp.io import check_writable, save_figure, save_json
+from cfp.io import check_figure_path, check_writable, save_figure, save_json
 from cfp.models import wide_cnn_layers, wide_resnet50_layers
 from cfp.perfmodel import MachineProfile
 
@@ -169,7 +169,7 @@ def parse_args(argv):
     p.add_argument("--cnn-image", type=int, default=32, help="side of the wide CNN's square input images")
     p.add_argument("--max-gpus", type=int, default=1024, help="largest scale (powers of two from 4)")
     p.add_argument("--json", help="write every number to this JSON file")
-    p.add_argument("--plot", help="write the scaling plot to this PNG file (needs matplotlib)")
+    p.add_argument("--plot", help="write the scaling plot to this file, .png, .pdf or .svg (needs matplotlib)")
     args = p.parse_args(argv)
     int_options(args, positive=("batch", "resnet_width", "cnn_width", "cnn_depth", "cnn_image"))
     if args.max_gpus < 4:
@@ -183,9 +183,10 @@ def parse_args(argv):
 def run_simulation(args):
     """Plan both models at every scale, print the tables and write --json and --plot; returns
     {model title: [simulate_scale rows]}."""
-    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
-        if path:
-            check_writable(path, option)
+    if args.json:
+        check_writable(args.json, "--json")
+    if args.plot:
+        check_figure_path(args.plot, "--plot")
     profile = MachineProfile.load(args.profile)
     memory_limit = profile.data.get("memory_per_rank")
     scales = [2 ** k for k in range(2, args.max_gpus.bit_length())]  # 4, 8, ... up to --max-gpus

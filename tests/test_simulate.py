@@ -138,3 +138,26 @@ def test_plot_without_matplotlib_fails_up_front(simulate, tmp_path, monkeypatch)
                         lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
     with pytest.raises(ValueError, match="--plot .*needs matplotlib"):
         simulate.parse_args(["--plot", str(tmp_path / "scaling.png")])
+
+
+@pytest.mark.parametrize("name,magic", [("curves.png", b"\x89PNG"), ("curves.PDF", b"%PDF"), ("curves.svg", b"<?xml")])
+def test_a_pictures_extension_chooses_its_format(tmp_path, name, magic):
+    """save_figure writes PNG, PDF or SVG by the file name's extension (a .pdf is a PDF, not a
+    PNG under a .pdf name)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from cfp.io import save_figure
+    fig = plt.figure(figsize=(1, 1))
+    save_figure(tmp_path / name, fig)
+    plt.close(fig)
+    assert (tmp_path / name).read_bytes().startswith(magic)
+
+
+def test_a_picture_of_an_unknown_format_is_refused_before_the_work(simulate, tmp_path):
+    for name, got in (("scaling.jpg", "'.jpg'"), ("scaling", "none")):
+        with pytest.raises(ValueError, match=rf"--plot '.*{name}': the file name's extension chooses the picture's "
+                                             rf"format; expected .png, .pdf, .svg, got {got}"):
+            simulate.main(["--max-gpus", "4", "--plot", str(tmp_path / name)])
+    assert not list(tmp_path.iterdir())
