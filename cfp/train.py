@@ -18,7 +18,7 @@ from .checks import alike_on_all_ranks, finite_number, int_options, option_name 
 from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
 from .grid import Grids, ProcessGrid
-from .io import check_writable, save_figure, save_json
+from .io import check_figure_path, check_writable, save_figure, save_json
 from .models import MODELS, build_model, read_plan
 from .nn import SoftmaxCrossEntropy
 from .perfmodel import MachineProfile
@@ -118,7 +118,7 @@ class TrainConfig:
         if self.log:
             check_writable(self.log, "--log")
         if self.plot:
-            check_writable(self.plot, "--plot")
+            check_figure_path(self.plot, "--plot")
             if importlib.util.find_spec("matplotlib") is None:
                 raise ValueError("--plot needs matplotlib (pip install matplotlib)")
         if self.checkpoint_dir:

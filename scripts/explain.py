@@ -22,7 +22,7 @@ from cfp import cli
 from cfp.algorithms import ALGORITHMS
 from cfp.checks import int_options
 from cfp.explain import explain_layer, explain_model, model_table, plot_layer, plot_model, trace_layer
-from cfp.io import check_writable
+from cfp.io import check_figure_path
 from cfp.models import MODELS, layer_shapes, read_plan
 
 
@@ -50,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--depth", type=int, default=4, help="--model wide: number of wide layers")
     p.add_argument("--in-channels", type=int, default=1, help="--model: channels of the input images")
     p.add_argument("--plan", help="--model: a plan file (scripts/plan.py --out) instead of --grid and --algorithm")
-    p.add_argument("--plot", help="write the picture here (PNG; needs matplotlib)")
+    p.add_argument("--plot", help="write the picture here, .png, .pdf or .svg (needs matplotlib)")
     p.add_argument("--trace", action="store_true",
                    help="run the layer on the ranks of this MPI job and show what each rank held after each step")
     p.add_argument("--seed", type=int, default=0, help="--trace: seeds the tensors' values")
@@ -76,7 +76,7 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
     if args.plot:
-        check_writable(args.plot, "--plot")
+        check_figure_path(args.plot, "--plot")
     itemsize = 8 if args.dtype == "float64" else 4
     if args.model is not None:
         layers = layer_shapes(args.model, args.batch, args.width, args.depth, args.in_channels, image=args.image)

@@ -72,7 +72,7 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--eval-only", action="store_true",
                    help="with --resume: print the checkpoint's test loss and accuracy (on any grid), no training")
-    p.add_argument("--plot", help="PNG of the loss and accuracy curves (needs matplotlib)")
+    p.add_argument("--plot", help="the loss and accuracy curves, .png, .pdf or .svg (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -41,7 +41,8 @@ def files(tmp_path):
     plain = tmp_path / "plain-file"
     plain.write_text("not a directory")
     return {"tmp": tmp_path, "under_file": str(plain / "out.json"), "dir": str(tmp_path),
-            "plain": str(plain), "proc": "/proc/cfp-cannot-write-here.json"}
+            "plain": str(plain), "proc": "/proc/cfp-cannot-write-here.json",
+            "proc_png": "/proc/cfp-cannot-write-here.png", "jpg": str(tmp_path / "curves.jpg")}
 
 
 TRAIN_CASES = [
@@ -87,7 +88,9 @@ def test_train_bad_option(args, message):
 @pytest.mark.parametrize("option,key,message", [
     ("--log", "dir", "--log '.*' is a directory; expected a file name"),
     ("--log", "under_file", "--log '.*' cannot be made: '.*plain-file' is a file"),
-    ("--plot", "proc", "--plot '/proc/.*' cannot be written"),
+    ("--plot", "proc_png", "--plot '/proc/.*' cannot be written"),
+    ("--plot", "jpg", "--plot '.*curves.jpg': the file name's extension chooses the picture's format; expected .png, "
+                      ".pdf, .svg, got '.jpg'"),
     ("--checkpoint-dir", "plain", "--checkpoint-dir '.*plain-file' exists and is not a directory"),
     ("--algorithm auto --profile", "dir", "machine profile '.*' is a directory"),
 ])

@@ -181,6 +181,7 @@ def _script(*args, ranks=None, timeout=60):
     (["--plan", "p.json"], "--plan applies to --model only"),
     (["--model", "resnet", "--trace"], "--trace runs one layer"),
     (["--grid", "height=8", "--image", "4"], "too small for the grid"),
+    (["--plot", "layer.gif"], "--plot 'layer.gif': the file name's extension chooses the picture's format"),
 ])
 def test_bad_input_is_one_message(args, message):
     proc = _script(*args)
