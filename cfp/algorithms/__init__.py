@@ -34,8 +34,9 @@ def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_gr
     """The distributed convolution `algorithm` ('sample', 'x', 'y' or 'w') on `grid`.
 
     filter_groups (p_f) applies to 'w' only (default: the divisor of P_c nearest sqrt(P_c);
-    p_f = 1 is stationary-x's partition, p_f = P_c stationary-y's). With groups > 1, x, y and w
-    run as GroupedChannels.
+    p_f = 1 is stationary-x's partition, p_f = P_c stationary-y's; each class's filter_groups
+    says, and refuses a p_f it does not take). With groups > 1, x, y and w run as
+    grouped(their class), a GroupedChannels.
     Other keywords: stride, padding, dilation, groups, padding_mode (nn.Conv2d's), bias,
     input_whole (x holds all C: the first layer), need_dx, layer.
     """
