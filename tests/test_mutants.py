@@ -409,7 +409,7 @@ def test_inputs_checked_restores_checking_and_layers_still_check_blocks():
 
 def test_replicate_padding_and_winograd_with_a_short_last_block():
     from cfp.kernels import conv2d_forward
-    from cfp.kernels.conv import winograd
+    from cfp.kernels import winograd
     # replicate padding of all ones is all ones: every 3x3 window sums 9 ones
     y = conv2d_forward(np.ones((1, 1, 3, 3)), np.ones((1, 1, 3, 3)), padding=1, padding_mode="replicate")
     np.testing.assert_array_equal(y, np.full((1, 1, 3, 3), 9.0))
@@ -442,7 +442,7 @@ def test_alltoall_and_bias_refusals_name_the_shapes():
 def test_winograd_takes_3x3_kernels_only():
     # with Winograd on, 4x3 and 3x4 kernels still go by im2col: against the loop reference
     from cfp.kernels import conv2d_forward
-    from cfp.kernels.conv import winograd
+    from cfp.kernels import winograd
     from cfp.kernels.conv_reference import conv2d_forward_loop
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 2, 6, 6))
@@ -563,8 +563,11 @@ def test_alltoallv_inside_inputs_checked_sends_no_count_check():
     assert checked.calls == ["Alltoall", "Allgather", "Alltoallv"]
 
 
-def test_filter_groups_of_each_algorithm():
-    from cfp.algorithms import filter_groups_of
+def test_filter_groups_each_algorithm_declares():
+    from cfp.algorithms import algorithm_class
+
+    def filter_groups_of(algorithm, channel_parts, given=None, groups=1):
+        return algorithm_class(algorithm, groups).filter_groups(channel_parts, given)
     assert filter_groups_of("w", 4, 4) == 4 and filter_groups_of("w", 4, 1) == 1 and filter_groups_of("w", 4) == 2
     assert filter_groups_of("y", 4) == 4 and filter_groups_of("x", 4) == 1 and filter_groups_of("sample", 4) == 1
     assert filter_groups_of("y", 4, groups=2) == 4 and filter_groups_of("w", 4, groups=2) == 2

@@ -24,12 +24,6 @@ def algorithm_class(algorithm, groups=1):
     return grouped(cls) if groups > 1 and not cls.weight_replicated else cls
 
 
-def filter_groups_of(algorithm, channel_parts, filter_groups=None, groups=1):
-    """The p_f of `algorithm` on P_c = channel_parts channel ranks, as its class declares it
-    (ConvAlgorithm.filter_groups; a p_f given to any but 'w' is refused)."""
-    return algorithm_class(algorithm, groups).filter_groups(channel_parts, filter_groups)
-
-
 def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_groups=None, **kwargs):
     """The distributed convolution `algorithm` ('sample', 'x', 'y' or 'w') on `grid`.
 
@@ -45,4 +39,4 @@ def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_gr
 
 
 __all__ = ["ALGORITHMS", "ConvAlgorithm", "GroupedChannels", "SampleParallel", "StationaryW", "StationaryX",
-           "StationaryY", "algorithm_class", "filter_groups_of", "grouped", "make_conv"]
+           "StationaryY", "algorithm_class", "grouped", "make_conv"]

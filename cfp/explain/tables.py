@@ -14,7 +14,7 @@ runs, never from a second copy:
 import dataclasses
 import math
 
-from ..algorithms import algorithm_class, filter_groups_of
+from ..algorithms import algorithm_class
 from ..algorithms.base import HALO, HALO_ADJOINT, run_order
 from ..checks import int_pair
 from ..grid import AXES, ProcessGrid, coords_of, rank_of
@@ -211,7 +211,7 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
     options = conv_options(stride, padding, dilation, groups, padding_mode)
     cls = algorithm_class(algorithm, options["groups"])
     C, F = x_shape[1], int(out_channels)
-    p_f = filter_groups_of(algorithm, sizes["channel"], filter_groups)
+    p_f = cls.filter_groups(sizes["channel"], filter_groups)
     w_shape = (F, C // options["groups"]) + kernel
     spatial_options = window_options(options)
     y_shape = conv2d_output_shape(x_shape, w_shape, **options)
