@@ -20,6 +20,7 @@ Also the flags every rank agrees on (`max_over_ranks`, `on_every_rank`) and `Ctr
 takes Ctrl-C or SIGTERM at a step boundary on all ranks together (cfp/train.py's loop).
 """
 import argparse
+import difflib
 import os
 import signal
 import sys
@@ -50,18 +51,41 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for scripts that run on many ranks: its errors raise UsageError (so they take
-    the same way out as every other error) and its help is printed by rank 0 alone."""
+    the same way out as every other error) and its help is printed by rank 0 alone. An option
+    is taken only as written (no abbreviations: `--epoch` is not `--epochs`), and one it does
+    not know gets the nearest of its options as a hint ("did you mean --epochs?")."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message}{self._hint(message)} (see {self.prog} --help)")
+
+    def _hint(self, message):
+        """'; did you mean --x?' for each unknown option of an 'unrecognized arguments' message
+        that is close to one of this parser's options (difflib), else ''."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        unknown = [w.split("=", 1)[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+        hints = []
+        for option in unknown:
+            close = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean {close[0]}?" if len(unknown) == 1 else f"did you mean {close[0]} for {option}?")
+        return "; " + "; ".join(hints) if hints else ""
 
     def _print_message(self, message, file=None):
         if MPI.COMM_WORLD.Get_rank() == 0:
             super()._print_message(message, file)
+
+
+def one_of(names):
+    """The metavar that shows an option's choices in --help, '{a,b,c}', where the script checks
+    the value itself (with its own message naming it) rather than by argparse's choices."""
+    return "{" + ",".join(str(n) for n in names) + "}"
 
 
 def script_description(doc):
@@ -87,7 +111,7 @@ def _outcome(main, argv):
         detail = str(e)
         return INTERRUPTED, "interrupted" + (f": {detail}" if detail else "")
     except ValueError as e:
-        return USAGE_ERROR, f"error: {e}"
+        return USAGE_ERROR, f"error: {e}{_launch_hint(e)}"
     except SystemExit as e:  # a script that exits by itself keeps its status
         if e.code in (None, 0):
             return 0, None
@@ -96,6 +120,16 @@ def _outcome(main, argv):
         return USAGE_ERROR, f"error: {e.code}"
     except Exception:  # noqa: BLE001 - a bug: show where, once
         return UNEXPECTED, "error: unexpected failure (a bug in cfp)\n" + traceback.format_exc().rstrip()
+
+
+def _launch_hint(error):
+    """How to start the ranks a grid needs, when a job of one rank was given a larger grid
+    (the script was run without mpiexec, or with -n 1)."""
+    needed = getattr(error, "ranks_needed", None)
+    if needed is None or MPI.COMM_WORLD.Get_size() != 1:
+        return ""
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "SCRIPT"  # as the user typed it
+    return f"; run it on {needed} ranks: mpiexec -n {needed} python -m mpi4py {script} ..."
 
 
 def _wait(request, seconds):

@@ -94,6 +94,15 @@ def factorizations(size, naxes=2):
     return list(_factorizations(size, naxes))
 
 
+class GridSizeError(ValueError):
+    """A grid whose axes multiply to another number of ranks than the communicator has;
+    `ranks_needed` is theirs (what a script run on one rank is told to start)."""
+
+    def __init__(self, message, ranks_needed):
+        super().__init__(message)
+        self.ranks_needed = ranks_needed
+
+
 class ProcessGrid:
     """Named axes over the ranks of `comm` (default COMM_WORLD).
 
@@ -108,10 +117,8 @@ class ProcessGrid:
         self.shape = {axis: sizes.get(axis, 1) for axis in AXES}
         needed = math.prod(self.shape.values())
         if needed != comm.Get_size():
-            raise ValueError(
-                f"grid {self.describe()} needs {needed} ranks, "
-                f"the communicator has {comm.Get_size()}"
-            )
+            raise GridSizeError(f"grid {self.describe()} needs {needed} ranks, the communicator has "
+                                f"{comm.Get_size()}", needed)
         # Every rank has checked the same thing above, so all ranks get here or none does.
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()

@@ -240,11 +240,21 @@ PLAN_KEYS = ("grid", "algorithm", "filter_groups")
 def read_plan(path):
     """The "layers" of a plan file ({"layers": {layer name: {"grid", "algorithm",
     "filter_groups"}}}, as scripts/plan.py --out writes), checked for its form."""
+    import os
+
     from .io import load_json
+    if not os.path.exists(path):
+        raise ValueError(f"plan file {path!r} does not exist; make one with scripts/plan.py, e.g. "
+                         f"`python scripts/plan.py --model resnet --width 4 --batch 64 --ranks 2 --out {path}`")
     data = load_json(path, "plan file")
     if not isinstance(data, dict) or not isinstance(data.get("layers"), dict) or set(data) - {"layers", "about"}:
         raise ValueError(f"plan file {path!r}: expected an object {{\"layers\": {{layer name: {{\"grid\": ..., "
                          f"\"algorithm\": ..., \"filter_groups\": ...}}}}}}")
+    for name, entry in data["layers"].items():
+        try:
+            _check_plan_entry(name, entry)
+        except ValueError as e:
+            raise ValueError(f"plan file {path!r}: {e}") from None
     return data["layers"]
 
 
@@ -252,8 +262,6 @@ def check_plan(plan, names, ranks):
     """ValueError unless `plan` ({layer name: {"grid", "algorithm", "filter_groups"}}) names
     only layers in `names` with grids of `ranks` ranks and known algorithms: the checks that
     need no MPI, alike on every rank, before anything is built."""
-    from .algorithms import ALGORITHMS
-    from .grid import parse_grid_spec
     if not isinstance(plan, dict):
         raise ValueError(f"a plan maps layer names to entries, got {type(plan).__name__}")
     unknown = [n for n in plan if n not in names]
@@ -261,25 +269,36 @@ def check_plan(plan, names, ranks):
         raise ValueError(f"the plan names layer(s) {', '.join(map(repr, unknown))} that this model does not "
                          f"have; its layers are {', '.join(names)}")
     for name, entry in plan.items():
-        if not isinstance(entry, dict) or set(entry) - set(PLAN_KEYS):
-            extra = sorted(set(entry) - set(PLAN_KEYS)) if isinstance(entry, dict) else entry
-            raise ValueError(f"plan entry of layer {name}: expected an object with keys among "
-                             f"{', '.join(PLAN_KEYS)}, got {extra!r}")
-        if "algorithm" in entry and entry["algorithm"] not in ALGORITHMS:
-            raise ValueError(f"plan entry of layer {name}: unknown algorithm {entry['algorithm']!r}; expected "
-                             f"one of {', '.join(ALGORITHMS)}")
-        if "grid" in entry:
+        _check_plan_entry(name, entry, ranks)
+
+
+def _check_plan_entry(name, entry, ranks=None):
+    """ValueError naming the layer unless its plan entry has known keys, a known algorithm, a
+    grid spec (of `ranks` ranks, where given) and a p_f only for algorithm 'w'."""
+    from .algorithms import ALGORITHMS
+    from .grid import parse_grid_spec
+    if not isinstance(entry, dict) or set(entry) - set(PLAN_KEYS):
+        extra = sorted(set(entry) - set(PLAN_KEYS)) if isinstance(entry, dict) else entry
+        raise ValueError(f"plan entry of layer {name}: expected an object with keys among "
+                         f"{', '.join(PLAN_KEYS)}, got {extra!r}")
+    if "algorithm" in entry and entry["algorithm"] not in ALGORITHMS:
+        raise ValueError(f"plan entry of layer {name}: unknown algorithm {entry['algorithm']!r}; expected "
+                         f"one of {', '.join(ALGORITHMS)}")
+    if "grid" in entry:
+        try:
             sizes = parse_grid_spec(entry["grid"])
-            needed = int(np.prod(list(sizes.values())))
-            if needed != ranks:
-                raise ValueError(f"plan entry of layer {name}: grid {entry['grid']!r} needs {needed} ranks, "
-                                 f"this run has {ranks}")
-        p_f = entry.get("filter_groups")
-        if p_f is not None:
-            positive_int(p_f, f"filter_groups of layer {name}")
-            if entry.get("algorithm", "w") != "w":
-                raise ValueError(f"plan entry of layer {name}: filter_groups applies to algorithm 'w' only, "
-                                 f"not {entry['algorithm']!r}")
+        except ValueError as e:
+            raise ValueError(f"plan entry of layer {name}: {e}") from None
+        needed = int(np.prod(list(sizes.values())))
+        if ranks is not None and needed != ranks:
+            raise ValueError(f"plan entry of layer {name}: grid {entry['grid']!r} needs {needed} ranks, "
+                             f"this run has {ranks}")
+    p_f = entry.get("filter_groups")
+    if p_f is not None:
+        positive_int(p_f, f"filter_groups of layer {name}")
+        if entry.get("algorithm", "w") != "w":
+            raise ValueError(f"plan entry of layer {name}: filter_groups applies to algorithm 'w' only, "
+                             f"not {entry['algorithm']!r}")
 
 
 def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=None, choose_grids=False,

@@ -28,6 +28,7 @@ from .tensor import Layout, check_blocks
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR")
+DTYPES = ("float32", "float64")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
 DEFAULT_PROFILE = "cpu-dev"
@@ -76,7 +77,7 @@ class TrainConfig:
         same on every rank (no MPI involved)."""
         for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS) + ("auto",)),
                                ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
-                               ("dataset", DATASETS), ("dtype", ("float32", "float64"))):
+                               ("dataset", DATASETS), ("dtype", DTYPES)):
             value = getattr(self, field)
             if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10") \
                     and len(value.split(":", 1)) == 2 and value.split(":", 1)[1]:

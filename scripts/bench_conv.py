@@ -14,6 +14,7 @@ stdout; --json keeps the rows.
 import sys
 import time
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 from mpi4py import MPI
 

@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 
 from cfp import cli

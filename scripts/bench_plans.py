@@ -14,6 +14,7 @@ redistributions) from the machine profile.
 """
 import sys
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 from mpi4py import MPI
 

@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 import scipy.optimize
 from mpi4py import MPI

@@ -16,6 +16,7 @@ with status 1 when anything differs from the explanation.
 """
 import sys
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 from mpi4py import MPI
 
 from cfp import cli
@@ -23,6 +24,7 @@ from cfp.algorithms import ALGORITHMS
 from cfp.checks import int_options
 from cfp.explain import explain_layer, explain_model, model_table, plot_layer, plot_model, trace_layer
 from cfp.io import check_figure_path
+from cfp.kernels.conv import PADDING_MODES
 from cfp.models import MODELS, layer_shapes, read_plan
 
 
@@ -37,15 +39,15 @@ def parse_args(argv):
     p.add_argument("--padding", type=int, default=None, help="padding on each side (default: K // 2)")
     p.add_argument("--dilation", type=int, default=1, help="the spacing of the kernel's taps")
     p.add_argument("--groups", type=int, default=1, help="grouped convolution (G = C: depthwise)")
-    p.add_argument("--padding-mode", default="zeros", help="zeros, reflect, replicate or circular (on a grid "
+    p.add_argument("--padding-mode", default="zeros", metavar=cli.one_of(PADDING_MODES), help="zeros, reflect, replicate or circular (on a grid "
                    "splitting the image the halo also brings the rows the padded border copies)")
     p.add_argument("--first", action="store_true",
                    help="a network's first layer: its input whole on every channel rank, no dx")
     p.add_argument("--grid", help="process grid, e.g. sample=2,channel=2 (default: sample=1)")
-    p.add_argument("--algorithm", default="y", help="one of " + ", ".join(ALGORITHMS))
+    p.add_argument("--algorithm", default="y", metavar=cli.one_of(ALGORITHMS), help="the algorithm")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing the channel axis)")
-    p.add_argument("--dtype", default="float64", help="float32 or float64 (the bytes' element size)")
-    p.add_argument("--model", help="explain every convolution of a model instead: " + ", ".join(MODELS))
+    p.add_argument("--dtype", default="float64", metavar=cli.one_of(("float32", "float64")), help="the bytes' element size")
+    p.add_argument("--model", metavar=cli.one_of(MODELS), help="explain every convolution of a model instead")
     p.add_argument("--width", type=int, default=1, help="--model: width multiplier (resnet, mobile) or channels (wide)")
     p.add_argument("--depth", type=int, default=4, help="--model wide: number of wide layers")
     p.add_argument("--in-channels", type=int, default=1, help="--model: channels of the input images")

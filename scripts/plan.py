@@ -13,6 +13,7 @@ after the block's convolutions). --out writes the plan as a plan file that
 import math
 import sys
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 from cfp import cli
 from cfp.checks import finite_number, int_options
 from cfp.grid import parse_grid_spec
@@ -24,7 +25,7 @@ from cfp.planner import plan
 
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--model", default="wide", help="one of " + ", ".join(MODELS))
+    p.add_argument("--model", default="wide", metavar=cli.one_of(MODELS), help="the model to plan")
     p.add_argument("--width", type=int, default=256,
                    help="resnet: width multiplier; wide: channels per layer")
     p.add_argument("--depth", type=int, default=4, help="wide: number of wide layers")

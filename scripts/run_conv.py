@@ -17,6 +17,7 @@ import argparse
 import sys
 import time
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 from mpi4py import MPI
 
@@ -24,6 +25,7 @@ from cfp import backend, cli, comm
 from cfp.algorithms import ALGORITHMS, make_conv
 from cfp.grid import ProcessGrid
 from cfp.checks import alike_on_all_ranks
+from cfp.kernels.conv import PADDING_MODES
 from cfp.io import check_writable, load_array, save_npz
 from cfp.kernels import conv2d_output_shape
 from cfp.report import format_bytes, format_table
@@ -62,8 +64,8 @@ def parse_args(argv):
     p.add_argument("--dilation", type=_ints("--dilation"), default=1, help="dilation: D or DH,DW")
     p.add_argument("--groups", type=_ints("--groups", pairs=False), default=1,
                    help="groups: C and F in G groups convolved apart (G = C: depthwise)")
-    p.add_argument("--padding-mode", default="zeros", help="zeros, reflect, replicate or circular")
-    p.add_argument("--algorithm", required=True, help="one of " + ", ".join(ALGORITHMS))
+    p.add_argument("--padding-mode", default="zeros", metavar=cli.one_of(PADDING_MODES), help="the padding's values")
+    p.add_argument("--algorithm", required=True, metavar=cli.one_of(ALGORITHMS), help="the algorithm")
     p.add_argument("--grid", required=True, help="e.g. sample=2,channel=2")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing P_c)")
     p.add_argument("--threads", type=int, help="BLAS threads per rank (default cores // ranks per node)")

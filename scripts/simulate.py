@@ -26,6 +26,7 @@ import importlib.util
 import sys
 import time
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 from cfp import cli, planner
 from cfp.checks import int_options
 from cfp.io import check_figure_path, check_writable, save_figure, save_json

@@ -14,15 +14,18 @@ communication by layer and collective, memory per rank); --log keeps the per-ste
 import dataclasses
 import sys
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 from cfp import cli
-from cfp.train import (DEFAULT_PROFILE, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
+from cfp.algorithms import ALGORITHMS
+from cfp.models import MODELS
+from cfp.train import (DEFAULT_PROFILE, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
                        TrainConfig, train)
 
 
 def parse_args(argv):
     defaults = TrainConfig()
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--model", default=defaults.model, help="resnet (small ResNet), wide (wide plain CNN) or mobile (depthwise, dilated and "
+    p.add_argument("--model", default=defaults.model, metavar=cli.one_of(MODELS), help="resnet (small ResNet), wide (wide plain CNN) or mobile (depthwise, dilated and "
                         "grouped convolutions)")
     p.add_argument("--width", type=int, default=defaults.width,
                    help="resnet: width multiplier (16, 32, 64 channels times W); wide: channels per layer")
@@ -31,7 +34,7 @@ def parse_args(argv):
     p.add_argument("--grid", default=defaults.grid,
                    help="process grid, e.g. sample=2,channel=2 (default: sample=<ranks>; with --algorithm "
                         "auto and no --grid the planner chooses a grid per layer)")
-    p.add_argument("--algorithm", default=defaults.algorithm,
+    p.add_argument("--algorithm", default=defaults.algorithm, metavar=cli.one_of([*ALGORITHMS, "auto"]),
                    help="sample, x, y, w, or auto (the planner's choice per layer: on --grid when given)")
     p.add_argument("--plan", default=None,
                    help="plan file (JSON, as scripts/plan.py --out writes): a grid and algorithm per layer; "
@@ -46,15 +49,15 @@ def parse_args(argv):
     p.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global mini-batch")
     p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    p.add_argument("--optimizer", default=defaults.optimizer, help=", ".join(OPTIMIZERS))
+    p.add_argument("--optimizer", default=defaults.optimizer, metavar=cli.one_of(OPTIMIZERS), help="the optimizer")
     p.add_argument("--momentum", type=float, default=defaults.momentum,
                    help=f"--optimizer sgd only: momentum (default: {SGD_MOMENTUM})")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
                    help="L2 penalty (sgd, adam) or decoupled decay (adamw)")
-    p.add_argument("--schedule", default=defaults.schedule, help="learning-rate schedule: " + ", ".join(SCHEDULES))
+    p.add_argument("--schedule", default=defaults.schedule, metavar=cli.one_of(SCHEDULES), help="learning-rate schedule")
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
                    help="steps of linear warm-up before the schedule")
-    p.add_argument("--dtype", default=defaults.dtype, help="float32 or float64")
+    p.add_argument("--dtype", default=defaults.dtype, metavar=cli.one_of(DTYPES), help="element type")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seeds the weights, the data and the shuffling")
     p.add_argument("--dataset", default=defaults.dataset,
                    help="digits (scikit-learn's), synthetic, npz:PATH (arrays x, y and optionally x_test, "

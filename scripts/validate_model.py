@@ -12,6 +12,7 @@ ends with a memory check: a model too large for a limit on one rank, planned und
 import sys
 import tracemalloc
 
+import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 from mpi4py import MPI
 

@@ -20,8 +20,10 @@ def grid_specs(naxes=2, axes=("sample", "channel")):
 
 def load_script(name):
     """scripts/NAME.py as a module, for tests that call its functions in-process."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    if scripts not in sys.path:  # as when the script runs: its own directory first (scripts/_requirements.py)
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(scripts, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

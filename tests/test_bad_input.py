@@ -70,7 +70,11 @@ TRAIN_CASES = [
     (["--depth", "3"], "--depth applies to --model wide only"),
     (["--optimizer", "adam", "--momentum", "0.5"], "--momentum applies to --optimizer sgd only"),
     (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
-    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate \\(see train.py --help\\)"),
+    (["--epoch", "3"], r"unrecognized arguments: --epoch 3; did you mean --epochs\? \(see train.py --help\)"),
+    (["--checkpoint", "ckpt"], r"unrecognized arguments: --checkpoint ckpt; did you mean --checkpoint-dir\?"),
+    (["--epoch", "3", "--bach-size", "4"], r"did you mean --epochs for --epoch\?; did you mean --batch-size for "
+                                           r"--bach-size\?"),
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'; expected one of digits, synthetic, npz:PATH, cifar10:DIR"),
     (["--dataset", "npz:/nonexistent/data.npz"], "dataset '/nonexistent/data.npz' does not exist"),
     (["--dataset", "cifar10:/nonexistent"], "CIFAR-10 directory '/nonexistent' does not exist"),
@@ -100,6 +104,29 @@ def test_train_bad_path_fails_before_the_work(files, option, key, message):
     assert "test accuracy" not in proc.stdout  # nothing was trained
 
 
+def test_a_grid_larger_than_a_one_rank_job_says_how_to_launch():
+    """A script started without mpiexec (one rank) on a grid of 4 says how to start 4; on 2
+    ranks (mpiexec given, the count wrong) it says only what is wrong."""
+    proc = fails_once(1, os.path.join(SCRIPTS, "train.py"), QUICK + ["--grid", "sample=2,channel=2"],
+                      r"grid sample=2,channel=2 needs 4 ranks, the communicator has 1; run it on 4 ranks: "
+                      r"mpiexec -n 4 python -m mpi4py .*train.py \.\.\.")
+    assert proc.stderr.count("mpiexec -n 4") == 1
+    proc = fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + ["--grid", "sample=2,channel=2"],
+                      "grid sample=2,channel=2 needs 4 ranks, the communicator has 2")
+    assert "mpiexec -n" not in proc.stderr
+
+
+def test_help_shows_the_choices_and_defaults():
+    out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train.py"), "--help"], capture_output=True,
+                         text=True, timeout=60, env=single_thread_env()).stdout
+    for shown in ("--model {resnet,wide,mobile}", "--algorithm {sample,x,y,w,auto}", "--optimizer {sgd,adam,adamw}",
+                  "--schedule {cosine,step,constant}", "--dtype {float32,float64}"):
+        assert shown in out, (shown, out)
+    flat = " ".join(out.split())
+    for shown in ("(default: resnet)", "peak learning rate (default: 0.1)", "global mini-batch (default: 64)"):
+        assert shown in flat, (shown, out)
+
+
 def test_train_bad_plan_file(tmp_path):
     """A plan file that is missing, not JSON, not a plan, or that no run of this model on these
     ranks can follow: one line, before any training."""
@@ -108,7 +135,11 @@ def test_train_bad_plan_file(tmp_path):
     garbled.write_text("{not json")
     wrong_form.write_text('{"stem.conv": {"grid": "sample=2"}}')
     too_big.write_text('{"layers": {"layer2.conv1": {"grid": "sample=3", "algorithm": "y"}}}')
-    for path, message in ((tmp_path / "missing.json", "plan file '.*missing.json' does not exist"),
+    typo = tmp_path / "typo.json"
+    typo.write_text('{"layers": {"layer2.conv1": {"grid": "sample=1,chanel=2", "algorithm": "y"}}}')
+    for path, message in ((tmp_path / "missing.json", "plan file '.*missing.json' does not exist; make one with "
+                           "scripts/plan.py, e.g. `python scripts/plan.py --model resnet .* --out .*missing.json`"),
+                          (typo, "plan file '.*typo.json': plan entry of layer layer2.conv1: unknown grid axis 'chanel'"),
                           (garbled, "plan file '.*garbled.json' is not valid JSON"),
                           (wrong_form, "plan file '.*form.json': expected an object"),
                           (too_big, "plan entry of layer layer2.conv1: grid 'sample=3' needs 3 ranks, this run has 2")):

@@ -228,3 +228,19 @@ def test_help_describes_every_option_in_whole_sentences(name):
         flag_part = entry.split("  ")[0]
         words = entry[len(flag_part):].split()
         assert words, f"{name}: option {flag_part.strip()} has no help text"
+
+
+def test_a_script_outside_cfps_environment_says_what_is_missing_in_one_line():
+    """scripts/_requirements.py, imported first by every script: a module cfp needs that cannot
+    be imported (a script run by a Python without cfp's environment) is one line naming it and
+    how to activate the environment, not an import traceback."""
+    code = ("import importlib.util, runpy, sys; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda name, *a: None if name in ('tqdm', 'cfp') else real(name, *a); "
+            "sys.argv = ['scripts/train.py']; sys.path.insert(0, 'scripts'); "
+            "runpy.run_path('scripts/train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=single_thread_env())
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"train.py: error: tqdm, cfp are not installed for {sys.executable}; activate "
+                                   f"cfp's environment first (`. .venv/bin/activate` in the checkout, after `make "
+                                   f"install`) or run the script with .venv/bin/python"), proc.stderr
