@@ -380,3 +380,18 @@ def test_a_path_added_to_the_table_alone_is_taken_by_every_pass_and_the_workspac
     conv2d_forward(other[0], other[1], padding=1)
     conv2d_backward_filter(other[0], other[3], (3, 4, 3, 3), padding=1)
     assert calls == [] and conv_module.workspace_bytes((2, 4, 6, 6), (3, 4, 3, 3), "float64", padding=1) == {}
+
+
+def test_a_setting_the_kernels_do_not_know_is_refused():
+    """The settings object takes True, False or None for its switches and 2 or 4 for the tile;
+    anything else is refused before a block runs with it, naming the setting."""
+    for change, message in (({"winograd": "yes"}, "kernel setting winograd='yes': expected True, False or None"),
+                            ({"plane_stacking": 1}, "kernel setting plane_stacking=1: expected True, False or None"),
+                            ({"winograd_tile": 3}, r"Winograd tile 3 is not one of \[2, 4\]")):
+        with pytest.raises(ValueError, match=message):
+            settings.configured(**change)
+    before = settings.current()
+    with settings.configured(winograd=False, plane_stacking=True) as chosen:
+        assert settings.current() is chosen and (chosen.winograd, chosen.plane_stacking) == (False, True)
+        assert chosen.plane_forms is before.plane_forms  # the measurements stay shared
+    assert settings.current() is before

@@ -39,7 +39,7 @@ class KernelSettings:
 
     def __post_init__(self):
         for name in ("winograd", "plane_stacking"):
-            if getattr(self, name) not in (None, True, False):
+            if not any(getattr(self, name) is allowed for allowed in (None, True, False)):  # 1 is not True here
                 raise ValueError(f"kernel setting {name}={getattr(self, name)!r}: expected True, False or None")
         if self.winograd_tile not in WINOGRAD_TILES:
             raise ValueError(f"Winograd tile {self.winograd_tile!r} is not one of {list(WINOGRAD_TILES)}")
