@@ -1,7 +1,16 @@
 """Collectives along one tensor axis, each paired with its adjoint, and the CommLedger.
 
 Every tensor cfp moves between ranks goes through this module, which records each call in the
-active `CommLedger` (layer, phase, collective, group size, bytes sent and received, seconds).
+active `CommLedger` (layer, phase, collective, group size, bytes sent and received, seconds of
+transfer and of waiting).
+
+Time: a rank that enters a collective before the others waits for them inside it, and that
+wait (the imbalance of the computation before it, not the network) would count as the
+collective's time. So each collective of a group of more than one rank is preceded by a
+barrier on its communicator: the seconds in the barrier are the rank's `wait_seconds` (for the
+slowest rank to arrive, plus the barrier's own latency of a few microseconds), the seconds in
+the collective after it its `seconds`, the transfer, which starts with every member present.
+The barrier moves no data and the ledger's bytes do not count it.
 Bookkeeping messages of a few numbers or words (the agreement checks below, train.py's flags
 and statistics, the checkpoint's error exchange, cli's outcome, benchmark timings) use
 mpi4py directly and are not recorded: the ledger is what the cost model predicts.
@@ -56,7 +65,8 @@ class CommRecord:
     group_size: int
     bytes_sent: int
     bytes_received: int
-    seconds: float
+    seconds: float  # in the collective, after every member arrived (the transfer)
+    wait_seconds: float = 0.0  # waiting for the group's last member to arrive
 
 
 class CommLedger:
@@ -87,10 +97,10 @@ class CommLedger:
         finally:
             self.layer, self.phase = saved
 
-    def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None):
+    def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None, wait_seconds=0.0):
         self.records.append(
             CommRecord(self.layer, self.phase, collective, int(group_size),
-                       int(bytes_sent), int(bytes_received), float(seconds))
+                       int(bytes_sent), int(bytes_received), float(seconds), float(wait_seconds))
         )
         if self.results is not None:
             self.results.append(None if result is None else np.array(result))
@@ -106,24 +116,45 @@ class CommLedger:
             self.results.clear()
 
     def totals(self, by=("layer", "phase", "collective")):
-        """{key tuple: {'calls', 'bytes_sent', 'bytes_received', 'seconds'}} grouped by `by`."""
+        """{key tuple: {'calls', 'bytes_sent', 'bytes_received', 'seconds', 'wait_seconds'}}
+        grouped by `by`, in the order each key first occurs."""
         out = {}
         for r in self.records:
             key = tuple(getattr(r, field) for field in by)
-            t = out.setdefault(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0})
+            t = out.setdefault(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0,
+                                     "wait_seconds": 0.0})
             t["calls"] += 1
             t["bytes_sent"] += r.bytes_sent
             t["bytes_received"] += r.bytes_received
             t["seconds"] += r.seconds
+            t["wait_seconds"] += r.wait_seconds
         return out
 
-    def summary(self, by=("layer", "phase", "collective")):
-        """A plain-text table of `totals(by)`."""
-        rows = [list(by) + ["calls", "sent", "received", "seconds"]]
-        for key, t in self.totals(by).items():
+    def summary(self, by=("layer", "phase", "collective"), top=None):
+        """A plain-text table of `totals(by)`: transfer seconds and waiting seconds apart. With
+        `top`, the `top` rows of most transfer time, a line for the rest, and the total."""
+        totals = list(self.totals(by).items())
+        shown = totals if top is None else sorted(totals, key=lambda kv: -kv[1]["seconds"])[:top]
+        rows = [list(by) + ["calls", "sent", "received", "transfer s", "wait s"]]
+        for key, t in shown:
             rows.append(list(key) + [str(t["calls"]), format_bytes(t["bytes_sent"]),
-                                     format_bytes(t["bytes_received"]), f"{t['seconds']:.4f}"])
+                                     format_bytes(t["bytes_received"]), f"{t['seconds']:.4f}",
+                                     f"{t['wait_seconds']:.4f}"])
+        if top is not None:
+            rest = [kv for kv in totals if kv not in shown]
+            blank = [""] * (len(by) - 1)
+            if rest:
+                rows.append([f"({len(rest)} more row{'s' if len(rest) > 1 else ''})"] + blank
+                            + _total_cells([t for _, t in rest]))
+            rows.append(["total"] + blank + _total_cells([t for _, t in totals]))
         return format_table(rows)
+
+
+def _total_cells(totals):
+    """The calls, bytes and seconds of a summary row adding up `totals`."""
+    return [str(sum(t["calls"] for t in totals)), format_bytes(sum(t["bytes_sent"] for t in totals)),
+            format_bytes(sum(t["bytes_received"] for t in totals)), f"{sum(t['seconds'] for t in totals):.4f}",
+            f"{sum(t['wait_seconds'] for t in totals):.4f}"]
 
 
 _ledgers = [CommLedger()]
@@ -204,15 +235,18 @@ def describe_shapes(every):
 
 def _agree(comm, x, collective, free_axis=None):
     """ValueError on every rank of `comm` unless all ranks pass arrays of one dtype and number
-    of dimensions, equal in every dimension but `free_axis` (whose blocks the caller checked)."""
+    of dimensions, equal in every dimension but `free_axis` (whose blocks the caller checked).
+    Returns the seconds it took: the check waits for the group, and that time is the
+    collective's waiting (_Timer)."""
     if comm.Get_size() == 1 or not checking():
-        return
+        return 0.0
+    start = time.perf_counter()
     every = gather_shapes(comm, x)
     compared = every.copy()
     if free_axis is not None:
         compared[:, 2 + free_axis] = 0
     if (compared == compared[0]).all():
-        return
+        return time.perf_counter() - start
     along = "" if free_axis is None else f" (except along axis {free_axis})"
     raise ValueError(f"{collective}: the ranks' arrays differ in dtype or shape{along}, so they cannot "
                      f"be combined: {describe_shapes(every)}")
@@ -242,7 +276,19 @@ def _displacements(counts):
 
 
 class _Timer:
+    """The seconds of a collective on `comm`: `wait_seconds` in a barrier first (for the group's
+    last member; none on one rank or without a communicator), plus `waited` already (the
+    agreement check before it, which waits for the group too), `seconds` in the collective."""
+
+    def __init__(self, comm=None, waited=0.0):
+        self.comm = comm
+        self.wait_seconds = waited
+
     def __enter__(self):
+        if self.comm is not None and self.comm.Get_size() > 1:
+            arrived = time.perf_counter()
+            self.comm.Barrier()
+            self.wait_seconds += time.perf_counter() - arrived
         self.start = time.perf_counter()
         return self
 
@@ -269,14 +315,14 @@ def allgather(comm, x, axis, sizes):
             f"allgather: rank {rank} holds {x.shape[axis]} entries along axis {axis}, "
             f"the block sizes say {sizes[rank]}"
         )
-    _agree(comm, x, "allgather", free_axis=axis)
+    waited = _agree(comm, x, "allgather", free_axis=axis)
     xp = backend.get_array_module(x)
     mine = np.ascontiguousarray(backend.to_host(x))
     # Each rank's block travels as it lies in memory; one concatenation then puts the blocks
     # side by side along `axis` (the channel blocks of an NCHW tensor interleave in memory).
     shapes = [mine.shape[:axis] + (n,) + mine.shape[axis + 1:] for n in sizes]
     counts = _block_counts(mine.shape, axis, sizes)
-    with _Timer() as t:
+    with _Timer(comm, waited) as t:
         if p == 1:
             out = mine.copy()
         elif int(np.prod(mine.shape[:axis], dtype=np.int64)) == 1:
@@ -290,7 +336,7 @@ def allgather(comm, x, axis, sizes):
             out = np.concatenate([b.reshape(s) for b, s in zip(blocks, shapes)], axis=axis)
     item = mine.dtype.itemsize
     get_ledger().record("allgather", p, (p - 1) * counts[rank] * item,
-                        (counts.sum() - counts[rank]) * item, t.seconds, out)
+                        (counts.sum() - counts[rank]) * item, t.seconds, out, t.wait_seconds)
     return backend.from_host(out, xp)
 
 
@@ -308,13 +354,13 @@ def reduce_scatter(comm, x, axis, sizes):
             f"reduce_scatter: axis {axis} has extent {x.shape[axis]}, the block sizes "
             f"{sizes} add up to {sum(sizes)}"
         )
-    _agree(comm, x, "reduce_scatter")
+    waited = _agree(comm, x, "reduce_scatter")
     xp = backend.get_array_module(x)
     host = backend.to_host(x)
     shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
     out = np.empty(shape, dtype=host.dtype)
     counts = _block_counts(host.shape, axis, sizes)
-    with _Timer() as t:
+    with _Timer(comm, waited) as t:
         if p == 1:
             out[...] = host
         else:
@@ -328,7 +374,7 @@ def reduce_scatter(comm, x, axis, sizes):
             comm.Reduce_scatter(packed, out, counts, op=MPI.SUM)
     item = host.dtype.itemsize
     get_ledger().record("reduce_scatter", p, (counts.sum() - counts[rank]) * item,
-                        (p - 1) * counts[rank] * item, t.seconds, out)
+                        (p - 1) * counts[rank] * item, t.seconds, out, t.wait_seconds)
     return backend.from_host(out, xp)
 
 
@@ -343,11 +389,11 @@ def allreduce(comm, x):
     same weight shard. Adjoint: itself.
     """
     rank, p = comm.Get_rank(), comm.Get_size()
-    _agree(comm, x, "allreduce")
+    waited = _agree(comm, x, "allreduce")
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
     out = np.empty_like(host)
-    with _Timer() as t:
+    with _Timer(comm, waited) as t:
         if p == 1:
             out[...] = host
         else:
@@ -355,7 +401,7 @@ def allreduce(comm, x):
     n, item = host.size, host.dtype.itemsize
     own = block_sizes(n, p)[rank]
     moved = ((n - own) + (p - 1) * own) * item
-    get_ledger().record("allreduce", p, moved, moved, t.seconds, out)
+    get_ledger().record("allreduce", p, moved, moved, t.seconds, out, t.wait_seconds)
     return backend.from_host(out, xp)
 
 
@@ -367,15 +413,15 @@ def broadcast(comm, x, root=0):
     """The root's `x` on every rank. Every rank passes an array of the root's shape and dtype
     (its content is ignored off the root). Adjoint: `sum_reduce(comm, dy, root)`."""
     rank, p = comm.Get_rank(), comm.Get_size()
-    _agree(comm, x, "broadcast")
+    waited = _agree(comm, x, "broadcast")
     xp = backend.get_array_module(x)
     out = np.array(backend.to_host(x), order="C", copy=True)
-    with _Timer() as t:
+    with _Timer(comm, waited) as t:
         if p > 1:
             comm.Bcast(out, root=root)
     m = out.nbytes
     sent, received = ((p - 1) * m, 0) if rank == root else (0, m)
-    get_ledger().record("broadcast", p, sent, received, t.seconds)
+    get_ledger().record("broadcast", p, sent, received, t.seconds, wait_seconds=t.wait_seconds)
     return backend.from_host(out, xp)
 
 
@@ -383,18 +429,18 @@ def sum_reduce(comm, x, root=0):
     """The sum of `x` over the ranks, on the root; zeros of the same shape elsewhere.
     Adjoint: `broadcast(comm, dy, root)`."""
     rank, p = comm.Get_rank(), comm.Get_size()
-    _agree(comm, x, "sum_reduce")
+    waited = _agree(comm, x, "sum_reduce")
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
     out = np.zeros_like(host)
-    with _Timer() as t:
+    with _Timer(comm, waited) as t:
         if p == 1:
             out[...] = host
         else:
             comm.Reduce(host, out if rank == root else None, op=MPI.SUM, root=root)
     m = host.nbytes
     sent, received = (0, (p - 1) * m) if rank == root else (m, 0)
-    get_ledger().record("sum_reduce", p, sent, received, t.seconds)
+    get_ledger().record("sum_reduce", p, sent, received, t.seconds, wait_seconds=t.wait_seconds)
     return backend.from_host(out, xp)
 
 
@@ -413,12 +459,11 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
         raise ValueError(f"alltoallv needs one chunk and one count per rank of a group of {p}")
     send_counts = np.array([c.size for c in send_chunks], dtype=np.int64)
     recv_counts = np.array(recv_counts, dtype=np.int64)
-    if p > 1 and checking():
-        _agree_counts(comm, send_counts, recv_counts, dtype)
+    waited = _agree_counts(comm, send_counts, recv_counts, dtype) if p > 1 and checking() else 0.0
     sendbuf = (np.concatenate(send_chunks).astype(dtype, copy=False) if p > 1
                else np.ascontiguousarray(send_chunks[0], dtype=dtype))
     recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
-    with _Timer() as t:
+    with _Timer(comm, waited) as t:
         if p == 1:
             recvbuf[...] = sendbuf
         else:
@@ -426,13 +471,15 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
                            [recvbuf, (recv_counts, _displacements(recv_counts))])
     item = np.dtype(dtype).itemsize
     get_ledger().record("alltoall", p, (send_counts.sum() - send_counts[rank]) * item,
-                        (recv_counts.sum() - recv_counts[rank]) * item, t.seconds)
+                        (recv_counts.sum() - recv_counts[rank]) * item, t.seconds, wait_seconds=t.wait_seconds)
     return np.split(recvbuf, np.cumsum(recv_counts)[:-1])
 
 
 def _agree_counts(comm, send_counts, recv_counts, dtype):
     """ValueError on every rank unless what each rank sends each other is what that rank
-    expects from it, in one dtype (an all-to-all of the counts and one allgather)."""
+    expects from it, in one dtype (an all-to-all of the counts and one allgather). Returns the
+    seconds it took, which are waiting (as _agree's)."""
+    start = time.perf_counter()
     arriving = np.empty_like(send_counts)
     comm.Alltoall(send_counts, arriving)
     mine = np.array([np.dtype(dtype).num, int((arriving == recv_counts).all())], dtype=np.int64)
@@ -445,6 +492,7 @@ def _agree_counts(comm, send_counts, recv_counts, dtype):
     if wrong:
         raise ValueError(f"alltoall: rank(s) {wrong} expect element counts that their peers do not send "
                          f"(the ranks' blocks do not fit together)")
+    return time.perf_counter() - start
 
 
 def alltoall(comm, x, split_axis, concat_axis, split_sizes, concat_sizes):

@@ -29,6 +29,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR")
 DTYPES = ("float32", "float64")
+COMM_TABLES = ("top", "full")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
 DEFAULT_PROFILE = "cpu-dev"
@@ -71,13 +72,14 @@ class TrainConfig:
     eval_only: bool = False  # with resume: the test loss and accuracy of the checkpoint, no training
     plot: str = None
     progress: bool = True
+    comm_table: str = "top"  # the summary's communication table: "top" rows of most transfer time, or "full"
 
     def validate(self):
         """ValueError naming the bad option, or an option this combination would ignore; the
         same on every rank (no MPI involved)."""
         for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS) + ("auto",)),
                                ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
-                               ("dataset", DATASETS), ("dtype", DTYPES)):
+                               ("dataset", DATASETS), ("dtype", DTYPES), ("comm_table", COMM_TABLES)):
             value = getattr(self, field)
             if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10") \
                     and len(value.split(":", 1)) == 2 and value.split(":", 1)[1]:
@@ -135,24 +137,35 @@ class TrainConfig:
 
 
 def _dataset(cfg, dtype):
-    """(x_train, y_train, x_test, y_test, classes) of --dataset."""
+    """(x_train, y_train, x_test, y_test, classes, what was read: a line for the user)."""
     classes = 10
     if cfg.dataset == "digits":
         x_train, y_train, x_test, y_test = load_digits(upsample=cfg.upsample, seed=cfg.seed, dtype=dtype)
+        split = f"a stratified 20% test split (seed {cfg.seed})"
     elif cfg.dataset.startswith("npz:"):
-        x_train, y_train, x_test, y_test, classes = load_npz(cfg.dataset[4:], seed=cfg.seed, dtype=dtype)
+        path = cfg.dataset[4:]
+        x_train, y_train, x_test, y_test, classes = load_npz(path, seed=cfg.seed, dtype=dtype)
+        with np.load(path, allow_pickle=False) as f:  # (its directory only: load_npz has read it)
+            given = "x_test" in f.files
+        split = "the file's x_test and y_test" if given else f"a stratified 20% test split (seed {cfg.seed})"
     elif cfg.dataset.startswith("cifar10:"):
         x_train, y_train, x_test, y_test, classes = load_cifar10(cfg.dataset[8:], dtype=dtype)
+        split = "test_batch.bin"
     else:
         side = 8 * cfg.upsample
         x, y = synthetic(1200, 1, side, side, 10, seed=cfg.seed, dtype=dtype)
         x_train, y_train, x_test, y_test = x[:1000], y[:1000], x[1000:], y[1000:]
+        split = "the last 200 of 1200 generated"
     if cfg.train_samples is not None:
         if cfg.train_samples > len(x_train):
             raise ValueError(f"--train-samples {cfg.train_samples} is more than the {len(x_train)} training "
                              f"samples of {cfg.dataset}")
         x_train, y_train = x_train[:cfg.train_samples], y_train[:cfg.train_samples]
-    return x_train, y_train, x_test, y_test, classes
+        split += f"; the first {cfg.train_samples} training samples (--train-samples)"
+    shape = "x".join(str(n) for n in x_train.shape[1:])
+    read = (f"dataset {cfg.dataset}: {len(x_train)} training and {len(x_test)} test images of {shape} "
+            f"(C x H x W), {classes} classes; test set: {split}")
+    return x_train, y_train, x_test, y_test, classes, read
 
 
 def _optimizer(cfg, params):
@@ -274,10 +287,12 @@ def train_model(cfg, world=None):
     alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
     dtype = np.dtype(cfg.dtype)
-    *data, classes = _dataset(cfg, dtype)  # every rank reads the same files: a bad one fails alike
+    *data, classes, read = _dataset(cfg, dtype)  # every rank reads the same files: a bad one fails alike
     model, profile_name = _build(cfg, world, data[0], dtype, classes)
     try:
         session = _Session(cfg, model, data)
+        if session.rank0:
+            print(read, flush=True)
         if session.rank0 and (cfg.algorithm == "auto" or cfg.plan):
             source = f"algorithm auto ({profile_name})" if cfg.algorithm == "auto" else f"plan {cfg.plan}"
             print(f"{source}:\n{model.describe_plan()}", flush=True)
@@ -339,7 +354,8 @@ class _Session:
 
     def run(self):
         """The epochs, each ending with evaluation and a checkpoint; the seconds they took."""
-        progress = _progress_bar(self.rank0 and self.cfg.progress, self.stop_at, self.step)
+        progress = _progress_bar(self.rank0 and self.cfg.progress, self.stop_at, self.step,
+                                 f"epoch {self.first_epoch + 1}/{self.cfg.epochs}")
         start = time.perf_counter()
         try:
             # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
@@ -347,6 +363,8 @@ class _Session:
                 for epoch in range(self.first_epoch, self.cfg.epochs):
                     if self.step >= self.stop_at:
                         break
+                    if progress is not None:
+                        progress.set_description(f"epoch {epoch + 1}/{self.cfg.epochs}", refresh=False)
                     batch = self._epoch(epoch, ctrl_c, progress, start)
                     self._end_of_epoch(epoch, finished=batch == len(self.loader), batch=batch)
         except KeyboardInterrupt:
@@ -432,37 +450,54 @@ class _Session:
                               for k, v in self.ledger.totals(by=("layer", "phase", "collective")).items()],
         }
         if self.rank0:
-            _print_summary(summary, self.ledger)
+            wrote = []
             if cfg.log:
                 save_json(cfg.log, {"config": dataclasses.asdict(cfg), "steps": self.history,
                                     "epochs": self.epochs_log, "summary": summary})
+                wrote.append(f"log {cfg.log}")
             if cfg.plot:
                 _plot(cfg.plot, self.history, self.epochs_log)
+                wrote.append(f"plot {cfg.plot}")
+            if self.last_checkpoint:
+                wrote.append(f"checkpoint {self.last_checkpoint}")
+            _print_summary(summary, self.ledger, cfg.comm_table, wrote)
         summary["history"] = self.history
         return summary
 
 
-def _progress_bar(enabled, total, done):
+def _progress_bar(enabled, total, done, description):
     if not enabled:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, initial=done, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    return tqdm(total=total, initial=done, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                desc=description)
 
 
-def _print_summary(summary, ledger):
+COMM_TABLE_ROWS = 10  # rows of the summary's communication table (--comm-table top)
+
+
+def _print_summary(summary, ledger, comm_table="top", wrote=()):
+    """The closing summary, ending with the result: what moved (the rows of most transfer time,
+    or every row with --comm-table full), memory, the files written, then steps, time, images/s
+    and the test accuracy last, where the eye lands when the run ends."""
     mib = 1024.0 ** 2
-    acc = summary["test_accuracy"]
-    print(f"\ntest accuracy {acc:.4f}" if acc is not None else "\nno epoch finished")
+    full = comm_table == "full"
+    print(f"\ncommunication of rank 0 by layer, phase and collective"
+          f"{'' if full else f' ({COMM_TABLE_ROWS} rows of most transfer time; --comm-table full for all)'}; "
+          f"transfer: in the collective once every rank arrived, wait: for the last to arrive:")
+    print(ledger.summary(by=("layer", "phase", "collective"), top=None if full else COMM_TABLE_ROWS))
+    print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
+          f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
+    if wrote:
+        print("wrote " + ", ".join(wrote))
     this_session = summary["steps_this_session"]
     resumed = "" if this_session == summary["steps"] else f" ({summary['steps']} in all, resumed at step " \
         f"{summary['steps'] - this_session})"
     print(f"{this_session} steps in {summary['seconds']:.1f} s{resumed}, {summary['images_per_second']:.0f} "
           f"images/s on {summary['ranks']} rank(s), grid {summary['grid']}, algorithm {summary['algorithm']}, "
           f"{summary['threads_per_rank']} BLAS thread(s) per rank")
-    print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
-          f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
-    print("communication of rank 0 by layer, phase and collective:")
-    print(ledger.summary(by=("layer", "phase", "collective")))
+    acc = summary["test_accuracy"]
+    print(f"test accuracy {acc:.4f}" if acc is not None else "no epoch finished")
 
 
 def _plot(path, history, epochs_log):

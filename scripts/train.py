@@ -18,7 +18,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 from cfp import cli
 from cfp.algorithms import ALGORITHMS
 from cfp.models import MODELS
-from cfp.train import (DEFAULT_PROFILE, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
+from cfp.train import (COMM_TABLES, DEFAULT_PROFILE, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
                        TrainConfig, train)
 
 
@@ -77,6 +77,8 @@ def parse_args(argv):
                    help="with --resume: print the checkpoint's test loss and accuracy (on any grid), no training")
     p.add_argument("--plot", help="the loss and accuracy curves, .png, .pdf or .svg (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--comm-table", default=defaults.comm_table, metavar=cli.one_of(COMM_TABLES),
+                   help="the summary's communication table: the rows of most transfer time, or every row")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in vars(args).items() if k in fields}

@@ -167,6 +167,27 @@ def test_ledger_bytes_and_tags(grid_and_groups):
     assert C.get_ledger() is not ledger
 
 
+def test_the_ledger_keeps_waiting_apart_from_transfer():
+    """A rank that arrives at a collective before the others waits for them: that time is its
+    wait_seconds (the barrier before the collective), not the collective's transfer seconds.
+    Rank 0 arrives 0.3 s late; on one rank nothing waits."""
+    import time
+    ledger = C.CommLedger()
+    WORLD.Barrier()  # every rank starts the test together
+    with C.use_ledger(ledger):
+        if WORLD.Get_rank() == 0:
+            time.sleep(0.3)
+        C.allreduce(WORLD, np.ones(4))
+    (record,) = ledger.records
+    late = WORLD.Get_rank() == 0 or WORLD.Get_size() == 1
+    assert_all_ranks(record.wait_seconds < 0.15 if late else record.wait_seconds > 0.15,
+                     f"rank {WORLD.Get_rank()} waited {record.wait_seconds:.3f} s")
+    assert_all_ranks(record.seconds < 0.2, f"the transfer took {record.seconds:.3f} s")
+    assert_all_ranks(WORLD.Get_size() > 1 or record.wait_seconds == 0.0, "a rank alone waited")
+    text = ledger.summary(top=1)
+    assert "transfer s" in text and "wait s" in text and text.splitlines()[-1].startswith("total")
+
+
 def test_unknown_phase():
     with pytest.raises(ValueError, match="unknown phase 'sideways'"):
         with C.tag(phase="sideways"):

@@ -238,12 +238,20 @@ def test_ledger_keeps_the_last_result_and_totals_by_hand():
     a, b, c = np.array([1.0]), np.array([2.0]), np.array([3.0])
     ledger.record("allgather", 2, 10, 20, 0.5, a)
     ledger.record("allgather", 2, 30, 40, 0.25, b)
-    ledger.record("alltoall", 4, 7, 0, 1.0, None)
+    ledger.record("alltoall", 4, 7, 0, 1.0, None, wait_seconds=0.125)
     ledger.keep_result(c)  # replaces the last record's result only
     assert [None if r is None else float(r[0]) for r in ledger.results] == [1.0, 2.0, 3.0]
     totals = ledger.totals(by=("collective",))
-    assert totals == {("allgather",): {"calls": 2, "bytes_sent": 40, "bytes_received": 60, "seconds": 0.75},
-                      ("alltoall",): {"calls": 1, "bytes_sent": 7, "bytes_received": 0, "seconds": 1.0}}
+    assert totals == {("allgather",): {"calls": 2, "bytes_sent": 40, "bytes_received": 60, "seconds": 0.75,
+                                       "wait_seconds": 0.0},
+                      ("alltoall",): {"calls": 1, "bytes_sent": 7, "bytes_received": 0, "seconds": 1.0,
+                                      "wait_seconds": 0.125}}
+    # the top row by transfer time, one row for the rest, the total
+    lines = ledger.summary(by=("collective",), top=1).splitlines()
+    assert lines[1].split() == ["alltoall", "1", "7", "B", "0", "B", "1.0000", "0.1250"]
+    assert lines[2].split() == ["(1", "more", "row)", "2", "40", "B", "60", "B", "0.7500", "0.0000"]
+    assert lines[3].split() == ["total", "3", "47", "B", "60", "B", "1.7500", "0.1250"]
+    assert len(ledger.summary(by=("collective",)).splitlines()) == 3  # every row, no total
 
 
 def test_gather_shapes_takes_eight_dimensions_and_describes_them():
@@ -534,6 +542,9 @@ class _Ranks:
 
     def Allgather(self, mine, every):  # every rank passes what this one does
         every[...] = mine
+
+    def Barrier(self):  # the ledger's wait probe before each collective: nothing to script
+        pass
 
 
 def test_alltoallv_inside_inputs_checked_sends_no_count_check():

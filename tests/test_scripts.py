@@ -161,11 +161,34 @@ def test_train_script_end_to_end(tmp_path):
                       "--plot", str(curves)],
                   script=TRAIN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "test accuracy" in proc.stdout and "communication of rank 0" in proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    # what it read first; the summary ends with what it wrote, the run and, last, the result
+    assert lines[0] == ("dataset digits: 256 training and 360 test images of 1x8x8 (C x H x W), 10 classes; test "
+                        "set: a stratified 20% test split (seed 0); the first 256 training samples (--train-samples)")
+    assert re.fullmatch(r"test accuracy 0\.\d{4}", lines[-1]), lines[-1]
+    assert re.fullmatch(r"4 steps in .* s, \d+ images/s on 2 rank\(s\), grid channel=2, algorithm w, .*", lines[-2])
+    assert lines[-3] == f"wrote log {log}, plot {curves}", lines[-3]
+    # the communication table: the 10 rows of most transfer time, the rest in one row, the total
+    table = proc.stdout.split("communication of rank 0 by layer, phase and collective (10 rows of most transfer "
+                              "time; --comm-table full for all)")[1].split("memory per rank")[0].strip().splitlines()
+    assert table[1].split()[-2:] == ["transfer", "s"] or table[1].endswith("transfer s  wait s"), table[1]
+    assert len(table) == 1 + 1 + 10 + 2 and table[-2].startswith("(") and table[-1].startswith("total"), table
+    rows = [float(r.split()[-2]) for r in table[2:12]]
+    assert rows == sorted(rows, reverse=True)  # by transfer time
     with open(log) as f:
         record = json.load(f)
     assert len(record["steps"]) == 4 and record["summary"]["ranks"] == 2
+    communication = record["summary"]["communication"]
+    assert all(c["wait_seconds"] >= 0 and c["seconds"] >= 0 for c in communication)
+    total_calls = sum(c["calls"] for c in communication)
+    assert table[-1].split()[1] == str(total_calls)
     assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_progress_bar_shows_the_epoch(tmp_path):
+    proc, _ = run(1, ["--epochs", "2", "--train-samples", "128", "--batch-size", "64"], script=TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    assert "epoch 1/2" in proc.stderr and "epoch 2/2" in proc.stderr, proc.stderr
 
 
 def test_plan_script_writes_a_plan_that_train_runs(tmp_path):
@@ -209,7 +232,7 @@ def test_train_script_bad_input(args, message):
     assert seconds < 30
 
 
-SCRIPT_FILES = sorted(f for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith(".py"))
+SCRIPT_FILES = sorted(f for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith(".py") and not f.startswith("_"))
 
 
 @pytest.mark.parametrize("name", SCRIPT_FILES)
