@@ -186,7 +186,7 @@ def _is_complete(path):
     never gets that far (meta.json is written after the shards). Checksums are not read here:
     a complete checkpoint with a damaged shard is kept for `resume_point` to report."""
     try:
-        _load_meta(path)
+        load_meta(path)
     except ValueError:
         return False
     return True
@@ -219,7 +219,7 @@ def latest_checkpoint(directory):
     return _inside(directory, latest["checkpoint"], f"checkpoint pointer {pointer!r}")
 
 
-def _load_meta(path):
+def load_meta(path):
     """The checkpoint's meta.json, checked for its format, the fields loading reads, and file
     names that stay inside `path`; the files themselves are not read."""
     meta_path = os.path.join(path, "meta.json")
@@ -246,7 +246,7 @@ def _load_meta(path):
 
 def read_meta(path):
     """The checkpoint's meta.json, after checking that its files exist and match their checksums."""
-    meta = _load_meta(path)
+    meta = load_meta(path)
     for name, digest in meta["files"].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):

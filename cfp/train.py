@@ -15,7 +15,7 @@ from mpi4py import MPI
 from . import backend, cli, comm
 from .algorithms import ALGORITHMS
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
-from .checkpoint import grids_of, load_checkpoint, resume_point, save_checkpoint
+from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
 from .grid import Grids, ProcessGrid
 from .io import check_figure_path, check_writable, save_figure, save_json
@@ -134,6 +134,21 @@ class TrainConfig:
         return {"model": self.model, "width": self.width,
                 "depth": (self.depth or WIDE_DEPTH) if MODELS[self.model].depth else None,
                 "dataset": self.dataset, "upsample": self.upsample}
+
+
+def _check_trained_alike(path, meta, cfg):
+    """ValueError, in the options' own terms, unless the checkpoint at `path` was trained with
+    this run's model, width, depth, dataset, upsampling and optimizer (the options a resumed run
+    must keep; the grid, plan, learning rate and the rest may change)."""
+    saved = dict(meta.get("model") or {})
+    here = cfg.model_description()
+    if "optimizer_name" in meta:  # (checkpoints written before it was kept do not say)
+        saved["optimizer"], here["optimizer"] = meta["optimizer_name"], cfg.optimizer
+    differ = [f"--{k.replace('_', '-')} {saved.get(k)} in the checkpoint, {v} in this run"
+              for k, v in here.items() if saved.get(k) != v]
+    if differ:
+        raise ValueError(f"checkpoint {path!r} was trained with other options: {'; '.join(differ)}; resume with "
+                         f"the options it was trained with, or train afresh in another --checkpoint-dir")
 
 
 def _dataset(cfg, dtype):
@@ -340,6 +355,7 @@ class _Session:
         if self.rank0:
             for bad, reason in skipped:
                 print(f"checkpoint {bad} is corrupt ({reason}); resuming from {path} instead", flush=True)
+        _check_trained_alike(path, load_meta(path), cfg)
         meta = load_checkpoint(path, self.model, self.optimizer, expect={"model": cfg.model_description()})
         missing = [k for k in ("schedule", "history", "epochs", "step", "epoch", "batch") if k not in meta]
         if missing:
@@ -412,7 +428,8 @@ class _Session:
         if self.cfg.checkpoint_dir:
             self.last_checkpoint = save_checkpoint(
                 self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.grid, {
-                    "model": self.cfg.model_description(), "epoch": epoch + 1 if finished else epoch,
+                    "model": self.cfg.model_description(), "optimizer_name": self.cfg.optimizer,
+                    "epoch": epoch + 1 if finished else epoch,
                     "batch": 0 if finished else batch, "schedule": self.schedule.state_dict(),
                     "history": self.history, "epochs": self.epochs_log})
 

@@ -197,7 +197,13 @@ def test_checkpoint_of_another_model_is_refused(mpi_tmp_path):
     spec = grid_specs()[0]
     train(config(epochs=1, grid=spec, checkpoint_dir=directory, train_samples=2 * BATCH, max_steps=None))
     raises_on_all_ranks(ValueError, lambda: train(config(width=2, grid=spec, checkpoint_dir=directory, resume=True)),
-                        match="has model .*'width': 1.*this run has .*'width': 2")
+                        match=r"checkpoint '.*' was trained with other options: --width 1 in the checkpoint, 2 in "
+                              r"this run; resume with the options it was trained with, or train afresh in another "
+                              r"--checkpoint-dir")
+    raises_on_all_ranks(ValueError, lambda: train(config(optimizer="adam", width=2, grid=spec, checkpoint_dir=directory,
+                                                         resume=True)),
+                        match=r"--width 1 in the checkpoint, 2 in this run; --optimizer sgd in the checkpoint, adam "
+                              r"in this run; resume")
 
 
 @pytest.mark.parametrize("overrides,match", [
