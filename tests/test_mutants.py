@@ -572,6 +572,22 @@ def test_alltoallv_inside_inputs_checked_sends_no_count_check():
     assert trusted.calls == ["Alltoallv"] and [o.tolist() for o in out] == [[0, 1], [0, 1, 2]]
     C.alltoallv(checked, chunks, [2, 3], np.float64)
     assert checked.calls == ["Alltoall", "Allgather", "Alltoallv"]
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger), C.inputs_checked():  # trusted: no check waited, the barrier took ~0 s
+        C.alltoallv(TwoRanks(2), chunks, [2, 3], np.float64)
+    assert 0.0 <= ledger.records[0].wait_seconds < 0.5
+
+
+def test_assemble_takes_shards_that_cover_the_tensor_and_refuses_a_gap():
+    """tensor.assemble (a checkpoint's shards in hand): pieces by their index sets (None: all
+    of a dimension), copies may repeat; a gap is refused, naming how much is covered."""
+    from cfp.tensor import assemble
+    whole = np.arange(12.0).reshape(3, 4)
+    pieces = [(([0, 1], None), whole[:2]), (([2], [0, 1]), whole[2:, :2]), (([2], [2, 3]), whole[2:, 2:]),
+              (([0], None), whole[:1])]
+    np.testing.assert_array_equal(assemble((3, 4), pieces, np.float64), whole)
+    with pytest.raises(ValueError, match=r"the shards cover 10 of the 12 entries of a tensor of shape \(3, 4\)"):
+        assemble((3, 4), pieces[:2], np.float64)
 
 
 def test_filter_groups_each_algorithm_declares():
