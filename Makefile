@@ -61,7 +61,7 @@ pictures: install
 
 # cfp on the machine's own MPI (not part of CI): Debian's Open MPI (installed with apt when no
 # mpicc is found and this runs as root), mpi4py built from source by its mpicc in
-# $(SYSTEM_VENV), the MPI tests at 2 and 4 ranks and the demo; prints the README's table row.
+# $(SYSTEM_VENV), the MPI tests at 2 and 4 ranks and the demo; prints its row of docs/training.md's table of verified MPIs.
 SYSTEM_VENV ?= .venv-system-mpi
 SYSTEM_RANKS ?= 2 4
 test-system-mpi:

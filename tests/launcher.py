@@ -21,7 +21,7 @@ saying which MPI each belongs to.
 
     python tests/launcher.py -n 4 scripts/train.py ...   # what `make demo` runs: python -m mpi4py under it
     python tests/launcher.py --describe                  # which MPI, and what is added
-    python tests/launcher.py --verified-row LOG "2 4"     # make test-system-mpi's README row
+    python tests/launcher.py --verified-row LOG "2 4"     # make test-system-mpi's row of docs/training.md
 """
 import dataclasses
 import functools
@@ -139,7 +139,7 @@ def check_launcher(python=sys.executable, timeout=60):
 
 
 def verified_row(log, ranks):
-    """The README's row of verified MPIs for a run of the MPI tests at `ranks` and the demo
+    """The row of docs/training.md's table of verified MPIs for a run of the MPI tests at `ranks` and the demo
     whose JSON log is `log`: MPI, launcher, mpi4py, user, what passed, the date."""
     import datetime
     import getpass

@@ -1,6 +1,6 @@
-"""docs/tutorial.md cannot rot: every command in its ```console blocks is run as a reader would
-run it (in a scratch folder holding the scripts, so that the files it writes land there), and
-what it prints must match the output shown under it.
+"""docs/tutorial.md and README.md cannot rot: every command in their ```console blocks is run as
+a reader would run it (in a scratch folder holding the scripts, so that the files it writes
+land there), and what it prints must match the output shown under it.
 
 Matching is doctest's ELLIPSIS: '...' inside a line stands for any text, and a line holding
 only '...' for any number of lines (timings, long tables). Trailing spaces do not count.
@@ -9,12 +9,16 @@ only '...' for any number of lines (timings, long tables). Trailing spaces do no
 """
 import os
 import re
+import shlex
 import subprocess
 import sys
+
+import pytest
 
 from run_suite import ROOT, mpiexec, single_thread_env
 
 TUTORIAL = os.path.join(ROOT, "docs", "tutorial.md")
+README = os.path.join(ROOT, "README.md")
 
 
 def blocks(text):
@@ -59,7 +63,7 @@ def pattern(expected):
 
 def run(command, folder, timeout=300):
     """The command as the tutorial writes it, with this Python and launcher, in `folder`."""
-    words = command.split()
+    words = shlex.split(command)
     if words[0] == "python":
         words[0] = sys.executable
     elif words[:2] == ["mpiexec", "-n"]:
@@ -80,18 +84,20 @@ def normalised(stdout):
     return "".join(line.rstrip() + "\n" for line in stdout.splitlines())
 
 
-def test_tutorial_commands_print_what_it_shows(tmp_path):
-    with open(TUTORIAL) as f:
+@pytest.mark.parametrize("document,least", [(TUTORIAL, 8), (README, 6)], ids=["tutorial", "README"])
+def test_commands_print_what_the_document_shows(tmp_path, document, least):
+    with open(document) as f:
         found = blocks(f.read())
-    assert sum(len(c) for _, c in found) >= 8, "the tutorial lost its commands"
+    name = os.path.relpath(document, ROOT)
+    assert sum(len(c) for _, c in found) >= least, f"{name} lost its commands"
     folder = scratch(str(tmp_path))
     for line, commands in found:
         for command, expected in commands:  # in order: later commands read what earlier ones wrote
             proc = run(command, folder)
-            assert proc.returncode == 0, f"docs/tutorial.md block at line {line}: `{command}` failed:\n{proc.stderr}"
+            assert proc.returncode == 0, f"{name} block at line {line}: `{command}` failed:\n{proc.stderr}"
             got = normalised(proc.stdout)
             assert pattern(expected).match(got), (
-                f"docs/tutorial.md block at line {line}: `{command}` printed\n{got}\ninstead of\n"
+                f"{name} block at line {line}: `{command}` printed\n{got}\ninstead of\n"
                 + "\n".join(expected))
 
 
