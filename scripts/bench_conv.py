@@ -143,6 +143,7 @@ def main(argv=None):
                   f"{r['kept_activation_bytes_per_rank'] / MiB:.2f} |")
         if args.json:
             save_json(args.json, {"arguments": vars(args), "ranks": P, "threads": threads, "rows": rows})
+            print(f"wrote {args.json}")
     return 0
 
 

@@ -238,6 +238,7 @@ def run(args, shapes):
     print(markdown_table(rows))
     if args.json:
         save_json(args.json, {"context": context, "rows": rows})
+        print(f"wrote {args.json}")
     return 0
 
 

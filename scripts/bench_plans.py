@@ -120,6 +120,7 @@ def main(argv=None):
         if args.json:
             save_json(args.json, {"ranks": P, "profile": profile.name, "model": vars(args), "rows": rows,
                                   "planner": plans["planner"]})
+            print(f"wrote {args.json}")
     return 0
 
 

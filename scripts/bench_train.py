@@ -169,6 +169,7 @@ def main(argv=None):
                   f"{r['images_per_s']:.1f} | {ratio} |")
         if args.json:
             save_json(args.json, {"arguments": vars(args), "rows": rows})
+            print(f"wrote {args.json}")
     return 0
 
 

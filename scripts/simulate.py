@@ -218,8 +218,11 @@ def run_simulation(args):
                               "memory_limit": memory_limit, "resnet_width": args.resnet_width,
                               "cnn_width": args.cnn_width, "cnn_depth": args.cnn_depth,
                               "cnn_image": args.cnn_image, "scales": scales, "models": results})
+    if args.json:
+        print(f"wrote {args.json}")
     if args.plot:
         plot(results, args.plot)
+        print(f"wrote {args.plot}")
     return results
 
 

@@ -156,6 +156,7 @@ def main(argv=None):
             print(memory["plan"])
         if args.json:
             save_json(args.json, {"ranks": P, "profile": profile.name, "rows": rows, "memory_check": memory})
+            print(f"wrote {args.json}")
     return 0
 
 
