@@ -96,7 +96,7 @@ def test_a_rank_count_that_selects_nothing_is_shown_and_passes(capsys):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("selection,passes", [("test_block_sizes", True), ("nothing_matches_this", False)])
+@pytest.mark.parametrize("selection,passes", [("test_block_sizes", True), ("no_test_has_this_name", False)])
 def test_a_selection_empty_at_a_rank_count(tmp_path, selection, passes):
     """`-k test_block_sizes` in test_partition.py selects serial tests only: the 1-rank job
     shows "no tests selected" and the run passes; a selection that matches nothing anywhere
