@@ -395,3 +395,7 @@ def test_a_setting_the_kernels_do_not_know_is_refused():
         assert settings.current() is chosen and (chosen.winograd, chosen.plane_stacking) == (False, True)
         assert chosen.plane_forms is before.plane_forms  # the measurements stay shared
     assert settings.current() is before
+    # a value, not a place: changing it in place would change every thread's defaults
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.current().winograd = True
