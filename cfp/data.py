@@ -141,13 +141,14 @@ def check_classes(y_train, y_test, where):
     if len(empty):
         named = ", ".join(str(int(c)) for c in empty[:10]) + (", ..." if len(empty) > 10 else "")
         raise ValueError(f"{where}: the training labels run to {classes - 1}, so there are {classes} classes "
-                         f"0..{classes - 1}, but {len(empty)} of them have no training sample ({named}); "
+                         f"0..{classes - 1}, but {len(empty)} of them {'has' if len(empty) == 1 else 'have'} no training sample ({named}); "
                          f"expected labels 0..K-1 with every class present (relabel, e.g. y - 1 for "
                          f"labels 1..K)")
     unseen = np.setdiff1d(np.unique(y_test), np.arange(classes))
     if len(unseen):
         named = ", ".join(str(int(c)) for c in unseen[:10]) + (", ..." if len(unseen) > 10 else "")
-        raise ValueError(f"{where}: test label(s) {named} are not among the {classes} training classes "
+        raise ValueError(f"{where}: test {'label' if len(unseen) == 1 else 'labels'} {named} "
+                         f"{'is' if len(unseen) == 1 else 'are'} not among the {classes} training classes "
                          f"0..{classes - 1}")
     return classes
 
@@ -160,7 +161,8 @@ def _stratified_split(y, test_fraction, seed, where):
     single = np.flatnonzero(counts == 1)
     if len(single):
         named = ", ".join(str(int(c)) for c in single[:10]) + (", ..." if len(single) > 10 else "")
-        raise ValueError(f"{where}: label(s) {named} have a single sample, too few to split off a "
+        raise ValueError(f"{where}: {'label' if len(single) == 1 else 'labels'} {named} "
+                         f"{'has' if len(single) == 1 else 'have'} a single sample, too few to split off a "
                          f"stratified test set (each label needs one training and one test sample); give "
                          f"x_test and y_test, or at least 2 samples of every label")
     try:

@@ -70,20 +70,20 @@ def test_object_arrays_and_missing_files_are_refused(tmp_path):
 @pytest.mark.parametrize("arrays,message", [
     # labels 1..10: no class 0
     ({"x": np.zeros((20, 1, 2, 2)), "y": np.arange(20) % 10 + 1},
-     r"the training labels run to 10, so there are 11 classes 0..10, but 1 of them have no training sample "
+     r"the training labels run to 10, so there are 11 classes 0..10, but 1 of them has no training sample "
      r"\(0\); expected labels 0..K-1 with every class present \(relabel, e.g. y - 1 for labels 1..K\)"),
     # sparse label ids
     ({"x": np.zeros((12, 1, 2, 2)), "y": np.array([0, 2, 5] * 4)}, r"6 classes 0..5, but 3 of them have no "
      r"training sample \(1, 3, 4\)"),
     # a test label never seen in training
     ({"x": np.zeros((8, 1, 2, 2)), "y": np.arange(8) % 4, "x_test": np.zeros((3, 1, 2, 2)), "y_test": np.array([0, 3, 7])},
-     r"test label\(s\) 7 are not among the 4 training classes 0..3"),
+     r"test label 7 is not among the 4 training classes 0..3"),
     # a training set of given test data that lacks a class the test set has
     ({"x": np.zeros((4, 1, 2, 2)), "y": np.array([0, 2, 0, 2]), "x_test": np.zeros((2, 1, 2, 2)), "y_test": np.array([1, 1])},
-     r"3 classes 0..2, but 1 of them have no training sample \(1\)"),
+     r"3 classes 0..2, but 1 of them has no training sample \(1\)"),
     # a label with one sample, which a stratified split cannot put on both sides
     ({"x": np.zeros((9, 1, 2, 2)), "y": np.array([0, 0, 0, 0, 1, 1, 1, 1, 2])},
-     r"label\(s\) 2 have a single sample, too few to split off a stratified test set .*give x_test and y_test, "
+     r"label 2 has a single sample, too few to split off a stratified test set .*give x_test and y_test, "
      r"or at least 2 samples of every label"),
 ])
 def test_labels_that_leave_a_class_empty_are_refused(tmp_path, arrays, message):
