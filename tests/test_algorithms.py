@@ -168,7 +168,10 @@ def test_gradient_allreduce_is_one_pc_th_of_data_parallel(grids):
         P_n, P_c = grid.axis_size("sample"), grid.axis_size("channel")
         if P_n < 2:
             continue
-        shape = (P_n * 2, 4 * P_c, 4 * P_c, 4, 4, 3, 1, 1)  # divisible, so the ratio is exact
+        # F a multiple of P_c * P_n: every shard's count (weights and bias) divides into the P_n
+        # balanced blocks of the allreduce, so the ratio is exact (sample=3,channel=2 at 6 ranks
+        # had 584 values a replica, whose blocks of 195 and 194 broke it)
+        shape = (P_n * 2, 4 * P_c, 4 * P_c * P_n, 4, 4, 3, 1, 1)
         volume = {}
         for algorithm in ("sample", "x", "y", "w"):
             _, ledger, _, _ = run_distributed(grid, algorithm, None, shape)
