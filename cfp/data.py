@@ -131,6 +131,11 @@ def _too_large(declared, where):
             f"{format_bytes(available)} of memory available; a damaged file, or one too large for this machine")
 
 
+def _named(labels):
+    """'1, 3, 4' (the first ten, then '...') for a message naming labels."""
+    return ", ".join(str(int(c)) for c in labels[:10]) + (", ..." if len(labels) > 10 else "")
+
+
 def check_classes(y_train, y_test, where):
     """K, the number of classes: max training label + 1. Refused (ValueError naming them): a
     class in 0..K-1 with no training sample (labels 1..10 leave class 0 empty; sparse label ids
@@ -139,14 +144,15 @@ def check_classes(y_train, y_test, where):
     seen = np.bincount(y_train, minlength=classes) if classes else np.zeros(0, np.int64)
     empty = np.flatnonzero(seen == 0)
     if len(empty):
-        named = ", ".join(str(int(c)) for c in empty[:10]) + (", ..." if len(empty) > 10 else "")
+        named = _named(empty)
         raise ValueError(f"{where}: the training labels run to {classes - 1}, so there are {classes} classes "
-                         f"0..{classes - 1}, but {len(empty)} of them {'has' if len(empty) == 1 else 'have'} no training sample ({named}); "
+                         f"0..{classes - 1}, but {len(empty)} of them {'has' if len(empty) == 1 else 'have'} no "
+                         f"training sample ({named}); "
                          f"expected labels 0..K-1 with every class present (relabel, e.g. y - 1 for "
                          f"labels 1..K)")
     unseen = np.setdiff1d(np.unique(y_test), np.arange(classes))
     if len(unseen):
-        named = ", ".join(str(int(c)) for c in unseen[:10]) + (", ..." if len(unseen) > 10 else "")
+        named = _named(unseen)
         raise ValueError(f"{where}: test {'label' if len(unseen) == 1 else 'labels'} {named} "
                          f"{'is' if len(unseen) == 1 else 'are'} not among the {classes} training classes "
                          f"0..{classes - 1}")
@@ -160,7 +166,7 @@ def _stratified_split(y, test_fraction, seed, where):
     counts = np.bincount(y)
     single = np.flatnonzero(counts == 1)
     if len(single):
-        named = ", ".join(str(int(c)) for c in single[:10]) + (", ..." if len(single) > 10 else "")
+        named = _named(single)
         raise ValueError(f"{where}: {'label' if len(single) == 1 else 'labels'} {named} "
                          f"{'has' if len(single) == 1 else 'have'} a single sample, too few to split off a "
                          f"stratified test set (each label needs one training and one test sample); give "
