@@ -19,10 +19,10 @@ from .io import load_json
 from .halo import halo_plan
 from .layout import piece_size
 from .kernels import conv2d_output_shape, workspace_bytes
+from .kernels.conv.paths import PASSES  # the passes the kernels' path table knows
 from .partition import block_sizes, gather_group, scatter_group
 
 PHASES = tuple(p for p in LEDGER_PHASES if p != "other")  # the phases predictions cover
-PASSES = ("forward", "backward-data", "backward-filter")
 
 
 def _allgather(sizes, me, unit):
