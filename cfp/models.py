@@ -77,6 +77,15 @@ class _Builder:
         grid, layout = self.last.output_spec(None)
         return BatchNorm2d(grid, channels, layout=layout, name=name, dtype=self.dtype)
 
+    def relu(self):
+        return ReLU()
+
+    def pool(self, kernel):
+        return MaxPool2d(kernel)
+
+    def residual(self, body, shortcut, name):
+        return Residual(body, shortcut, name=name)
+
     def head(self, channels, classes):
         return [GlobalAvgPool2d(), self._layer(Linear, "fc", channels, classes)]
 
@@ -122,16 +131,16 @@ def _resnet_layers(b, width, in_channels, classes, image):
     base = 16 * width
 
     def block(name, cin, cout, stride, size):
-        body = Sequential(b.conv(f"{name}.conv1", cin, cout, 3, stride, size), b.bn(f"{name}.bn1", cout), ReLU(),
+        body = Sequential(b.conv(f"{name}.conv1", cin, cout, 3, stride, size), b.bn(f"{name}.bn1", cout), b.relu(),
                           b.conv(f"{name}.conv2", cout, cout, 3, 1, _after(size, 3, stride)),
                           b.bn(f"{name}.bn2", cout))
         shortcut = None
         if stride != 1 or cin != cout:
             shortcut = Sequential(b.conv(f"{name}.proj", cin, cout, 1, stride, size), b.bn(f"{name}.proj_bn", cout))
-        return Sequential(Residual(body, shortcut, name=name), ReLU())
+        return Sequential(b.residual(body, shortcut, name), b.relu())
 
     half = _after(image, 3, 2)
-    return [b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), ReLU(),
+    return [b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), b.relu(),
             block("layer1", base, base, 1, image),
             block("layer2", base, 2 * base, 2, image),
             block("layer3", 2 * base, 4 * base, 2, half),
@@ -154,25 +163,25 @@ def mobile_cnn(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_g
 def _mobile_layers(b, width, in_channels, classes, image):
     base = 16 * width
     size = image
-    layers = [b.conv("stem.conv", in_channels, base, 3, 1, size, first=True), b.bn("stem.bn", base), ReLU()]
+    layers = [b.conv("stem.conv", in_channels, base, 3, 1, size, first=True), b.bn("stem.bn", base), b.relu()]
     for name, cin, cout, stride, dilation in (("block1", base, 2 * base, 1, 1), ("block2", 2 * base, 4 * base, 2, 1),
                                               ("block3", 4 * base, 4 * base, 1, 2)):
         layers += [b.conv(f"{name}.dw", cin, cin, 3, stride, size, groups=cin, dilation=dilation),
-                   b.bn(f"{name}.dw_bn", cin), ReLU()]
+                   b.bn(f"{name}.dw_bn", cin), b.relu()]
         size = _after(size, 3, stride)
-        layers += [b.conv(f"{name}.pw", cin, cout, 1, 1, size), b.bn(f"{name}.pw_bn", cout), ReLU()]
+        layers += [b.conv(f"{name}.pw", cin, cout, 1, 1, size), b.bn(f"{name}.pw_bn", cout), b.relu()]
     top = 4 * base
-    layers += [b.conv("head.grouped", top, top, 3, 1, size, groups=4), b.bn("head.grouped_bn", top), ReLU()]
+    layers += [b.conv("head.grouped", top, top, 3, 1, size, groups=4), b.bn("head.grouped_bn", top), b.relu()]
     return layers + b.head(top, classes)
 
 
 def _wide_layers(b, width, depth, in_channels, classes, image):
     size = image
-    layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), ReLU()]
+    layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), b.relu()]
     for i in range(depth):
-        layers += [b.conv(f"wide{i}.conv", width, width, 3, 1, size), b.bn(f"wide{i}.bn", width), ReLU()]
+        layers += [b.conv(f"wide{i}.conv", width, width, 3, 1, size), b.bn(f"wide{i}.bn", width), b.relu()]
         if i == (depth - 1) // 2:
-            layers.append(MaxPool2d(2))
+            layers.append(b.pool(2))
             size //= 2
     return layers + b.head(width, classes)
 
@@ -192,7 +201,24 @@ class _ShapeRecorder:
         self.shapes[-1] = dataclasses.replace(self.shapes[-1], normed=True)
         return Module()
 
+    def _after(self, kind, shape=-1):
+        """`kind` among the layers after shape `shape` (the last convolution recorded)."""
+        self.shapes[shape] = dataclasses.replace(self.shapes[shape], after=self.shapes[shape].after + (kind,))
+
+    def relu(self):
+        self._after("relu")
+        return Module()
+
+    def pool(self, kernel):
+        self._after("maxpool")
+        return Module()
+
+    def residual(self, body, shortcut, name):
+        self._after("add")  # on the branch recorded last: the sum has its output's size
+        return Module()
+
     def head(self, channels, classes):
+        self._after("loss")  # the global pool of the last convolution's output, then the loss
         self.shapes.append(LayerShape("fc", self.batch, channels, classes, 1, 1, 1))
         return []
 

@@ -18,8 +18,8 @@ from .grid import AXES, coords_of, parse_grid_spec, rank_of
 from .io import load_json
 from .halo import halo_plan
 from .layout import piece_size
-from .kernels import conv2d_output_shape, workspace_bytes
-from .kernels.conv.paths import PASSES  # the passes the kernels' path table knows
+from .kernels import conv2d_output_shape, conv_geometry, workspace_bytes
+from .kernels.conv.paths import PASSES, rate_key  # the kernel path table: its passes and its choice
 from .partition import block_sizes, gather_group, scatter_group
 
 PHASES = tuple(p for p in LEDGER_PHASES if p != "other")  # the phases predictions cover
@@ -183,6 +183,9 @@ class LayerShape:
     padding: int = None  # default K // 2
     first: bool = False  # the network's first layer: its input whole over the channel axis, no dx
     normed: bool = False  # followed by batch norm and ReLU, which keep x-hat and a mask of its output
+    # the other layers after it, in order, whose time the step adds: "relu", "maxpool", "add"
+    # (a residual sum), "loss" (the global pool, the classifier and the loss after the last one)
+    after: tuple = ()
     dilation: int = 1
     groups: int = 1
 
@@ -204,18 +207,34 @@ class LayerShape:
             (self.F if f is None else f) * Ho * Wo * self.K * self.K
 
 
+FORMAT = 2  # the profile format read here (cfp/calibration.py writes it)
+# The layers between convolutions the model times (calibration.calibrate_layers measures them):
+# each [seconds, seconds per element] of one forward and backward.
+LAYER_KINDS = ("batchnorm", "relu", "maxpool", "add", "loss", "conv", "optimizer")
+ANY_PATH = "*"  # a profile's rates for whatever path a pass takes (a model of another machine's kernels)
+
+
 class MachineProfile:
     """The constants of one machine: alpha (s) and beta (s/byte) of each collective on the
     links inside a node and between nodes, the local packing of each collective (s per byte
-    of its result: cfp's copies of NCHW blocks; none where the library works in place), and
-    the kernel rates (flop/s) of each pass measured
-    on shapes of given flop and output-pixel counts, per kernel size. Loaded from JSON (see
-    scripts/calibrate.py)."""
+    of its result: cfp's copies of NCHW blocks; none where the library works in place), the
+    kernel rates (flop/s) of each pass and kernel path (kernels/conv/paths.py) measured on
+    shapes of given flop and GEMM-row counts (paths.rate_key), the time of the layers between
+    convolutions (LAYER_KINDS), and what it was measured on (`machine`, None for a model of a
+    machine). Loaded from JSON (cfp/calibration.py writes it; docs/design.md section 4)."""
 
     def __init__(self, data, where="profile"):
         try:
+            version = data.get("format", 1)
+            if not isinstance(version, int) or version > FORMAT:
+                raise _Refused(f"{where} is format {version!r}, newer than this cfp reads (format {FORMAT}): "
+                               f"use the cfp that wrote it, or calibrate again (scripts/calibrate.py)")
+            if version < FORMAT:
+                raise _Refused(f"{where} is format {version} (kernel rates per kernel size, from before cfp "
+                               f"timed each kernel path); calibrate again (scripts/calibrate.py)")
             self.name = str(data["name"])
             self.source = str(data.get("source", ""))
+            self.machine = data.get("machine")
             self.itemsize = int(data.get("itemsize", 4))
             self.ranks_per_node = int(data["ranks_per_node"])
             self.workspace_weights = float(data.get("workspace_weights", 3))
@@ -225,15 +244,22 @@ class MachineProfile:
             self.links = {}
             for link, table in data["links"].items():
                 self.links[link] = {c: (float(table[c][0]), float(table[c][1])) for c in COLLECTIVES}
-            if "intra" not in self.links:
+            if self.links and "intra" not in self.links:
                 raise KeyError("links.intra")
             self.kernels = {}
             for pass_name in PASSES:
                 self.kernels[pass_name] = {
-                    int(k): [_kernel_point(point) for point in points]
-                    for k, points in data["kernels"][pass_name].items()}
+                    str(path): [_kernel_point(point) for point in points]
+                    for path, points in data["kernels"][pass_name].items()}
                 if not self.kernels[pass_name] or any(not p for p in self.kernels[pass_name].values()):
                     raise KeyError(f"kernels.{pass_name} (no measured points)")
+            self.layers = {kind: (0.0, 0.0) for kind in LAYER_KINDS}
+            for kind, (fixed, per_element) in data.get("layers", {}).items():
+                if kind not in self.layers:
+                    raise KeyError(f"layers.{kind} (not one of {', '.join(LAYER_KINDS)})")
+                self.layers[kind] = (float(fixed), float(per_element))
+        except _Refused as e:
+            raise ValueError(str(e)) from None
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise ValueError(f"{where} is not a valid machine profile: missing or malformed {e}") from None
         self.data = data
@@ -250,6 +276,9 @@ class MachineProfile:
         return cls(load_json(path, "machine profile"), where=f"machine profile {path!r}")
 
     def link(self, intra):
+        if not self.links:
+            raise ValueError(f"machine profile {self.name!r} was calibrated on one rank and has no link "
+                             f"constants; calibrate on 2 or more ranks (mpiexec -n 2 ...) to plan for several")
         return self.links["intra" if intra or "inter" not in self.links else "inter"]
 
     def collective_time(self, collective, p, m, intra=True):
@@ -263,23 +292,33 @@ class MachineProfile:
             (p - 1, (p - 1) / p * m)
         return steps * alpha + volume * beta + packing
 
-    def kernel_time(self, pass_name, kernel, flops, pixels=None):
-        """Seconds of one kernel pass of `flops` over `pixels` output positions (n H' W', the
-        rows of its GEMM), at the rate of the measured shapes nearest in log flops and log
-        pixels for the nearest kernel size (inverse-distance weighted over the 3 nearest).
+    def layer_time(self, kind, elements, count=1):
+        """Seconds of `count` forward and backward passes of a layer of `kind` (LAYER_KINDS)
+        over `elements` elements in all: count fixed costs plus the per-element cost."""
+        fixed, per_element = self.layers[kind]
+        return count * fixed + elements * per_element
 
-        The pixel count is the shape class: at equal flops a pass over few pixels and many
-        channels streams a large weight matrix for little work and runs slower.
+    def kernel_time(self, pass_name, path, flops, rows=None):
+        """Seconds of one kernel pass of `flops` by kernel path `path` over `rows` GEMM rows
+        (paths.rate_key), at the rate of the measured shapes of that path nearest in log flops
+        and log rows (inverse-distance weighted over the 3 nearest).
+
+        The rows are the shape class: at equal flops a pass over few rows and many channels
+        streams a large weight matrix for little work and runs slower; for Winograd they are
+        its tiles, which samples and image size fill.
         """
         if flops <= 0:
             return 0.0
         table = self.kernels[pass_name]
-        points = table[min(table, key=lambda k: (abs(k - kernel), k))]
+        points = table.get(path, table.get(ANY_PATH))
+        if points is None:
+            raise ValueError(f"machine profile {self.name!r} has no rates of kernel path {path!r} ({pass_name}): "
+                             f"it was measured before that path; calibrate again (scripts/calibrate.py)")
         nearest = []
         for f, px, rate in points:
             d = (math.log(flops) - math.log(f)) ** 2
-            if px is not None and pixels:
-                d += (math.log(pixels) - math.log(px)) ** 2
+            if px is not None and rows:
+                d += (math.log(rows) - math.log(px)) ** 2
             nearest.append((math.sqrt(d), rate))
         nearest.sort()
         outside = not min(f for f, _, _ in points) <= flops <= max(f for f, _, _ in points)
@@ -290,8 +329,12 @@ class MachineProfile:
         return flops / math.exp(log_rate)
 
 
+class _Refused(Exception):
+    """A profile refused as a whole (its format), with its own message."""
+
+
 def _kernel_point(point):
-    """(flops, pixels or None, flop/s) from a profile's [flops, pixels, rate] or [flops, rate]."""
+    """(flops, rows or None, flop/s) from a profile's [flops, rows, rate] or [flops, rate]."""
     if len(point) == 3:
         return float(point[0]), float(point[1]), float(point[2])
     return float(point[0]), None, float(point[1])
@@ -342,11 +385,10 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     row_intra = p_f <= per_node
     column_intra = (q - 1) * p_f + 1 <= per_node
     grad_intra = P_n * P_h * P_w * P_c <= per_node
-    flops, pixels = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all), n * Ho * Wo
-    compute = {"forward": profile.kernel_time("forward", layer.K, flops, pixels),
-               "backward-filter": profile.kernel_time("backward-filter", layer.K, flops, pixels),
-               "backward-data": 0.0 if layer.first else
-               profile.kernel_time("backward-data", layer.K, flops, pixels)}
+    flops = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all)
+    keys = kernel_paths(layer, n, rows, cols, seen, Ho, Wo, P_h, P_w)
+    compute = {pass_name: 0.0 if layer.first and pass_name == "backward-data" else
+               profile.kernel_time(pass_name, path, flops, path_rows) for pass_name, (path, path_rows) in keys.items()}
     comm = {phase: 0.0 for phase in PHASES}
     groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n * P_h * P_w, grad_intra)}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
@@ -381,6 +423,44 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item,
         "workspace": max(winograd.get(p, bound) for p in passes),
     }
-    return {"compute": compute, "comm": comm, "memory": memory, "p_f": p_f,
-            "time": sum(compute.values()) + sum(comm.values()),
+    layers = _layers_time(layer, profile, n * y_filters * Ho * Wo, y_filters, w_count, optimizer_buffers,
+                          P_n * P_h * P_w, grad_intra)
+    return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
+            "paths": {pass_name: path for pass_name, (path, _) in keys.items()},
+            "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
+
+
+def kernel_paths(layer, n, rows, cols, seen, Ho, Wo, P_h=1, P_w=1, dtype="float32"):
+    """{pass: (kernel path, GEMM rows)} of the busiest rank's local convolution of `layer`: x
+    (n, rows, H, W), w (cols, seen, K, K), its (Ho, Wo) outputs, as the kernel table chooses
+    (paths.rate_key). On an axis the grid splits, the block is the rows its windows read, halo
+    and border padding included, convolved without padding (what the halo gives the kernels)."""
+    extent = layer.dilation * (layer.K - 1) + 1
+    H = (Ho - 1) * layer.stride + extent if P_h > 1 else layer.H
+    W = (Wo - 1) * layer.stride + extent if P_w > 1 else layer.W
+    ph, pw = (0 if P_h > 1 else layer.pad), (0 if P_w > 1 else layer.pad)
+    groups = 1 if layer.groups == 1 else max(1, rows // max(1, seen))
+    g = conv_geometry((max(n, 1), max(rows, groups), H, W), (max(cols, groups), seen, layer.K, layer.K),
+                      layer.stride, (ph, pw), layer.dilation, groups)
+    return {pass_name: rate_key(pass_name, g, dtype) for pass_name in PASSES}
+
+
+def _layers_time(layer, profile, elements, channels, w_count, optimizer_buffers, sharing, intra):
+    """{kind: seconds} of what the step spends on `layer` beyond its kernels and collectives:
+    the layers after it (batch norm and its statistics' allreduces over the `sharing` ranks
+    holding the same channels, ReLU, pooling, a residual sum, the head and loss) on the
+    busiest rank's `elements` outputs, the convolution module's fixed cost, and the optimizer's
+    update of the layer's parameters (a momentum buffer per `optimizer_buffers`)."""
+    out = {kind: profile.layer_time(kind, elements) for kind in layer.after}
+    out["conv"] = profile.layer_time("conv", 0)
+    item = profile.itemsize
+    tensors, parameters = 1, w_count
+    if layer.normed:
+        # forward: the sums with the count, then the squares; backward: the two gradient sums
+        out["batchnorm"] = profile.layer_time("batchnorm", elements) + sum(
+            profile.collective_time("allreduce", sharing, m * item, intra)
+            for m in (channels + 1, channels, 2 * channels))
+        tensors, parameters = tensors + 2, parameters + 2 * channels
+    out["optimizer"] = profile.layer_time("optimizer", parameters, tensors) * (1 + optimizer_buffers) / 2
+    return out

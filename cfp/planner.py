@@ -133,13 +133,14 @@ class Plan:
         """The plan as a plain-text table."""
         mib = 1024.0 ** 2
         rows = [("layer", "shape N,C,F,HxW,K[,groups][,dilation]", "grid", "algorithm", "compute ms", "comm ms",
-                 "redistribute ms", "memory MiB")]
+                 "layers ms", "redistribute ms", "memory MiB")]
         for c in self.choices:
             L = c.layer
             extra = (f",g{L.groups}" if L.groups > 1 else "") + (f",d{L.dilation}" if L.dilation > 1 else "")
             rows.append((L.name, f"{L.N},{L.C},{L.F},{L.H}x{L.W},{L.K}{extra}", c.grid, c.label,
                          f"{sum(c.cost['compute'].values()) * 1e3:.2f}",
-                         f"{sum(c.cost['comm'].values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
+                         f"{sum(c.cost['comm'].values()) * 1e3:.2f}",
+                         f"{sum(c.cost.get('layers', {}).values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
                          f"{c.cost['bytes'] / mib:.2f}"))
         return (format_table(rows) + f"\npredicted iteration {self.time * 1e3:.2f} ms on {self.ranks} "
                 f"ranks, {self.memory / mib:.2f} MiB per rank")

@@ -21,7 +21,7 @@ from .grid import Grids, ProcessGrid
 from .io import check_figure_path, check_writable, save_figure, save_json
 from .models import MODELS, build_model, read_plan
 from .nn import SoftmaxCrossEntropy
-from .perfmodel import MachineProfile
+from .calibration import machine_profile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
 from .tensor import Layout, check_blocks
 
@@ -32,7 +32,6 @@ DTYPES = ("float32", "float64")
 COMM_TABLES = ("top", "full")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
-DEFAULT_PROFILE = "cpu-dev"
 
 
 class TrainingDiverged(ValueError):
@@ -48,7 +47,7 @@ class TrainConfig:
     algorithm: str = "y"  # or "auto": the planner's choice per layer (on --grid when given)
     plan: str = None  # a plan file: {"layers": {name: {"grid", "algorithm", "filter_groups"}}}
     filter_groups: int = None  # algorithm w only
-    profile: str = None  # algorithm auto only: a JSON file or a built-in name (default DEFAULT_PROFILE)
+    profile: str = None  # algorithm auto only: a JSON file or a built-in name (default: this machine's, calibration.py)
     memory_limit: float = None  # MiB per rank the "auto" plan must fit
     epochs: int = 10
     batch_size: int = 64
@@ -261,7 +260,7 @@ def _diverged(cfg, rank0, step, what, history, epochs_log):
     raise TrainingDiverged(message)
 
 
-def _build(cfg, world, x_train, dtype, classes):
+def _build(cfg, world, x_train, dtype, classes, threads):
     """The model of `cfg` on the ranks of `world`: on --grid, from the plan file, or as the
     planner chooses; the model owns its grids. Also the name of the profile the planner used."""
     config = {"width": cfg.width, "algorithm": cfg.algorithm, "filter_groups": cfg.filter_groups,
@@ -271,7 +270,7 @@ def _build(cfg, world, x_train, dtype, classes):
         config["depth"] = cfg.depth or WIDE_DEPTH
     profile = None
     if cfg.algorithm == "auto":
-        profile = MachineProfile.load(cfg.profile or DEFAULT_PROFILE)
+        profile = machine_profile(cfg.profile, world, threads)
         config.update(batch=cfg.batch_size, profile=profile, choose_grids=cfg.grid is None,
                       memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
     elif cfg.plan:
@@ -303,7 +302,7 @@ def train_model(cfg, world=None):
     threads = backend.set_blas_threads(cfg.threads, world)
     dtype = np.dtype(cfg.dtype)
     *data, classes, read = _dataset(cfg, dtype)  # every rank reads the same files: a bad one fails alike
-    model, profile_name = _build(cfg, world, data[0], dtype, classes)
+    model, profile_name = _build(cfg, world, data[0], dtype, classes, threads)
     try:
         session = _Session(cfg, model, data)
         if session.rank0:

@@ -18,7 +18,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 from cfp import cli
 from cfp.algorithms import ALGORITHMS
 from cfp.models import MODELS
-from cfp.train import (COMM_TABLES, DEFAULT_PROFILE, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
+from cfp.train import (COMM_TABLES, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
                        TrainConfig, train)
 
 
@@ -41,7 +41,7 @@ def parse_args(argv):
                         "layers it does not list keep those of the layer before")
     p.add_argument("--profile", default=defaults.profile,
                    help="--algorithm auto only: machine profile, a JSON file from scripts/calibrate.py "
-                        f"or a built-in name (default: {DEFAULT_PROFILE})")
+                        "or a built-in name (default: this machine's, calibrated once and cached)")
     p.add_argument("--filter-groups", type=int, default=None,
                    help="--algorithm w only: p_f, the filter groups (dividing the channel axis)")
     p.add_argument("--memory-limit", type=float, default=None,

@@ -1,8 +1,11 @@
 """Shared test helpers: the world size, grids over every factorization, collective assertions."""
+import atexit
 import importlib.util
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 from mpi4py import MPI
@@ -11,6 +14,12 @@ from cfp.grid import factorizations
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
+
+# A profile a test calibrates (--algorithm auto without --profile) is cached in a directory of
+# this test process, removed at its end, never in the user's cache (cfp/calibration.py).
+if not os.environ.get("CFP_CACHE_DIR"):
+    os.environ["CFP_CACHE_DIR"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["CFP_CACHE_DIR"], True)
 
 
 def grid_specs(naxes=2, axes=("sample", "channel")):

@@ -19,8 +19,8 @@ def profile(ranks_per_node=4, inter_beta=None, itemsize=4, winograd_workspace=Fa
     links = {"intra": {c: [0.0, 1.0] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}}
     if inter_beta is not None:
         links["inter"] = {c: [0.0, inter_beta] for c in ("allgather", "reduce_scatter", "allreduce", "alltoall")}
-    points = {"3": [[1e3, 8, RATE], [1e9, 4096, RATE]]}
-    data = {"name": "test", "ranks_per_node": ranks_per_node, "links": links,
+    points = {"*": [[1e3, 8, RATE], [1e9, 4096, RATE]]}
+    data = {"format": 2, "name": "test", "ranks_per_node": ranks_per_node, "links": links,
             "kernels": {p: points for p in ("forward", "backward-data", "backward-filter")},
             "winograd_workspace": winograd_workspace}
     if itemsize is not None:
@@ -65,7 +65,10 @@ def test_layer_cost_of_an_image_split_by_hand():
     assert cost["memory"] == {"weights": 540, "gradients": 540, "optimizer": 540,
                               "activations": 6960, "temporary": 3616, "workspace": 10260}
     assert cost["bytes"] == 22456
-    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112, rel=1e-12)
+    # Batch norm's statistics: allreduces of 5 + 1, 5 and 10 float32 (84 bytes) over the 4
+    # ranks holding its channels, 2 * 3 / 4 * 84 = 126 s; the profile times no layers.
+    assert cost["layers"]["batchnorm"] == pytest.approx(126, rel=1e-12)
+    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112 + 126, rel=1e-12)
     # One more rank than the node holds: the same allreduce between nodes at 2 s/byte.
     wide = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=3, inter_beta=2.0), P_h=2, P_w=2)
     assert wide["comm"]["gradient-sync"] == pytest.approx(1620, rel=1e-12)
@@ -475,9 +478,9 @@ def test_a_missing_profile_names_the_builtin_ones():
 
 
 def _rates(points):
-    """A profile whose 3x3 kernels of every pass run at the rates of `points`."""
+    """A profile whose kernels of every pass and path run at the rates of `points`."""
     return MachineProfile(dict(profile().data, kernels={
-        p: {"3": points} for p in ("forward", "backward-data", "backward-filter")}))
+        p: {"*": points} for p in ("forward", "backward-data", "backward-filter")}))
 
 
 def test_kernel_rate_between_points_by_hand():
@@ -486,7 +489,7 @@ def test_kernel_rate_between_points_by_hand():
     1e10 is 3 ln 10 away and 1e12 (the fourth) is left out. Weights 1, 1, 1/9 of the log rates
     9, 11 and 12 (in ln 10): the rate is 10 ** ((9 + 11 + 12 / 9) / (2 + 1 / 9)) = 10 ** (192 / 19)."""
     p = _rates([[1e6, 256, 1e9], [1e8, 256, 1e11], [1e10, 256, 1e12], [1e12, 256, 1e6]])
-    assert p.kernel_time("forward", 3, 1e7, 256) == pytest.approx(1e7 / 10 ** (192 / 19), rel=1e-12)
+    assert p.kernel_time("forward", "*", 1e7, 256) == pytest.approx(1e7 / 10 ** (192 / 19), rel=1e-12)
 
 
 def test_kernel_rate_at_the_largest_measured_flops_interpolates_over_pixels():
@@ -496,9 +499,9 @@ def test_kernel_rate_at_the_largest_measured_flops_interpolates_over_pixels():
     d_near, d_far = math.log(16), 2 * math.log(10)
     w_near, w_far = 1 / d_near ** 2, 1 / d_far ** 2
     log_rate = (w_near * math.log(1e11) + w_far * math.log(1e9)) / (w_near + w_far)
-    assert p.kernel_time("forward", 3, 1e8, 256) == pytest.approx(1e8 / math.exp(log_rate), rel=1e-12)
+    assert p.kernel_time("forward", "*", 1e8, 256) == pytest.approx(1e8 / math.exp(log_rate), rel=1e-12)
     # beyond the range the nearest point's rate holds
-    assert p.kernel_time("forward", 3, 1e9, 256) == pytest.approx(1e9 / 1e11, rel=1e-12)
+    assert p.kernel_time("forward", "*", 1e9, 256) == pytest.approx(1e9 / 1e11, rel=1e-12)
 
 
 def test_halo_of_a_strided_layer_by_hand():
@@ -743,10 +746,10 @@ def test_layer_shape_pads_half_the_kernel_by_default():
 
 def test_kernel_time_of_no_work_and_of_two_number_points():
     p = profile()
-    assert p.kernel_time("forward", 3, 0, 64) == 0.0
+    assert p.kernel_time("forward", "*", 0, 64) == 0.0
     two = _rates([[1e6, 1e9], [1e8, 1e11]])  # [flops, rate] points: no pixel count
-    assert two.kernel_time("forward", 3, 1e6, 999) == pytest.approx(1e6 / 1e9, rel=1e-12)
-    assert two.kernel_time("forward", 3, 1e8) == pytest.approx(1e8 / 1e11, rel=1e-12)
+    assert two.kernel_time("forward", "*", 1e6, 999) == pytest.approx(1e6 / 1e9, rel=1e-12)
+    assert two.kernel_time("forward", "*", 1e8) == pytest.approx(1e8 / 1e11, rel=1e-12)
 
 
 def test_kernel_rate_at_the_smallest_measured_flops_interpolates_over_pixels():
@@ -755,7 +758,7 @@ def test_kernel_rate_at_the_smallest_measured_flops_interpolates_over_pixels():
     p = _rates([[1e6, 256, 1e9], [1e8, 16, 1e11]])
     w_near, w_far = 1 / math.log(16) ** 2, 1 / (2 * math.log(10)) ** 2
     log_rate = (w_near * math.log(1e9) + w_far * math.log(1e11)) / (w_near + w_far)
-    assert p.kernel_time("forward", 3, 1e6, 16) == pytest.approx(1e6 / math.exp(log_rate), rel=1e-12)
+    assert p.kernel_time("forward", "*", 1e6, 16) == pytest.approx(1e6 / math.exp(log_rate), rel=1e-12)
 
 
 def test_the_model_reads_the_kernel_rate_at_the_layers_pixels():

@@ -78,7 +78,7 @@ def test_mixed_plan_trains_like_one_rank(mpi_tmp_path, name):
 def test_the_planners_own_plan_trains_like_one_rank():
     """--algorithm auto without --grid: the planner picks grid and algorithm per layer."""
     losses0, weights0 = serial_run("y")
-    result, model = train_model(config(algorithm="auto", grid=None))
+    result, model = train_model(config(algorithm="auto", grid=None, profile="cpu-dev"))
     planned = model.plan
     assert [c.layer.name for c in planned.choices] == list(model.layers)
     assert all(ProcessGrid.shape_of(e["grid"]) == ProcessGrid.shape_of(c.grid) and e["algorithm"] == c.algorithm

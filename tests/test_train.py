@@ -89,7 +89,7 @@ def test_auto_plan_trains_like_one_rank():
     still equal one rank's."""
     losses0, _ = serial_run("y")
     spec = grid_specs()[len(grid_specs()) // 2]
-    result, model = train_model(config(algorithm="auto", grid=spec))
+    result, model = train_model(config(algorithm="auto", grid=spec, profile="cpu-dev"))
     chosen = {e["algorithm"] for e in model.layers.values()}
     mixed = len(chosen) > 1 or model.grid.axis_size("channel") == 1
     channels = model.grid.axis_size("channel")

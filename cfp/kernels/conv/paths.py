@@ -34,6 +34,8 @@ class KernelPath(typing.NamedTuple):
     flips: forward reads a layer's filters flipped itself (backward-data's full convolution
     passes flipped=True); any other path's forward is given the flipped copy.
     backward_data_applies: where backward-data's choice differs from `applies` (None: the same).
+    rows(g): the rows of the path's GEMMs, the shape feature its rate moves with (None: the
+    output pixels N Ho Wo); with the flops, what the cost model keys its rates on (rate_key).
     """
     name: str
     applies: typing.Callable
@@ -43,6 +45,7 @@ class KernelPath(typing.NamedTuple):
     workspace: typing.Optional[typing.Callable] = None
     flips: bool = False
     backward_data_applies: typing.Optional[typing.Callable] = None
+    rows: typing.Optional[typing.Callable] = None
 
     def takes(self, pass_name, g, dtype):
         """Whether this path computes `pass_name` for geometry g in dtype."""
@@ -96,9 +99,9 @@ def _always(g, dtype):
 PATHS = (
     KernelPath("winograd-subgrids", winograd.subgrids_apply, forward=winograd.subgrids_forward,
                backward_filter=winograd.subgrids_backward_filter, workspace=winograd.subgrids_workspace_bytes,
-               flips=True),
+               flips=True, rows=winograd.subgrids_tile_rows),
     KernelPath("winograd", winograd.applies, forward=winograd.forward, backward_filter=winograd.backward_filter,
-               workspace=winograd.workspace_bytes, flips=True),
+               workspace=winograd.workspace_bytes, flips=True, rows=winograd.tile_rows),
     KernelPath("depthwise", depthwise.applies, forward=depthwise.forward, backward_data=depthwise.backward_data,
                backward_filter=depthwise.backward_filter, backward_data_applies=depthwise.backward_data_applies),
     KernelPath("full-convolution", _stride_one, backward_data=_full_convolution, workspace=_full_convolution_bytes),
@@ -129,6 +132,20 @@ def taken(g, dtype):
             name += "/" + choose("forward", full_geometry(g)[1], dtype).name
         out[pass_name] = name
     return out
+
+
+def rate_key(pass_name, g, dtype):
+    """(path, rows) of `pass_name` on geometry g (zero padding) in dtype: the name `taken` gives
+    it and the rows of the GEMMs of the path that computes it (KernelPath.rows; a full
+    convolution's, those of the forward path of its geometry). The cost model's kernel rates
+    are measured and looked up by these (cfp/perfmodel.py), so that its path is the kernels' own."""
+    name = taken(g, dtype)[pass_name]
+    path = choose(pass_name, g, dtype)
+    if path.name == "full-convolution":
+        g = full_geometry(g)[1]
+        path = choose("forward", g, dtype)
+    rows = path.rows(g) if path.rows is not None else g.N * g.Ho * g.Wo
+    return name, rows
 
 
 def pass_bytes(pass_name, g, dtype):

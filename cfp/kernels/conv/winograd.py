@@ -44,6 +44,13 @@ def applies(g, dtype):
         and g.N * g.C * g.F > 0 and g.mode == "zeros"
 
 
+def tile_rows(g):
+    """The rows of the layer's (m + 2)^2 GEMMs: its tiles, N ceil(Ho / m) ceil(Wo / m). How many
+    fill them is what moves Winograd's rate (the cost model's shape feature, cfp/perfmodel.py)."""
+    m = settings.current().winograd_tile
+    return g.N * -(-g.Ho // m) * -(-g.Wo // m)
+
+
 def _pays(g):
     """By default a layer takes Winograd where its outputs are at least a tile wide and its
     tiles multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2).
@@ -223,6 +230,11 @@ def backward_filter(x, dy, g, xp):
 def subgrids_apply(g, dtype):
     """A dilated stride-1 layer whose sub-grid convolution takes Winograd."""
     return (g.dh, g.dw) != (1, 1) and (g.sh, g.sw) == (1, 1) and applies(_subgrid_geometry(g), dtype)
+
+
+def subgrids_tile_rows(g):
+    """tile_rows of the sub-grid convolution the dilated layer is computed as."""
+    return tile_rows(_subgrid_geometry(g))
 
 
 def _subgrid_geometry(g):

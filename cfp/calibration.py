@@ -1,0 +1,456 @@
+"""Measuring the cost model's constants on this machine, and the profile cache that keeps them.
+
+A machine profile (cfp/perfmodel.py, docs/design.md section 4) holds what `calibrate` measures:
+the alpha, beta and packing of each collective, the rate of every kernel path of the kernel
+table for each pass (kernels/conv/paths.py, keyed as `paths.rate_key` keys them), and the time
+of the layers between convolutions (batch norm, ReLU, pooling, residual adds, the head and
+loss, the optimizer update, each module's fixed overhead). It also records what it was
+measured on (`machine`): a profile describes one machine, one BLAS, one count of threads and
+ranks and one version of cfp's kernels, and says so.
+
+`profile_for(world, threads)` is what the planner's users call when no profile is named: the
+cached profile of this machine (a JSON file in `cache_dir()`, keyed by the machine record) or,
+where none matches, a quick calibration, cached for the next run, as FFTW keeps its wisdom.
+"""
+import datetime
+import hashlib
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import scipy.optimize
+from mpi4py import MPI
+
+from . import backend, comm
+from .benchtools import on_rank0, quiet_barrier, slowest_median, timed
+from .grid import ProcessGrid
+from .io import load_json, save_json
+from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_flops, conv2d_forward, conv_geometry
+from .kernels import settings as kernel_settings
+from .kernels.conv import paths
+from .nn import BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, SoftmaxCrossEntropy
+from .nn.module import Parameter
+from .optim import SGD
+from .partition import block_sizes
+from .perfmodel import MachineProfile
+
+FORMAT = 2  # the profile format this cfp writes and reads (perfmodel.MachineProfile)
+
+# What a profile must share with this machine to describe it (the machine record's keys).
+MACHINE_KEYS = ("cpu", "cores", "blas", "numpy", "mpi", "kernels", "threads_per_rank", "ranks")
+
+
+# -- what a profile was measured on -----------------------------------------------------------
+
+def kernels_version():
+    """A hash of cfp's kernel sources (cfp/kernels, every .py file) and of the kernel settings
+    that choose their paths: it changes when a kernel or the path table changes, and with it
+    the rates a profile measured."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    s = kernel_settings.current()
+    digest.update(repr((s.winograd, s.winograd_tile, s.plane_stacking)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu():
+    """The processor's model name (Linux's /proc/cpuinfo, else what platform says)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _blas():
+    """The BLAS NumPy uses, as name and version ('scipy-openblas 0.3.31.188.0')."""
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '?')}"
+    except Exception:  # an older NumPy: what threadpoolctl sees loaded
+        return ", ".join(f"{lib} {version}" for lib, version, _, _ in backend.blas_info()) or "unknown"
+
+
+def machine_record(ranks, threads):
+    """What a profile measured on `ranks` ranks of `threads` BLAS threads each would record
+    here (MACHINE_KEYS), plus the host's name for people to read."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": _cpu(), "cores": int(cores), "blas": _blas(), "numpy": np.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(), "kernels": kernels_version(),
+            "threads_per_rank": int(threads), "ranks": int(ranks), "host": platform.node()}
+
+
+def differences(recorded, here):
+    """['key: recorded there, here' ...] for each MACHINE_KEYS value that differs ([] when the
+    profile describes this machine; a profile without a record, a model such as
+    reference-v100, has nothing to compare)."""
+    if not isinstance(recorded, dict):
+        return []
+    return [f"{key} {recorded.get(key)!r} (here {here[key]!r})" for key in MACHINE_KEYS
+            if recorded.get(key) != here[key]]
+
+
+# -- the collectives ---------------------------------------------------------------------------
+
+MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+COLLECTIVE_NAMES = ("allgather", "reduce_scatter", "allreduce", "alltoall")
+
+
+def collective_call(name, group, m_bytes):
+    """A zero-argument function running collective `name` with a whole result of ~m bytes.
+
+    Allgather, reduce-scatter and all-to-all move activation-like tensors (8 samples, blocks
+    along the channel axis, so they pay the packing an NCHW block needs); allreduce moves a
+    flat gradient.
+    """
+    p, r = group.Get_size(), group.Get_rank()
+    samples = 8
+    channels = max(p, m_bytes // (4 * samples))
+    sizes = block_sizes(channels, p)
+    full = np.ones((samples, channels), dtype=np.float32)
+    mine = np.ones((samples, sizes[r]), dtype=np.float32)
+    if name == "allgather":
+        return lambda: comm.allgather(group, mine, 1, sizes)
+    if name == "reduce_scatter":
+        return lambda: comm.reduce_scatter(group, full, 1, sizes)
+    if name == "allreduce":
+        return lambda: comm.allreduce(group, full.reshape(-1))
+    split = block_sizes(samples, p)  # trade the sample split for the channel split
+    x = np.ones((samples, sizes[r]), dtype=np.float32)
+    return lambda: comm.alltoall(group, x, 0, 1, split, sizes)
+
+
+def fit_alpha_beta(samples):
+    """Non-negative least-squares (alpha, beta) from [(steps, volume bytes, seconds, measured seconds)]
+    where `seconds` is what alpha and beta must explain (the measurement less the packing),
+    minimising errors relative to the whole measurement (small and large messages alike). The
+    weights come from the measurement, not the remainder: a remainder near zero (the packing
+    is most of the time) must not outweigh every other sample."""
+    a = np.array([[s, v] for s, v, _, _ in samples], dtype=np.float64)
+    t = np.array([sec for _, _, sec, _ in samples])
+    weights = 1.0 / np.maximum(np.array([total for *_, total in samples]), 1e-9)
+    alpha, beta = scipy.optimize.nnls(a * weights[:, None], t * weights)[0]
+    return float(alpha), float(beta)
+
+
+def fit_packing(samples):
+    """Seconds per byte of the whole result, through the origin, from [(bytes, seconds)]."""
+    m = np.array([b for b, _ in samples], dtype=np.float64)
+    t = np.array([sec for _, sec in samples])
+    return max(float(np.dot(m, t) / np.dot(m, m)), 0.0)
+
+
+def calibrate_collectives(world, quick, repeats):
+    """({collective: [alpha, beta]}, {collective: packing s/byte}); no links on one rank.
+
+    cfp's collectives pack and unpack NCHW blocks with local copies, which cost time even on
+    one rank: that packing is measured on a group of one rank (rank 0 alone), and alpha and
+    beta are fitted to what remains of the times over groups of 2..P neighbouring ranks.
+    """
+    P = world.Get_size()
+    messages = MESSAGE_BYTES[::2] if quick else MESSAGE_BYTES
+    samples = {name: [] for name in COLLECTIVE_NAMES}
+    with comm.use_ledger(comm.CommLedger()):  # calibration traffic stays out of any ledger
+        def packing_samples():
+            return {name: [(m, slowest_median(MPI.COMM_SELF, lambda: timed(collective_call(name, MPI.COMM_SELF, m)),
+                                             repeats, 1)["total"]) for m in messages] for name in COLLECTIVE_NAMES}
+        packing = {name: fit_packing(s) for name, s in on_rank0(world, packing_samples).items()}
+        for p in range(2, P + 1):
+            member = world.Get_rank() < p
+            group = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
+            if member:
+                for name in COLLECTIVE_NAMES:
+                    for m in messages:
+                        call = collective_call(name, group, m)
+                        seconds = slowest_median(group, lambda: timed(call), repeats, 1)["total"]
+                        steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
+                            else (p - 1, (p - 1) / p * m)
+                        samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
+                group.Free()
+            quiet_barrier(world)
+    if P < 2:
+        return {}, packing
+    fitted = np.array([fit_alpha_beta(samples[name]) if samples[name] else (0.0, 0.0) for name in COLLECTIVE_NAMES])
+    world.Bcast(fitted, root=0)  # rank 0's fit, to every rank
+    return {name: [float(a), float(b)] for name, (a, b) in zip(COLLECTIVE_NAMES, fitted)}, packing
+
+
+def check_fits(links, packing):
+    """ValueError when a fit is physically impossible: a collective whose large messages would
+    cost zero seconds per byte (beta and the packing both zero), which is what a noisy machine
+    produces. beta = 0 alone is possible: on two ranks the per-byte cost of the link and of
+    the packing cannot be told apart, and the packing may carry all of it."""
+    bad = [name for name, (alpha, beta) in links.items() if not beta + packing.get(name, 0.0) > 0]
+    if bad:
+        raise ValueError(f"the fit of {', '.join(bad)} gives zero seconds per byte, which no link has: "
+                         f"the timings were too noisy; rerun on a quiet machine (or with more --repeats)")
+
+
+# -- the kernels -------------------------------------------------------------------------------
+
+MAX_FLOPS = 3e9  # the largest shapes are left out: their rate is the last measured one's
+
+# Families of layers, (K, stride, dilation, depthwise, channels, sides): every path of the kernel
+# table is reached by some family (tests/test_calibration.py checks it), each over the channel
+# counts and image sides that move its rate. Samples: 1, 8 and 32 (quick: 1 and 32).
+FAMILIES = (
+    (3, 1, 1, False, (16, 64, 256, 512), (2, 4, 8, 16, 32)),  # Winograd where it pays, else im2col / plane
+    (3, 2, 1, False, (16, 64, 256), (4, 8, 16, 32)),  # im2col, col2im
+    (1, 1, 1, False, (16, 64, 256, 512), (2, 4, 8, 16)),  # pointwise (below 64 channels the same)
+    (1, 2, 1, False, (16, 64, 256), (4, 8, 16)),  # im2col at a stride
+    (5, 1, 1, False, (16, 64, 256), (4, 8, 16)),  # im2col, plane columns
+    (3, 1, 1, False, (1, 3), (8, 16, 32)),  # a network's first layer: plane columns or Winograd
+    (3, 1, 2, False, (16, 64, 256), (8, 16, 32)),  # dilated: Winograd on the sub-grids
+    (3, 1, 1, True, (16, 64, 256), (4, 8, 16, 32)),  # depthwise bands
+    (3, 2, 1, True, (16, 64, 256), (4, 8, 16, 32)),  # depthwise, banded backward-data
+)
+SAMPLES = (1, 8, 32)
+
+
+def kernel_shapes(quick):
+    """[(N, C, F, H, K, stride, dilation, groups)] of the layers calibration measures (H = W,
+    padding dilation * (K // 2), F = C, or the first layer's 64 filters), within MAX_FLOPS."""
+    out = []
+    for K, stride, dilation, depthwise, channels, sides in FAMILIES:
+        for C in channels[::2] if quick else channels:
+            F = 64 if C < 16 else C
+            for H in sides[::2] if quick else sides:
+                for N in SAMPLES[::2] if quick else SAMPLES:
+                    groups = C if depthwise else 1
+                    shape = (N, C, F, H, K, stride, dilation, groups)
+                    if _flops(shape) <= MAX_FLOPS:
+                        out.append(shape)
+    return out
+
+
+def _flops(shape):
+    N, C, F, H, K, stride, dilation, groups = shape
+    return conv2d_flops((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
+
+
+def calibrate_kernels(shapes, repeats, progress=None):
+    """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each shape timed (median of
+    `repeats`) and filed under the path the kernel table takes for it and its rows
+    (paths.rate_key), float32."""
+    rng = np.random.default_rng(0)
+    table = {name: {} for name in paths.PASSES}
+    for i, (N, C, F, H, K, stride, dilation, groups) in enumerate(shapes):
+        pad = dilation * (K // 2)
+        args = dict(stride=stride, padding=pad, dilation=dilation, groups=groups)
+        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
+        w = rng.standard_normal((F, C // groups, K, K)).astype(np.float32)
+        y = conv2d_forward(x, w, None, **args)
+        g = conv_geometry(x.shape, w.shape, **args)
+        flops = float(conv2d_flops(x.shape, w.shape, **args))
+        calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
+                 "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
+                 "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
+        for name, call in calls.items():
+            seconds = slowest_median(MPI.COMM_SELF, lambda: timed(call), repeats, 1)["total"]
+            path, rows = paths.rate_key(name, g, np.dtype(np.float32))
+            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds])
+        if progress:
+            progress(i + 1, len(shapes))
+    return table
+
+
+# -- the layers between convolutions -----------------------------------------------------------
+
+# (n, c, side) of the element-wise layers' inputs: 1 to 2^19 elements.
+LAYER_SIZES = ((1, 1, 2), (8, 16, 8), (8, 64, 16), (32, 64, 16))
+PARAMETER_SIZES = (1, 4096, 1 << 16, 1 << 20)
+
+
+def _fit_line(points):
+    """[seconds, seconds per unit] fitted through [(units, seconds)], both non-negative,
+    minimising relative errors (the smallest sizes give the fixed cost, the largest the rate)."""
+    a = np.array([[1.0, u] for u, _ in points])
+    t = np.array([s for _, s in points])
+    weights = 1.0 / np.maximum(t, 1e-9)
+    fixed, rate = scipy.optimize.nnls(a * weights[:, None], t * weights)[0]
+    return [float(fixed), float(rate)]
+
+
+def calibrate_layers(repeats):
+    """{kind: [seconds, seconds per element]} of one forward and backward of each layer kind
+    the cost model adds to the convolutions (perfmodel.LAYER_KINDS), on this rank alone:
+    batchnorm, relu, maxpool (2x2, per input element), add (a residual sum), loss (the global
+    pool, the classifier's flatten and the softmax cross-entropy, per logit), conv (a
+    convolution module's own time beyond its kernels: its fixed cost), and optimizer (SGD with
+    momentum, per parameter tensor and element)."""
+    grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    rng = np.random.default_rng(0)
+
+    def median(call):
+        return slowest_median(MPI.COMM_SELF, lambda: timed(call), repeats, 1)["total"]
+
+    def through(module, x):
+        return lambda: module.backward(module.forward(x))
+
+    points = {kind: [] for kind in ("batchnorm", "relu", "maxpool", "add", "loss")}
+    with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
+        for n, c, side in LAYER_SIZES:
+            x = rng.standard_normal((n, c, side, side)).astype(np.float32)
+            elements = x.size
+            bn = BatchNorm2d(grid, c)
+            points["batchnorm"].append((elements, median(through(bn, x))))
+            points["relu"].append((elements, median(through(ReLU(), x))))
+            points["maxpool"].append((elements, median(through(MaxPool2d(2), x))))
+            points["add"].append((elements, median(lambda: x + x)))
+            pool, loss = GlobalAvgPool2d(), SoftmaxCrossEntropy(grid)
+            labels = rng.integers(0, c, n)
+
+            def head():
+                logits = pool.forward(x)
+                loss.forward(logits, labels)
+                pool.backward(loss.backward())
+            points["loss"].append((elements, median(head)))
+        out = {kind: _fit_line(p) for kind, p in points.items()}
+        conv = Conv2d(grid, 1, 1, 1, algorithm="sample", bias=False, name="calibration")
+        tiny = np.ones((1, 1, 1, 1), np.float32)
+        conv.input_shape = tiny.shape
+        out["conv"] = [median(through(conv, tiny)), 0.0]
+        updates = []
+        for size in PARAMETER_SIZES:
+            p = Parameter("p", np.zeros(size, np.float32), (size,))
+            p.grad = np.ones(size, np.float32)
+            sgd = SGD([p], 0.01, momentum=0.9)
+            updates.append((size, median(sgd.step)))
+        out["optimizer"] = _fit_line(updates)
+    grid.free()
+    return out
+
+
+# -- a whole profile ---------------------------------------------------------------------------
+
+def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None):
+    """The machine profile (a dict, format FORMAT) measured on the ranks of `world` at `threads`
+    BLAS threads per rank: collectives over groups of 2..P ranks (none on one rank), kernels and
+    layers on rank 0 alone (the others wait quietly). Every rank returns the same profile.
+    progress(done, total), on rank 0, as the kernel shapes finish."""
+    start = time.time()
+    backend.set_blas_threads(threads)
+    links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats)
+    check_fits(links, packing)  # rank 0's fit on every rank: every rank judges alike
+
+    def local():
+        shapes = kernel_shapes(quick)
+        return calibrate_kernels(shapes, 3 if quick else repeats, progress), calibrate_layers(3 if quick else repeats)
+    kernels, layers = on_rank0(world, local)
+    P = world.Get_size()
+    record = machine_record(P, threads)
+    host = record["host"] or "this machine"
+    return {
+        "format": FORMAT, "name": name or f"{host} ({P} rank{'s' if P > 1 else ''})", "itemsize": 4,
+        "ranks_per_node": P, "machine": record,
+        "source": (f"calibrated by cfp on {host} ({record['cpu']}), {P} rank(s) of {threads} BLAS thread(s), "
+                   f"{datetime.date.today().isoformat()}, {'quick' if quick else 'full'} run, "
+                   f"{time.time() - start:.0f} s"),
+        "links": {"intra": links} if links else {},
+        "packing": packing,
+        "kernels": kernels,
+        "layers": layers,
+    }
+
+
+# -- the cache ---------------------------------------------------------------------------------
+
+def cache_dir():
+    """Where calibrated profiles are kept: $CFP_CACHE_DIR, else $XDG_CACHE_HOME/cfp, else
+    ~/.cache/cfp."""
+    if os.environ.get("CFP_CACHE_DIR"):
+        return os.environ["CFP_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cfp")
+
+
+def cache_path(record, directory=None):
+    """The cache file of the profile of machine record `record` (its MACHINE_KEYS hashed)."""
+    key = hashlib.sha256(repr([(k, record[k]) for k in MACHINE_KEYS]).encode()).hexdigest()[:16]
+    return os.path.join(directory or cache_dir(), f"profile-v{FORMAT}-{key}.json")
+
+
+def _cached(path, record, warn):
+    """The profile dict in the cache file `path` if it is a readable profile of this format
+    that describes machine `record`; None (with one line of warning where a file is there
+    but unusable) otherwise."""
+    if not os.path.exists(path):
+        return None
+    try:
+        data = load_json(path, "cached machine profile")
+        MachineProfile(data, where=f"cached machine profile {path!r}")
+        different = differences(data.get("machine"), record)
+        if different:
+            raise ValueError(f"it describes another machine or kernels: {'; '.join(different)}")
+        return data
+    except (ValueError, OSError) as e:
+        warn(f"cfp: ignoring the cached machine profile {path}: {e}; calibrating again")
+        return None
+
+
+def profile_for(world, threads, directory=None, out=None):
+    """This machine's profile (a perfmodel.MachineProfile) for a run on the ranks of `world` at
+    `threads` BLAS threads per rank: the cached one (cache_dir()) where it matches this
+    machine, its ranks and threads and cfp's kernels; else a quick calibration, announced by a
+    progress line, cached for the next run (written atomically; a cache that cannot be
+    written is said and skipped). The same on every rank."""
+    out = out or sys.stdout
+    rank0 = world.Get_rank() == 0
+    record = machine_record(world.Get_size(), threads)
+    path = cache_path(record, directory)
+
+    def say(line):
+        print(line, file=out, flush=True)
+    data = _cached(path, record, say) if rank0 else None
+    fresh = world.bcast(data is None, root=0)
+    if fresh:
+        if rank0:
+            say(f"cfp: no machine profile for this machine, {world.Get_size()} rank(s) and cfp's kernels in "
+                f"{os.path.dirname(path)}; calibrating (quick, a few seconds)...")
+        start = time.time()
+        data = calibrate(world, quick=True, threads=threads)
+        if rank0:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                save_json(path, data)
+                where = f"cached in {path}"
+            except (OSError, ValueError) as e:
+                where = f"not cached ({e})"
+            say(f"cfp: calibrated in {time.time() - start:.1f} s, {where}")
+    data = world.bcast(data, root=0)
+    return MachineProfile(data, where=f"machine profile {path!r}")
+
+
+def warn_if_foreign(profile, world, threads, out=None):
+    """One line of warning on rank 0 when `profile` records a machine other than this one
+    (differences names what differs); nothing for a profile without a record."""
+    if world.Get_rank() != 0:
+        return
+    different = differences(profile.machine, machine_record(world.Get_size(), threads))
+    if different:
+        print(f"cfp: warning: machine profile {profile.name!r} was measured elsewhere ({'; '.join(different)}): "
+              f"its predictions may not hold here; run without --profile to calibrate this machine",
+              file=out or sys.stdout, flush=True)
+
+
+def machine_profile(name, world, threads):
+    """The profile a run on `world` at `threads` BLAS threads per rank plans with: the one
+    named (a JSON file or a built-in name, with one line of warning when it records another
+    machine), or, with `name` None, this machine's own (profile_for: cached or calibrated)."""
+    if name is None:
+        return profile_for(world, threads)
+    profile = MachineProfile.load(name)
+    warn_if_foreign(profile, world, threads)
+    return profile

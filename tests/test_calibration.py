@@ -1,0 +1,212 @@
+"""The calibrated cost model's bookkeeping (cfp/calibration.py, docs/design.md section 4): the
+machine record and its differences, the kernel version, the profile cache (hit, miss, an
+unreadable, foreign or newer file recalibrated over with one warning), the profile format, the
+calibration shapes reaching every kernel path, and the model's kernel path of each layer equal
+to the path the kernels take."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp import calibration
+from cfp.grid import ProcessGrid
+from cfp.kernels import conv_geometry
+from cfp.kernels import settings as kernel_settings
+from cfp.kernels.conv import paths
+from cfp.models import MODELS, layer_shapes
+from cfp.nn import Conv2d, Linear
+from cfp.perfmodel import FORMAT, MachineProfile, layer_cost
+
+
+def fake_profile(record, name="fake"):
+    """A small valid profile dict for machine record `record`."""
+    points = {"*": [[1e6, 64, 1e9], [1e9, 4096, 1e10]]}
+    return {"format": FORMAT, "name": name, "itemsize": 4, "ranks_per_node": 1, "machine": record,
+            "links": {}, "packing": {}, "kernels": {p: points for p in paths.PASSES}, "layers": {}}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """calibration.calibrate replaced by a counter returning fake_profile (no timing)."""
+    calls = []
+
+    def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None):
+        calls.append(threads)
+        return fake_profile(calibration.machine_record(world.Get_size(), threads), f"calibrated {len(calls)}")
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    return calls
+
+
+def test_the_record_names_what_differs():
+    here = calibration.machine_record(2, 1)
+    assert set(calibration.MACHINE_KEYS) <= set(here)
+    assert calibration.differences(dict(here), here) == []
+    assert calibration.differences(None, here) == []  # a model of a machine: nothing to compare
+    there = dict(here, cores=here["cores"] + 1, kernels="0" * 16)
+    lines = calibration.differences(there, here)
+    assert len(lines) == 2 and lines[0].startswith("cores ") and lines[1].startswith("kernels '0000")
+    assert calibration.differences(dict(here, host="elsewhere"), here) == []  # the host's name is for people
+
+
+def test_the_kernel_version_follows_the_sources_and_the_settings(tmp_path, monkeypatch):
+    before = calibration.kernels_version()
+    assert calibration.kernels_version() == before
+    with kernel_settings.winograd(False):
+        assert calibration.kernels_version() != before
+    copy = tmp_path / "cfp"
+    shutil.copytree(calibration.os.path.dirname(calibration.__file__) + "/kernels", copy / "kernels")
+    monkeypatch.setattr(calibration, "__file__", str(copy / "calibration.py"))
+    assert calibration.kernels_version() == before  # the same sources
+    (copy / "kernels" / "conv" / "paths.py").write_text((copy / "kernels" / "conv" / "paths.py").read_text() + "\n#")
+    assert calibration.kernels_version() != before
+
+
+def test_a_missing_profile_is_calibrated_once_and_cached(tmp_path, counted, capsys):
+    first = calibration.profile_for(MPI.COMM_SELF, 1, directory=str(tmp_path))
+    out = capsys.readouterr().out
+    assert counted == [1] and "calibrating (quick" in out and "cached in" in out
+    cached = list(tmp_path.iterdir())
+    assert len(cached) == 1 and cached[0].name.startswith(f"profile-v{FORMAT}-")
+    second = calibration.profile_for(MPI.COMM_SELF, 1, directory=str(tmp_path))
+    assert counted == [1] and capsys.readouterr().out == ""
+    assert second.name == first.name == "calibrated 1"
+    calibration.profile_for(MPI.COMM_SELF, 2, directory=str(tmp_path))  # other threads: another profile
+    assert counted == [1, 2] and len(list(tmp_path.iterdir())) == 2
+
+
+@pytest.mark.parametrize("content, says", [
+    ("{not json", "is not valid JSON"),
+    ('["a", "list"]', "not a valid machine profile"),
+    (None, "describes another machine or kernels: cores"),
+    ("newer", f"is format {FORMAT + 1}, newer than this cfp reads"),
+])
+def test_a_bad_cache_file_is_calibrated_over_with_one_warning(tmp_path, counted, capsys, content, says):
+    record = calibration.machine_record(1, 1)
+    path = calibration.cache_path(record, str(tmp_path))
+    if content is None:
+        content = json.dumps(fake_profile(dict(record, cores=record["cores"] + 7)))
+    elif content == "newer":
+        content = json.dumps(dict(fake_profile(record), format=FORMAT + 1))
+    with open(path, "w") as f:
+        f.write(content)
+    profile = calibration.profile_for(MPI.COMM_SELF, 1, directory=str(tmp_path))
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "ignoring the cached machine profile" in line]
+    assert len(warnings) == 1 and says in warnings[0], out
+    assert counted == [1] and profile.name == "calibrated 1"
+    assert json.load(open(path))["name"] == "calibrated 1"  # the cache now holds the new one
+
+
+def test_an_unwritable_cache_is_said_and_skipped(tmp_path, counted, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    profile = calibration.profile_for(MPI.COMM_SELF, 1, directory=str(blocked / "cache"))
+    assert profile.name == "calibrated 1" and "not cached" in capsys.readouterr().out
+
+
+def test_a_named_profile_from_elsewhere_warns_in_one_line(capsys):
+    profile = MachineProfile(fake_profile(dict(calibration.machine_record(1, 1), numpy="0.0")))
+    calibration.warn_if_foreign(profile, MPI.COMM_SELF, 1)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "measured elsewhere (numpy '0.0'" in out[0]
+    calibration.warn_if_foreign(MachineProfile.load("reference-v100"), MPI.COMM_SELF, 1)  # no record
+    assert capsys.readouterr().out == ""
+
+
+def test_profile_formats():
+    record = calibration.machine_record(1, 1)
+    with pytest.raises(ValueError, match=f"is format {FORMAT + 1}, newer than this cfp reads \\(format {FORMAT}\\)"):
+        MachineProfile(dict(fake_profile(record), format=FORMAT + 1))
+    old = fake_profile(record)
+    del old["format"]
+    with pytest.raises(ValueError, match="is format 1 \\(kernel rates per kernel size"):
+        MachineProfile(old)
+    one_rank = MachineProfile(fake_profile(record))
+    assert one_rank.collective_time("allgather", 1, 100) == 0.0
+    with pytest.raises(ValueError, match="calibrated on one rank and has no link constants"):
+        one_rank.collective_time("allgather", 2, 100)
+    with pytest.raises(ValueError, match="layers.dropout \\(not one of batchnorm"):
+        MachineProfile(dict(fake_profile(record), layers={"dropout": [0, 0]}))
+
+
+def model_layers():
+    """Every convolution of every model at batch 8 (width 2; the wide CNN 32 channels)."""
+    out = []
+    for name, kind in MODELS.items():
+        out += layer_shapes(name, 8, 32 if kind.depth else 2)
+    return out
+
+
+def test_calibration_reaches_every_path_the_models_take():
+    """Every (pass, path) a model layer takes under any algorithm on 1, 2 and 4 ranks is among
+    those the quick calibration measures, so no layer is priced by another path's rates."""
+    measured = set()
+    for N, C, F, H, K, stride, dilation, groups in calibration.kernel_shapes(quick=True):
+        g = conv_geometry((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
+        measured |= {(p, paths.rate_key(p, g, np.dtype(np.float32))[0]) for p in paths.PASSES}
+    wanted = set()
+    for layer in model_layers():
+        for ranks in (1, 2, 4):
+            for P_c in (c for c in (1, 2, 4) if ranks % c == 0):
+                for algorithm in ("sample",) if P_c == 1 else ("x", "y", "w"):
+                    if layer.F < P_c:
+                        continue
+                    cost = layer_cost(layer, algorithm, ranks // P_c, P_c, MachineProfile.load("cpu-dev"))
+                    wanted |= set(cost["paths"].items())
+    assert wanted - measured == set()
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The kernel path table with every pass recording the path that runs it: ran() gives the
+    names per pass since the last call, a full convolution named with its forward's path."""
+    log = []
+
+    def recording(path, pass_name, run):
+        def call(*args, **kwargs):
+            log.append((pass_name, path.name))
+            return run(*args, **kwargs)
+        return call
+    table = tuple(path._replace(**{field: recording(path, p, path.run(p)) for field, p in
+                                   (("forward", "forward"), ("backward_data", "backward-data"),
+                                    ("backward_filter", "backward-filter")) if path.run(p) is not None})
+                  for path in paths.PATHS)
+    monkeypatch.setattr(paths, "PATHS", table)
+
+    def names():
+        out = {}
+        for i, (pass_name, name) in enumerate(log):
+            if name == "full-convolution":
+                out[pass_name] = f"{name}/{log[i + 1][1]}"
+            elif pass_name not in out and not (i and log[i - 1][1] == "full-convolution"):
+                out[pass_name] = name
+        log.clear()
+        return out
+    return names
+
+
+def test_the_model_takes_the_kernels_own_path_for_every_layer(ran):
+    """Each convolution of the models, run as cfp's layer on one rank (float32), takes in each
+    pass the kernel path perfmodel.layer_cost prices it by."""
+    grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    profile = MachineProfile.load("cpu-dev")
+    rng = np.random.default_rng(0)
+    for layer in model_layers():
+        cls = Linear if layer.name == "fc" else Conv2d
+        options = {} if cls is Linear else dict(kernel_size=layer.K, stride=layer.stride, padding=layer.pad,
+                                                 dilation=layer.dilation, groups=layer.groups)
+        conv = cls(grid, layer.C, layer.F, algorithm="sample", bias=False, name=layer.name,
+                   need_dx=not layer.first, **options)
+        shape = (layer.N, layer.C) if cls is Linear else (layer.N, layer.C, layer.H, layer.W)
+        x = rng.standard_normal(shape).astype(np.float32)
+        conv.input_shape = x.shape
+        y = conv.forward(x)
+        conv.backward(np.ones_like(y))
+        taken = ran()
+        priced = layer_cost(layer, "sample", 1, 1, profile)["paths"]
+        if layer.first:
+            del priced["backward-data"]
+        assert taken == priced, layer.name
+    grid.free()
