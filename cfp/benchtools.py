@@ -98,3 +98,47 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     return {"forward_s": times["forward"], "backward_s": times["backward"],
             "bytes_sent_per_rank": int(most[0]), "weight_bytes_per_rank": int(most[1]),
             "kept_activation_bytes_per_rank": int(most[2]), "halo_bytes_per_rank": int(most[3])}
+
+
+def measure_step(world, model_name, entries, arch, batch, x, y, steps, warmup):
+    """The slowest rank's median seconds of one training step (forward, loss, backward, SGD
+    with momentum) of model `model_name` (models.MODELS, with `arch`) built on the ranks of
+    `world` as plan `entries` says ({layer: {"grid", "algorithm", "filter_groups"}}), on the
+    global batch x, y (float32)."""
+    from .grid import ProcessGrid
+    from .models import build_model
+    from .nn import SoftmaxCrossEntropy
+    from .optim import SGD
+    from .train import train_step
+    base = ProcessGrid(f"sample={world.Get_size()}", comm=world)
+    model = build_model(model_name, base, plan=entries, batch=batch, dtype=np.float32, **arch)
+    loss_fn = SoftmaxCrossEntropy(model.grid)
+    optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
+    (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
+    xs, ys = x[rows.start:rows.stop], y[rows.start:rows.stop]
+    seconds = slowest_median(world, lambda: timed(lambda: train_step(model, loss_fn, optimizer, xs, ys)),
+                             steps, warmup)["total"]
+    model.free()
+    base.free()
+    return seconds
+
+
+def single_grid_plans(names, ranks, algorithms=None):
+    """{label: plan entries} of every grid of `ranks` ranks (sample x channel) with every
+    algorithm (sample where P_c = 1; x, y and w for each p_f otherwise; or those of
+    `algorithms`), all layers `names` alike."""
+    from .grid import ProcessGrid, factorizations
+    out = {}
+    for P_n, P_c in factorizations(ranks):
+        grid = ProcessGrid.describe_shape({"sample": P_n, "channel": P_c})
+        if P_c == 1:
+            options = [("sample", None)]
+        else:
+            options = [("x", None), ("y", None)] + [("w", d) for d in range(1, P_c + 1) if P_c % d == 0]
+        for algorithm, p_f in options:
+            if algorithms is not None and algorithm not in algorithms:
+                continue
+            entry = {"grid": grid, "algorithm": algorithm, **({"filter_groups": p_f} if p_f else {})}
+            label = f"{grid} {algorithm}" + (f" p_f={p_f}" if p_f else "")
+            out[label] = {name: dict(entry) for name in names}
+    return out

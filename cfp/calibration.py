@@ -240,30 +240,58 @@ def _flops(shape):
     return conv2d_flops((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
 
 
-def calibrate_kernels(shapes, repeats, progress=None):
-    """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each shape timed (median of
-    `repeats`) and filed under the path the kernel table takes for it and its rows
-    (paths.rate_key), float32."""
+def calibrate_kernels(world, shapes, repeats, progress=None, table=None):
+    """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each shape, given as (N, C,
+    F, H, K, stride, dilation, groups) or as a ConvGeometry, timed on every rank of `world` at
+    once (as a training step runs them; the slowest rank's median of `repeats`) and filed
+    under the path the kernel table takes for it and its rows (paths.rate_key), float32.
+    `table`: add to this one."""
     rng = np.random.default_rng(0)
-    table = {name: {} for name in paths.PASSES}
-    for i, (N, C, F, H, K, stride, dilation, groups) in enumerate(shapes):
-        pad = dilation * (K // 2)
-        args = dict(stride=stride, padding=pad, dilation=dilation, groups=groups)
-        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
-        w = rng.standard_normal((F, C // groups, K, K)).astype(np.float32)
+    table = {name: {} for name in paths.PASSES} if table is None else table
+    for i, shape in enumerate(shapes):
+        g = shape if isinstance(shape, tuple) and hasattr(shape, "_fields") else _geometry(shape)
+        args = dict(stride=(g.sh, g.sw), padding=(g.pt, g.pb, g.pl, g.pr), dilation=(g.dh, g.dw), groups=g.G)
+        x = rng.standard_normal((g.N, g.C, g.H, g.W)).astype(np.float32)
+        w = rng.standard_normal((g.F, g.C // g.G, g.Kh, g.Kw)).astype(np.float32)
         y = conv2d_forward(x, w, None, **args)
-        g = conv_geometry(x.shape, w.shape, **args)
         flops = float(conv2d_flops(x.shape, w.shape, **args))
         calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
                  "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
                  "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
         for name, call in calls.items():
-            seconds = slowest_median(MPI.COMM_SELF, lambda: timed(call), repeats, 1)["total"]
+            seconds = slowest_median(world, lambda: timed(call), repeats, 1)["total"]
             path, rows = paths.rate_key(name, g, np.dtype(np.float32))
             table[name].setdefault(path, []).append([flops, float(rows), flops / seconds])
         if progress:
             progress(i + 1, len(shapes))
     return table
+
+
+def _geometry(shape):
+    N, C, F, H, K, stride, dilation, groups = shape
+    return conv_geometry((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
+
+
+def measured(profile_data, g):
+    """Whether every pass of geometry g has a point of its own in the profile's kernel rates
+    (the same path, flops and rows)."""
+    flops = float(conv2d_flops((g.N, g.C, g.H, g.W), (g.F, g.C // g.G, g.Kh, g.Kw), (g.sh, g.sw),
+                               (g.pt, g.pb, g.pl, g.pr), (g.dh, g.dw), g.G))
+    for name in paths.PASSES:
+        path, rows = paths.rate_key(name, g, np.dtype(np.float32))
+        if not any(p[0] == flops and p[1] == float(rows) for p in profile_data["kernels"][name].get(path, [])):
+            return False
+    return True
+
+
+def top_up(world, profile_data, geometries, repeats=3):
+    """Measure the kernels of those `geometries` (ConvGeometry, zero padding) the profile has
+    no points of (`measured`), adding them to profile_data's rates in place, as FFTW adds to its
+    wisdom: the planner's own layers are then priced at measured rates, not interpolated ones.
+    Returns how many were measured (the same on every rank)."""
+    missing = [g for g in dict.fromkeys(geometries) if g.N * g.C * g.F > 0 and not measured(profile_data, g)]
+    calibrate_kernels(world, missing, repeats, table=profile_data["kernels"])
+    return len(missing)
 
 
 # -- the layers between convolutions -----------------------------------------------------------
@@ -283,9 +311,10 @@ def _fit_line(points):
     return [float(fixed), float(rate)]
 
 
-def calibrate_layers(repeats):
+def calibrate_layers(world, repeats):
     """{kind: [seconds, seconds per element]} of one forward and backward of each layer kind
-    the cost model adds to the convolutions (perfmodel.LAYER_KINDS), on this rank alone:
+    the cost model adds to the convolutions (perfmodel.LAYER_KINDS), on every rank of `world`
+    at once, each on a grid of its own (the slowest rank's median):
     batchnorm, relu, maxpool (2x2, per input element), add (a residual sum), loss (the global
     pool, the classifier's flatten and the softmax cross-entropy, per logit), conv (a
     convolution module's own time beyond its kernels: its fixed cost), and optimizer (SGD with
@@ -294,7 +323,7 @@ def calibrate_layers(repeats):
     rng = np.random.default_rng(0)
 
     def median(call):
-        return slowest_median(MPI.COMM_SELF, lambda: timed(call), repeats, 1)["total"]
+        return slowest_median(world, lambda: timed(call), repeats, 1)["total"]
 
     def through(module, x):
         return lambda: module.backward(module.forward(x))
@@ -338,17 +367,16 @@ def calibrate_layers(repeats):
 def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None):
     """The machine profile (a dict, format FORMAT) measured on the ranks of `world` at `threads`
     BLAS threads per rank: collectives over groups of 2..P ranks (none on one rank), kernels and
-    layers on rank 0 alone (the others wait quietly). Every rank returns the same profile.
-    progress(done, total), on rank 0, as the kernel shapes finish."""
+    layers on every rank at once, as a step runs them (so that ranks sharing a node's memory
+    and caches slow each other as they will). Every rank returns the same profile (rank 0's).
+    progress(done, total) as the kernel shapes finish."""
     start = time.time()
     backend.set_blas_threads(threads)
     links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats)
     check_fits(links, packing)  # rank 0's fit on every rank: every rank judges alike
 
-    def local():
-        shapes = kernel_shapes(quick)
-        return calibrate_kernels(shapes, 3 if quick else repeats, progress), calibrate_layers(3 if quick else repeats)
-    kernels, layers = on_rank0(world, local)
+    kernels = calibrate_kernels(world, kernel_shapes(quick), 3 if quick else repeats, progress)
+    kernels, layers = world.bcast((kernels, calibrate_layers(world, 3 if quick else repeats)), root=0)
     P = world.Get_size()
     record = machine_record(P, threads)
     host = record["host"] or "this machine"
@@ -400,12 +428,14 @@ def _cached(path, record, warn):
         return None
 
 
-def profile_for(world, threads, directory=None, out=None):
+def profile_for(world, threads, layers=None, directory=None, out=None):
     """This machine's profile (a perfmodel.MachineProfile) for a run on the ranks of `world` at
     `threads` BLAS threads per rank: the cached one (cache_dir()) where it matches this
     machine, its ranks and threads and cfp's kernels; else a quick calibration, announced by a
     progress line, cached for the next run (written atomically; a cache that cannot be
-    written is said and skipped). The same on every rank."""
+    written is said and skipped). `layers` (perfmodel.LayerShape): the local convolutions of
+    every option the planner weighs for them are measured where the profile has no points of
+    them (top_up), and kept in the cache too. The same on every rank."""
     out = out or sys.stdout
     rank0 = world.Get_rank() == 0
     record = machine_record(world.Get_size(), threads)
@@ -430,6 +460,19 @@ def profile_for(world, threads, directory=None, out=None):
                 where = f"not cached ({e})"
             say(f"cfp: calibrated in {time.time() - start:.1f} s, {where}")
     data = world.bcast(data, root=0)
+    if layers:
+        from .planner import geometries
+        start = time.time()
+        added = top_up(world, data, geometries(layers, world.Get_size(), MachineProfile(data)))
+        data = world.bcast(data, root=0)  # rank 0's rates on every rank
+        if added and rank0:
+            try:
+                save_json(path, data)
+                where = f"cached in {path}"
+            except (OSError, ValueError) as e:
+                where = f"not cached ({e})"
+            say(f"cfp: measured the kernels of {added} more layer shape(s) the planner weighs in "
+                f"{time.time() - start:.1f} s, {where}")
     return MachineProfile(data, where=f"machine profile {path!r}")
 
 
@@ -445,12 +488,13 @@ def warn_if_foreign(profile, world, threads, out=None):
               file=out or sys.stdout, flush=True)
 
 
-def machine_profile(name, world, threads):
-    """The profile a run on `world` at `threads` BLAS threads per rank plans with: the one
-    named (a JSON file or a built-in name, with one line of warning when it records another
-    machine), or, with `name` None, this machine's own (profile_for: cached or calibrated)."""
+def machine_profile(name, world, threads, layers=None):
+    """The profile a run on `world` at `threads` BLAS threads per rank plans `layers` with: the
+    one named (a JSON file or a built-in name, used as it is, with one line of warning when it
+    records another machine), or, with `name` None, this machine's own (profile_for: cached or
+    calibrated, and topped up with the layers' own shapes)."""
     if name is None:
-        return profile_for(world, threads)
+        return profile_for(world, threads, layers)
     profile = MachineProfile.load(name)
     warn_if_foreign(profile, world, threads)
     return profile

@@ -386,7 +386,8 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     column_intra = (q - 1) * p_f + 1 <= per_node
     grad_intra = P_n * P_h * P_w * P_c <= per_node
     flops = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all)
-    keys = kernel_paths(layer, n, rows, cols, seen, Ho, Wo, P_h, P_w)
+    local = local_geometry(layer, n, rows, cols, seen, Ho, Wo, P_h, P_w)
+    keys = {pass_name: rate_key(pass_name, local, "float32") for pass_name in PASSES}
     compute = {pass_name: 0.0 if layer.first and pass_name == "backward-data" else
                profile.kernel_time(pass_name, path, flops, path_rows) for pass_name, (path, path_rows) in keys.items()}
     comm = {phase: 0.0 for phase in PHASES}
@@ -426,24 +427,24 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     layers = _layers_time(layer, profile, n * y_filters * Ho * Wo, y_filters, w_count, optimizer_buffers,
                           P_n * P_h * P_w, grad_intra)
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
-            "paths": {pass_name: path for pass_name, (path, _) in keys.items()},
+            "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
 
 
-def kernel_paths(layer, n, rows, cols, seen, Ho, Wo, P_h=1, P_w=1, dtype="float32"):
-    """{pass: (kernel path, GEMM rows)} of the busiest rank's local convolution of `layer`: x
-    (n, rows, H, W), w (cols, seen, K, K), its (Ho, Wo) outputs, as the kernel table chooses
-    (paths.rate_key). On an axis the grid splits, the block is the rows its windows read, halo
-    and border padding included, convolved without padding (what the halo gives the kernels)."""
+def local_geometry(layer, n, rows, cols, seen, Ho, Wo, P_h=1, P_w=1):
+    """The ConvGeometry of the busiest rank's local convolution of `layer`: x (n, rows, H, W),
+    w (cols, seen, K, K), its (Ho, Wo) outputs; its kernel paths are what the kernel table
+    chooses for it (paths.rate_key). On an axis the grid splits, the block is the rows its
+    windows read, halo and border padding included, convolved without padding (what the halo
+    gives the kernels)."""
     extent = layer.dilation * (layer.K - 1) + 1
     H = (Ho - 1) * layer.stride + extent if P_h > 1 else layer.H
     W = (Wo - 1) * layer.stride + extent if P_w > 1 else layer.W
     ph, pw = (0 if P_h > 1 else layer.pad), (0 if P_w > 1 else layer.pad)
     groups = 1 if layer.groups == 1 else max(1, rows // max(1, seen))
-    g = conv_geometry((max(n, 1), max(rows, groups), H, W), (max(cols, groups), seen, layer.K, layer.K),
-                      layer.stride, (ph, pw), layer.dilation, groups)
-    return {pass_name: rate_key(pass_name, g, dtype) for pass_name in PASSES}
+    return conv_geometry((max(n, 1), max(rows, groups), H, W), (max(cols, groups), seen, layer.K, layer.K),
+                         layer.stride, (ph, pw), layer.dilation, groups)
 
 
 def _layers_time(layer, profile, elements, channels, w_count, optimizer_buffers, sharing, intra):

@@ -68,6 +68,13 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
     return out
 
 
+def geometries(layers, ranks, profile, spatial=False):
+    """The local convolutions (perfmodel.local_geometry) of every option of every layer on
+    `ranks` ranks: what the kernels of any plan of these layers would run, for calibration to
+    measure (calibration.top_up)."""
+    return [o.cost["geometry"] for L in layers for o in layer_options(L, ranks, profile, spatial=spatial)]
+
+
 def redistribution_time(previous, choice, profile):
     """Seconds to move the previous layer's output (forward) and its gradient (backward) into
     this layer's layout: nothing on the same grid, else an all-to-all of each rank's share of

@@ -19,7 +19,7 @@ from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
 from .grid import Grids, ProcessGrid
 from .io import check_figure_path, check_writable, save_figure, save_json
-from .models import MODELS, build_model, read_plan
+from .models import MODELS, build_model, layer_shapes, read_plan
 from .nn import SoftmaxCrossEntropy
 from .calibration import machine_profile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
@@ -270,7 +270,8 @@ def _build(cfg, world, x_train, dtype, classes, threads):
         config["depth"] = cfg.depth or WIDE_DEPTH
     profile = None
     if cfg.algorithm == "auto":
-        profile = machine_profile(cfg.profile, world, threads)
+        arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
+        profile = machine_profile(cfg.profile, world, threads, layer_shapes(cfg.model, cfg.batch_size, **arch))
         config.update(batch=cfg.batch_size, profile=profile, choose_grids=cfg.grid is None,
                       memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
     elif cfg.plan:

@@ -2,7 +2,7 @@
 predicted side by side in one run.
 
     mpiexec -n 2 python -m mpi4py scripts/bench_plans.py --model resnet --width 4 --batch 64 \\
-        [--image 8] [--steps 10] [--warmup 3] [--profile cpu-dev] [--json out.json]
+        [--image 8] [--steps 10] [--warmup 3] [--profile PROFILE] [--json out.json]
 
 Plans: every grid factorization of the ranks with every algorithm (with P_c > 1: x, y and w for
 each p_f; with P_c = 1: sample), all layers alike, and the planner's own plan (each layer's
@@ -19,17 +19,13 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import cli
-from cfp.benchtools import prepare, slowest_median, timed
+from cfp.benchtools import measure_step, prepare, single_grid_plans
+from cfp.calibration import machine_profile
 from cfp.checks import int_options
 from cfp.data import synthetic
-from cfp.grid import ProcessGrid, factorizations
 from cfp.io import save_json
-from cfp.models import MODELS, build_model, layer_shapes
-from cfp.nn import SoftmaxCrossEntropy
-from cfp.optim import SGD
-from cfp.perfmodel import MachineProfile
+from cfp.models import MODELS, layer_shapes
 from cfp.planner import plan, plan_entries, price_plan
-from cfp.train import train_step
 
 
 def parse_args(argv):
@@ -41,43 +37,13 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=64, help="global mini-batch")
     p.add_argument("--steps", type=int, default=10, help="timed steps per plan, of which the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per plan before them")
-    p.add_argument("--profile", default="cpu-dev",
-                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name")
+    p.add_argument("--profile", default=None,
+                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name (default: this "
+                        "machine's, calibrated once and cached)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "batch", "steps"), nonnegative=("warmup",))
     return args
-
-
-def single_grid_plans(names, ranks):
-    """{label: entries} of every grid with every algorithm, all layers alike."""
-    out = {}
-    for P_n, P_c in factorizations(ranks):
-        grid = ProcessGrid.describe_shape({"sample": P_n, "channel": P_c})
-        if P_c == 1:
-            options = [("sample", None)]
-        else:
-            options = [("x", None), ("y", None)] + [("w", d) for d in range(1, P_c + 1) if P_c % d == 0]
-        for algorithm, p_f in options:
-            entry = {"grid": grid, "algorithm": algorithm, **({"filter_groups": p_f} if p_f else {})}
-            label = f"{grid} {algorithm}" + (f" p_f={p_f}" if p_f else "")
-            out[label] = {name: dict(entry) for name in names}
-    return out
-
-
-def step_time(args, world, entries, arch, x, y):
-    """The slowest rank's median seconds of one training step of the model under `entries`."""
-    base = ProcessGrid(f"sample={world.Get_size()}", comm=world)
-    model = build_model(args.model, base, plan=entries, batch=args.batch, dtype=np.float32, **arch)
-    loss_fn = SoftmaxCrossEntropy(model.grid)
-    optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
-    (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
-    xs, ys = x[rows.start:rows.stop], y[rows.start:rows.stop]
-    seconds = slowest_median(world, lambda: timed(lambda: train_step(model, loss_fn, optimizer, xs, ys)),
-                             args.steps, args.warmup)["total"]
-    model.free()
-    base.free()
-    return seconds
 
 
 def main(argv=None):
@@ -85,11 +51,11 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     P = world.Get_size()
     prepare(world, args.json)
-    profile = MachineProfile.load(args.profile)
     arch = {"width": args.width, "in_channels": 1, "classes": 10, "image": args.image}
     if MODELS[args.model].depth:
         arch["depth"] = args.depth
     shapes = layer_shapes(args.model, args.batch, **arch)
+    profile = machine_profile(args.profile, world, 1, shapes)
     names = [s.name for s in shapes]
     plans = single_grid_plans(names, P)
     planned = plan(shapes, P, profile)
@@ -98,7 +64,7 @@ def main(argv=None):
     rows = []
     for label, entries in plans.items():
         predicted = price_plan(shapes, P, profile, entries).time
-        measured = step_time(args, world, entries, arch, x, y)
+        measured = measure_step(world, args.model, entries, arch, args.batch, x, y, args.steps, args.warmup)
         grids = list(dict.fromkeys(e["grid"] for e in entries.values()))
         rows.append({"plan": label, "grids": grids, "predicted_s": predicted, "measured_s": measured})
     fastest = min(r["measured_s"] for r in rows)

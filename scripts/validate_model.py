@@ -1,13 +1,19 @@
-"""Predicted against measured time of every algorithm and grid on a set of layers, at the
-current rank count; marks the planner's choice and the measured fastest.
+"""Predicted against measured time of every algorithm and grid on a set of layers, and of
+whole training steps, at the current rank count; marks the planner's choice and the measured
+fastest.
 
-    mpiexec -n 2 python -m mpi4py scripts/validate_model.py [--profile cpu-dev] [--repeats 3]
-        [--json out.json]
+    mpiexec -n 2 python -m mpi4py scripts/validate_model.py [--profile PROFILE] [--repeats 3]
+        [--steps 5] [--json out.json]
 
-Measured: forward + backward of one distributed convolution (scripts/bench_conv.py's timing:
-median of the slowest rank, 1 BLAS thread per rank, float32). Predicted: cfp.perfmodel's
-layer_cost with the machine profile (scripts/calibrate.py measures one). At 2 or more ranks it
-ends with a memory check: a model too large for a limit on one rank, planned under the limit.
+Layers, measured: forward + backward of one distributed convolution (scripts/bench_conv.py's
+timing: median of the slowest rank, 1 BLAS thread per rank, float32); predicted: cfp.perfmodel's
+kernel and communication time of the layer (layer_cost's compute and comm). Steps, measured: a
+training step (forward, loss, backward, SGD update) of the ResNet and the wide CNN on every
+grid under sample, x and y, and under the planner's own plan; predicted: planner.price_plan's
+step (every layer's kernels, collectives, the layers after it and its update, and the
+redistributions). The profile is this machine's (calibrated once and cached) unless --profile
+names one. At 2 or more ranks it ends with a memory check: a model too large for a limit on
+one rank, planned under the limit.
 """
 import sys
 import tracemalloc
@@ -17,16 +23,17 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import cli
+from cfp.benchtools import measure_conv, measure_step, prepare, single_grid_plans
+from cfp.calibration import machine_profile
 from cfp.checks import finite_number, int_options
-from cfp.benchtools import measure_conv, prepare
+from cfp.data import synthetic
 from cfp.grid import ProcessGrid
 from cfp.io import save_json
-from cfp.perfmodel import LayerShape, MachineProfile, layer_cost
-from cfp.data import synthetic
 from cfp.models import MODELS, build_model, layer_shapes
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
-from cfp.planner import layer_options, plan
+from cfp.perfmodel import LayerShape, layer_cost
+from cfp.planner import layer_options, plan, plan_entries, price_plan
 from cfp.train import train_step
 
 LAYERS = [
@@ -76,10 +83,44 @@ def memory_check(world, profile, args):
             "measured_peaks": peaks, "plan": model.plan.table()}
 
 
+# The whole-step check's models: (model, arch, global batch).
+STEP_MODELS = (("resnet", {"width": 4}, 64), ("wide", {"width": 64, "depth": 4}, 32))
+
+
+def step_check(world, profile, args):
+    """[row]: each STEP_MODELS model's training step under every single-grid plan of sample, x
+    and y, and the planner's plan, measured and predicted (planner.price_plan)."""
+    P = world.Get_size()
+    rows = []
+    for name, arch, batch in STEP_MODELS:
+        arch = dict(arch, in_channels=1, classes=10, image=8)
+        shapes = layer_shapes(name, batch, **arch)
+        plans = single_grid_plans([s.name for s in shapes], P, algorithms=("sample", "x", "y"))
+        planned = plan(shapes, P, profile)
+        plans["planner"] = plan_entries(planned)
+        x, y = synthetic(batch, 1, 8, 8, 10, seed=0, dtype=np.float32)
+        for label, entries in plans.items():
+            priced = price_plan(shapes, P, profile, entries)
+            measured = measure_step(world, name, entries, arch, batch, x, y, args.steps, args.warmup + 1)
+            parts = {"kernels": sum(sum(c.cost["compute"].values()) for c in priced.choices),
+                     "comm": sum(sum(c.cost["comm"].values()) for c in priced.choices),
+                     "layers": sum(sum(c.cost["layers"].values()) for c in priced.choices),
+                     "redistribute": sum(c.redistribution for c in priced.choices)}
+            rows.append({"model": f"{name} {', '.join(f'{k} {v}' for k, v in arch.items() if k in ('width', 'depth'))}"
+                                  f", batch {batch}",
+                         "plan": label, "grids": list(dict.fromkeys(e["grid"] for e in entries.values())),
+                         "measured_s": measured, "predicted_s": priced.time, "parts_s": parts,
+                         "error": priced.time / measured - 1})
+    return rows
+
+
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--profile", default="cpu-dev",
-                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name")
+    p.add_argument("--profile", default=None,
+                   help="machine profile: a JSON file from scripts/calibrate.py or a built-in name (default: this "
+                        "machine's, calibrated once and cached)")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps per plan in the step check")
+    p.add_argument("--no-steps", action="store_true", help="skip the whole-step check")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each layer")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
     p.add_argument("--json", help="write every measured and predicted number to this JSON file")
@@ -91,7 +132,7 @@ def parse_args(argv):
     p.add_argument("--memory-fraction", type=float, default=0.55,
                    help="the memory check's limit, as a fraction of the one-rank prediction")
     args = p.parse_args(argv)
-    int_options(args, positive=("repeats", "memory_width", "memory_batch"), nonnegative=("warmup",))
+    int_options(args, positive=("repeats", "steps", "memory_width", "memory_batch"), nonnegative=("warmup",))
     finite_number(args.memory_fraction, "--memory-fraction", above=0)
     return args
 
@@ -101,7 +142,9 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     P = world.Get_size()
     prepare(world, args.json)
-    profile = MachineProfile.load(args.profile)
+    wanted = LAYERS + [s for name, arch, batch in STEP_MODELS
+                       for s in layer_shapes(name, batch, **arch, in_channels=1, classes=10, image=8)]
+    profile = machine_profile(args.profile, world, 1, wanted)
     rng = np.random.default_rng(0)
     rows = []
     for layer in [] if args.memory_only else LAYERS:
@@ -119,7 +162,8 @@ def main(argv=None):
                              args.repeats, args.warmup)
             grid.free()
             measured = t["forward_s"] + t["backward_s"]
-            predicted = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f)["time"]
+            cost = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f)
+            predicted = sum(cost["compute"].values()) + sum(cost["comm"].values())  # the convolution alone
             measured_rows.append({
                 "layer": layer.name, "shape": f"{layer.N},{layer.C},{layer.F},{layer.H}x{layer.W},{layer.K}",
                 "grid": option.grid, "algorithm": option.label, "measured_s": measured,
@@ -144,6 +188,18 @@ def main(argv=None):
         picks = [r for r in rows if r["planner_choice"]]
         print(f"\nworst prediction error {worst * 100:.0f}%; the planner's choice is within "
               f"{max(r['planner_vs_fastest'] for r in picks) * 100:.0f}% of the measured fastest on every layer")
+    steps = [] if args.memory_only or args.no_steps else step_check(world, profile, args)
+    if world.Get_rank() == 0 and steps:
+        print(f"\n# whole training steps predicted ({profile.name}) against measured, {P} rank(s), float32, "
+              f"median of {args.steps}; predicted = kernels + comm + layers (batch norm, ReLU, pooling, "
+              f"sums, loss, update, fixed costs) + redistribute")
+        print("| model | plan | grids | measured ms | predicted ms | error | kernels, comm, layers, redistribute ms |")
+        print("|---|---|---|---|---|---|---|")
+        for r in steps:
+            parts = ", ".join(f"{v * 1e3:.1f}" for v in r["parts_s"].values())
+            print(f"| {r['model']} | {r['plan']} | {' then '.join(r['grids'])} | {r['measured_s'] * 1e3:.1f} | "
+                  f"{r['predicted_s'] * 1e3:.1f} | {r['error'] * 100:+.0f}% | {parts} |")
+        print(f"\nworst step error {max(abs(r['error']) for r in steps) * 100:.0f}%")
     memory = memory_check(world, profile, args) if P > 1 else None
     if world.Get_rank() == 0:
         if memory is not None:
@@ -155,7 +211,8 @@ def main(argv=None):
                   f"and training step): {', '.join(f'{p / mib:.2f}' for p in memory['measured_peaks'])} MiB")
             print(memory["plan"])
         if args.json:
-            save_json(args.json, {"ranks": P, "profile": profile.name, "rows": rows, "memory_check": memory})
+            save_json(args.json, {"ranks": P, "profile": profile.name, "rows": rows, "steps": steps,
+                                  "memory_check": memory})
             print(f"wrote {args.json}")
     return 0
 
