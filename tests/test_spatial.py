@@ -297,23 +297,26 @@ def test_the_halo_exchange_is_the_adjoint_of_the_halo_add(grids, name):
 
 def test_the_planners_spatial_plan_trains_like_one_rank(mpi_tmp_path):
     """The planner's plan with grids that split the image considered layer by layer (plan.py
-    --spatial), for the small ResNet on 16x16 digits one sample at a time, run as a plan file:
-    at 4 ranks it splits the image (width=2,channel=2 under the cpu-dev profile)."""
+    --spatial), for the small ResNet on 32x32 digits four samples at a time, run as a plan file:
+    at 4 ranks it splits the image of three layers (width=2,channel=2 under the cpu-dev profile)
+    and redistributes between those and the channel-parallel rest."""
     import json
     from test_train import config
     from cfp.models import layer_shapes
     from cfp.perfmodel import MachineProfile
     from cfp.planner import plan, plan_entries
     from cfp.train import train
-    shapes = layer_shapes("resnet", 1, 1, in_channels=1, classes=10, image=16)
+    shapes = layer_shapes("resnet", 1, 4, in_channels=1, classes=10, image=32)
     planned = plan(shapes, SIZE, MachineProfile.load("cpu-dev"), algorithms=("sample", "y"), spatial=True)
     if SIZE == 4:
-        assert any(c.P_h * c.P_w > 1 for c in planned.choices), [c.grid for c in planned.choices]
+        grids = [c.grid for c in planned.choices]
+        assert any(c.P_h * c.P_w > 1 for c in planned.choices), grids
+        assert any(c.P_h * c.P_w == 1 for c in planned.choices), grids
     path = mpi_tmp_path / "plan.json"
     if WORLD.Get_rank() == 0:
         path.write_text(json.dumps({"layers": plan_entries(planned)}))
     WORLD.Barrier()
-    common = dict(upsample=2, batch_size=1, train_samples=8, max_steps=8)
+    common = dict(upsample=4, batch_size=4, train_samples=16, max_steps=4)
     from mpi4py import MPI
     serial = train(config(grid="sample=1", **common), world=MPI.COMM_SELF)
     result = train(config(plan=str(path), **common))
