@@ -45,18 +45,20 @@ MACHINE_KEYS = ("cpu", "cores", "blas", "numpy", "mpi", "kernels", "threads_per_
 # -- what a profile was measured on -----------------------------------------------------------
 
 def kernels_version():
-    """A hash of cfp's kernel sources (cfp/kernels, every .py file) and of the kernel settings
-    that choose their paths: it changes when a kernel or the path table changes, and with it
-    the rates a profile measured."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
-    digest = hashlib.sha256()
+    """A hash of cfp's kernel sources (cfp/kernels, every .py file), of this module (how they
+    are measured) and of the kernel settings that choose their paths: it changes when a
+    kernel, the path table or the calibration changes, and with it the rates a profile holds."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.join(here, "kernels")
+    sources = [os.path.abspath(__file__)]
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(f.read())
+        sources += [os.path.join(folder, name) for name in sorted(f for f in files if f.endswith(".py"))]
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(os.path.relpath(path, here).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read())
     s = kernel_settings.current()
     digest.update(repr((s.winograd, s.winograd_tile, s.plane_stacking)).encode())
     return digest.hexdigest()[:16]
@@ -243,7 +245,8 @@ def _flops(shape):
 def calibrate_kernels(world, shapes, repeats, progress=None, table=None):
     """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each shape, given as (N, C,
     F, H, K, stride, dilation, groups) or as a ConvGeometry, timed on every rank of `world` at
-    once (as a training step runs them; the slowest rank's median of `repeats`) and filed
+    once, the three passes in turn (as a training step runs them; the slowest rank's median of
+    `repeats`), and filed
     under the path the kernel table takes for it and its rows (paths.rate_key), float32.
     `table`: add to this one."""
     rng = np.random.default_rng(0)
@@ -258,10 +261,12 @@ def calibrate_kernels(world, shapes, repeats, progress=None, table=None):
         calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
                  "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
                  "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
-        for name, call in calls.items():
-            seconds = slowest_median(world, lambda: timed(call), repeats, 1)["total"]
+        def step():  # the three passes in turn, as a layer's training step runs them
+            return {name: timed(call)["total"] for name, call in calls.items()}
+        seconds = slowest_median(world, step, repeats, 1)
+        for name in calls:
             path, rows = paths.rate_key(name, g, np.dtype(np.float32))
-            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds])
+            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds[name]])
         if progress:
             progress(i + 1, len(shapes))
     return table
