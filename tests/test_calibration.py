@@ -57,10 +57,15 @@ def test_the_kernel_version_follows_the_sources_and_the_settings(tmp_path, monke
         assert calibration.kernels_version() != before
     copy = tmp_path / "cfp"
     shutil.copytree(calibration.os.path.dirname(calibration.__file__) + "/kernels", copy / "kernels")
+    shutil.copy(calibration.__file__, copy / "calibration.py")
     monkeypatch.setattr(calibration, "__file__", str(copy / "calibration.py"))
     assert calibration.kernels_version() == before  # the same sources
-    (copy / "kernels" / "conv" / "paths.py").write_text((copy / "kernels" / "conv" / "paths.py").read_text() + "\n#")
-    assert calibration.kernels_version() != before
+    for source in (copy / "kernels" / "conv" / "paths.py", copy / "calibration.py"):  # a kernel, the measuring
+        text = source.read_text()
+        source.write_text(text + "\n#")
+        assert calibration.kernels_version() != before, source
+        source.write_text(text)
+        assert calibration.kernels_version() == before
 
 
 def test_a_missing_profile_is_calibrated_once_and_cached(tmp_path, counted, capsys):
