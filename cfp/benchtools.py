@@ -100,27 +100,39 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
             "kept_activation_bytes_per_rank": int(most[2]), "halo_bytes_per_rank": int(most[3])}
 
 
-def measure_step(world, model_name, entries, arch, batch, x, y, steps, warmup):
-    """The slowest rank's median seconds of one training step (forward, loss, backward, SGD
-    with momentum) of model `model_name` (models.MODELS, with `arch`) built on the ranks of
-    `world` as plan `entries` says ({layer: {"grid", "algorithm", "filter_groups"}}), on the
-    global batch x, y (float32)."""
+def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup):
+    """{label: the slowest rank's median seconds of one training step} (forward, loss, backward,
+    SGD with momentum) of model `model_name` (models.MODELS, with `arch`) built on the ranks of
+    `world` under each plan of `plans` ({label: {layer: {"grid", "algorithm", "filter_groups"}}}),
+    on the global batch x, y (float32).
+
+    Every plan's model is built first and the steps go round the plans, one step of each in
+    turn: a machine whose speed drifts or stalls for a while (a shared host) then slows every
+    plan alike instead of the one that happened to be running."""
     from .grid import ProcessGrid
     from .models import build_model
     from .nn import SoftmaxCrossEntropy
     from .optim import SGD
     from .train import train_step
     base = ProcessGrid(f"sample={world.Get_size()}", comm=world)
-    model = build_model(model_name, base, plan=entries, batch=batch, dtype=np.float32, **arch)
-    loss_fn = SoftmaxCrossEntropy(model.grid)
-    optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
-    (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
-    xs, ys = x[rows.start:rows.stop], y[rows.start:rows.stop]
-    seconds = slowest_median(world, lambda: timed(lambda: train_step(model, loss_fn, optimizer, xs, ys)),
-                             steps, warmup)["total"]
-    model.free()
+    runs = {}
+    for label, entries in plans.items():
+        model = build_model(model_name, base, plan=entries, batch=batch, dtype=np.float32, **arch)
+        (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
+        runs[label] = (model, SoftmaxCrossEntropy(model.grid), SGD(model.parameters(), 0.01, momentum=0.9),
+                       x[rows.start:rows.stop], y[rows.start:rows.stop])
+
+    def one_round():  # one step of every plan, each timed alone
+        out = {}
+        for label, (model, loss_fn, optimizer, xs, ys) in runs.items():
+            quiet_barrier(world)
+            out[label] = timed(lambda: train_step(model, loss_fn, optimizer, xs, ys))["total"]
+        return out
+    seconds = slowest_median(world, one_round, steps, warmup)
+    for model, *_ in runs.values():
+        model.free()
     base.free()
-    return seconds
+    return {label: seconds[label] for label in plans}
 
 
 def single_grid_plans(names, ranks, algorithms=None):

@@ -8,7 +8,8 @@ Plans: every grid factorization of the ranks with every algorithm (with P_c > 1:
 each p_f; with P_c = 1: sample), all layers alike, and the planner's own plan (each layer's
 grid and algorithm chosen freely, redistributions between them). Measured: one training step
 (forward, loss, backward, SGD update) of float32 synthetic data, the slowest rank's time,
-median of --steps after --warmup, 1 BLAS thread per rank. Predicted: the planner's price of
+median of --steps after --warmup, 1 BLAS thread per rank, the plans' steps taken in turn
+(benchtools.measure_steps). Predicted: the planner's price of
 the same plan (planner.price_plan: perfmodel.layer_cost of every convolution plus the
 redistributions) from the machine profile.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import cli
-from cfp.benchtools import measure_step, prepare, single_grid_plans
+from cfp.benchtools import measure_steps, prepare, single_grid_plans
 from cfp.calibration import machine_profile
 from cfp.checks import int_options
 from cfp.data import synthetic
@@ -61,12 +62,12 @@ def main(argv=None):
     planned = plan(shapes, P, profile)
     plans["planner"] = plan_entries(planned)
     x, y = synthetic(args.batch, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
+    measured = measure_steps(world, args.model, plans, arch, args.batch, x, y, args.steps, args.warmup)
     rows = []
     for label, entries in plans.items():
-        predicted = price_plan(shapes, P, profile, entries).time
-        measured = measure_step(world, args.model, entries, arch, args.batch, x, y, args.steps, args.warmup)
         grids = list(dict.fromkeys(e["grid"] for e in entries.values()))
-        rows.append({"plan": label, "grids": grids, "predicted_s": predicted, "measured_s": measured})
+        rows.append({"plan": label, "grids": grids, "predicted_s": price_plan(shapes, P, profile, entries).time,
+                     "measured_s": measured[label]})
     fastest = min(r["measured_s"] for r in rows)
     predicted_best = min(rows, key=lambda r: r["predicted_s"])
     if world.Get_rank() == 0:

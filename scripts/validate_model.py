@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import cli
-from cfp.benchtools import measure_conv, measure_step, prepare, single_grid_plans
+from cfp.benchtools import measure_conv, measure_steps, prepare, single_grid_plans
 from cfp.calibration import machine_profile
 from cfp.checks import finite_number, int_options
 from cfp.data import synthetic
@@ -99,9 +99,10 @@ def step_check(world, profile, args):
         planned = plan(shapes, P, profile)
         plans["planner"] = plan_entries(planned)
         x, y = synthetic(batch, 1, 8, 8, 10, seed=0, dtype=np.float32)
+        measured_s = measure_steps(world, name, plans, arch, batch, x, y, args.steps, args.warmup + 1)
         for label, entries in plans.items():
             priced = price_plan(shapes, P, profile, entries)
-            measured = measure_step(world, name, entries, arch, batch, x, y, args.steps, args.warmup + 1)
+            measured = measured_s[label]
             parts = {"kernels": sum(sum(c.cost["compute"].values()) for c in priced.choices),
                      "comm": sum(sum(c.cost["comm"].values()) for c in priced.choices),
                      "layers": sum(sum(c.cost["layers"].values()) for c in priced.choices),
