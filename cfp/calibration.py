@@ -164,7 +164,9 @@ def calibrate_collectives(world, quick, repeats):
     P = world.Get_size()
     messages = MESSAGE_BYTES[::2] if quick else MESSAGE_BYTES
     samples = {name: [] for name in COLLECTIVE_NAMES}
-    with comm.use_ledger(comm.CommLedger()):  # calibration traffic stays out of any ledger
+    # Calibration traffic stays out of any ledger; the collectives run as a training step runs
+    # them (train_step checks its batch once, then trusts it: no agreement check per call).
+    with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
         def packing_samples():
             return {name: [(m, slowest_median(MPI.COMM_SELF, lambda: timed(collective_call(name, MPI.COMM_SELF, m)),
                                              repeats, 1)["total"]) for m in messages] for name in COLLECTIVE_NAMES}
