@@ -110,3 +110,16 @@ def blas_info():
         for i in threadpool_info()
         if i.get("user_api") == "blas"
     ]
+
+
+def cpu_name():
+    """The processor's model name (Linux's /proc/cpuinfo, else what platform says)."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -64,18 +64,6 @@ def kernels_version():
     return digest.hexdigest()[:16]
 
 
-def _cpu():
-    """The processor's model name (Linux's /proc/cpuinfo, else what platform says)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _blas():
     """The BLAS NumPy uses, as name and version ('scipy-openblas 0.3.31.188.0')."""
     try:
@@ -89,7 +77,7 @@ def machine_record(ranks, threads):
     """What a profile measured on `ranks` ranks of `threads` BLAS threads each would record
     here (MACHINE_KEYS), plus the host's name for people to read."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": _cpu(), "cores": int(cores), "blas": _blas(), "numpy": np.__version__,
+    return {"cpu": backend.cpu_name(), "cores": int(cores), "blas": _blas(), "numpy": np.__version__,
             "mpi": MPI.Get_library_version().splitlines()[0].strip(), "kernels": kernels_version(),
             "threads_per_rank": int(threads), "ranks": int(ranks), "host": platform.node()}
 

@@ -5,7 +5,6 @@ Single process, no mpiexec: `python scripts/bench_kernels.py --threads 1 --repea
 difference of each pass from the float64 im2col result, relative to its largest value.
 """
 import argparse
-import platform
 import re
 import statistics
 import sys
@@ -15,7 +14,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 import numpy as np
 
 from cfp import cli
-from cfp.backend import blas_info, set_blas_threads
+from cfp.backend import blas_info, cpu_name, set_blas_threads
 from cfp.checks import int_options
 from cfp.io import check_writable, save_json
 from cfp.kernels import settings
@@ -39,18 +38,6 @@ try:
     import torch
 except ImportError:  # the comparison is optional: cfp is timed alone
     torch = None
-
-
-def cpu_name():
-    """The processor's model name (from /proc/cpuinfo where there is one)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def parse_shape(text):
