@@ -215,3 +215,27 @@ def test_the_model_takes_the_kernels_own_path_for_every_layer(ran):
             del priced["backward-data"]
         assert taken == priced, layer.name
     grid.free()
+
+
+def test_measure_steps_goes_round_the_plans(monkeypatch):
+    """benchtools.measure_steps (validate_model's and bench_plans' step timing) builds every
+    plan's model first and takes one step of each in turn, warm-up rounds included, so that a
+    drift of the host slows all plans alike; it returns a time for every plan, by label."""
+    from cfp import train
+    from cfp.benchtools import measure_steps, single_grid_plans
+    arch = dict(width=1, in_channels=1, classes=10, image=8)
+    names = [s.name for s in layer_shapes("resnet", 4, **arch)]
+    entries = single_grid_plans(names, 1)["sample=1 sample"]
+    plans = {"first": entries, "second": entries, "third": entries}
+    order, real = [], train.train_step
+
+    def recording(model, *args):
+        order.append(id(model))
+        return real(model, *args)
+    monkeypatch.setattr(train, "train_step", recording)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 4)
+    seconds = measure_steps(MPI.COMM_SELF, "resnet", plans, arch, 4, x, y, steps=2, warmup=1)
+    assert list(seconds) == ["first", "second", "third"] and all(s > 0 for s in seconds.values())
+    models = order[:3]
+    assert len(set(models)) == 3 and order == models * 3  # 1 warm-up and 2 timed rounds, in turn
