@@ -59,7 +59,10 @@ class _Builder:
     def _layer(self, cls, name, cin, cout, first=False, **kwargs):
         grid, spec = self.choose(name)
         P_c = grid.axis_size("channel")
-        if spec["algorithm"] != "sample" and cout < P_c:
+        # A convolution needs an output channel on every channel rank (batch norm and the next
+        # layer's input split follow its channels); the classifier does not: its ranks without
+        # a class hold empty blocks, and the loss gathers the logits whole.
+        if spec["algorithm"] != "sample" and cout < P_c and cls is not Linear:
             raise ValueError(f"layer {name}: {cout} output channels over the {P_c} channel ranks of grid "
                              f"{grid.describe()} leave a rank without any; use a smaller channel axis")
         layer = cls(grid, cin, cout, algorithm=spec["algorithm"], filter_groups=spec["filter_groups"],

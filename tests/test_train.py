@@ -224,6 +224,25 @@ def test_batch_smaller_than_sample_axis():
                         match=f"batch size {SIZE - 1} is smaller than the sample axis of the grid")
 
 
+@pytest.mark.parametrize("algorithm", ["x", "y", "w"])
+def test_a_classifier_with_fewer_classes_than_channel_ranks_matches_one_rank(mpi_tmp_path, algorithm):
+    """Two classes over 3 or 4 channel ranks (10 digits over 12 or 16 at make test-scale): the
+    ranks without a class hold empty blocks of the classifier, and the losses are one rank's."""
+    if SIZE < 3:
+        pytest.skip("needs more channel ranks than the 2 classes")
+    path = str(mpi_tmp_path / "two-classes.npz")
+    if WORLD.Get_rank() == 0:
+        rng = np.random.default_rng(5)
+        np.savez(path, x=rng.standard_normal((80, 1, 8, 8)).astype(np.float32), y=np.arange(80) % 2)
+    WORLD.Barrier()
+    common = dict(dataset=f"npz:{path}", train_samples=None)
+    serial = train(config(grid="sample=1", **common), world=MPI.COMM_SELF)
+    result = train(config(grid=f"channel={SIZE}", algorithm=algorithm, **common))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]),
+                           np.array([h["loss"] for h in serial["history"]]), 1e-9,
+                           f"2 classes on channel={SIZE} {algorithm}")
+
+
 def test_width_that_cannot_be_split():
     if SIZE < 2:
         pytest.skip("one channel rank splits any width")
