@@ -33,39 +33,11 @@ SHARD = "rank-00000.npz"
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
 
-CLASSES = 10
-_PLAN = {}  # above CLASSES ranks, the plan file config() runs (wide_world_plan)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def wide_world_plan(tmp_path_factory):
-    """Above 10 ranks, channel=SIZE would leave ranks without one of the classifier's 10
-    outputs (refused): there the convolutions keep channel=SIZE, so that every rank still
-    writes a shard, and the classifier runs on sample=2,channel=SIZE/2 (or as near as its
-    classes allow), by a plan file."""
-    if SIZE <= CLASSES:
-        yield
-        return
-    channels = max(d for d in range(1, CLASSES + 1) if SIZE % d == 0)
-    folder = WORLD.bcast(str(tmp_path_factory.mktemp("plan")) if RANK == 0 else None)
-    path = os.path.join(folder, "plan.json")
-    if RANK == 0:
-        save_json(path, {"layers": {"stem.conv": {"grid": f"channel={SIZE}", "algorithm": "y"},
-                                    "fc": {"grid": f"sample={SIZE // channels},channel={channels}",
-                                           "algorithm": "y"}}})
-    WORLD.Barrier()
-    _PLAN["path"] = path
-    yield
-    _PLAN.clear()
-
-
 def config(directory, **overrides):
     """A float64 run of EPOCHS x PER_EPOCH steps on a grid where every rank writes a shard."""
     base = dict(model="resnet", width=1, epochs=EPOCHS, batch_size=BATCH, lr=0.05, dtype="float64",
                 train_samples=PER_EPOCH * BATCH, progress=False, seed=3, algorithm="y",
                 grid=f"sample=1,channel={SIZE}", checkpoint_dir=directory)
-    if _PLAN:
-        base.update(grid=None, plan=_PLAN["path"])
     base.update(overrides)
     return TrainConfig(**base)
 
