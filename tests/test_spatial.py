@@ -211,8 +211,9 @@ def test_a_plan_from_spatial_to_channel_parallelism(mpi_tmp_path):
     if WORLD.Get_rank() == 0:
         path.write_text(json.dumps({"layers": layers}))
     WORLD.Barrier()
-    result = train(config(plan=str(path)))
-    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(1), 1e-9,
+    upsample = 1 if SIZE <= 8 else 2  # 16x16 digits where the stem's 8 rows would not split
+    result = train(config(plan=str(path), upsample=upsample))
+    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), _serial_losses(upsample), 1e-9,
                            "spatial then channel plan losses")
 
 
