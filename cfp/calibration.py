@@ -222,32 +222,41 @@ def kernel_shapes(quick):
                 for N in SAMPLES[::2] if quick else SAMPLES:
                     groups = C if depthwise else 1
                     shape = (N, C, F, H, K, stride, dilation, groups)
-                    if _flops(shape) <= MAX_FLOPS:
+                    if _flops(_geometry(shape)) <= MAX_FLOPS:
                         out.append(shape)
     return out
 
 
-def _flops(shape):
+def _geometry(shape):
+    """The ConvGeometry of a kernel_shapes entry (square, "same" padding)."""
     N, C, F, H, K, stride, dilation, groups = shape
-    return conv2d_flops((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
+    return conv_geometry((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
 
 
-def calibrate_kernels(world, shapes, repeats, progress=None, table=None):
-    """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each shape, given as (N, C,
-    F, H, K, stride, dilation, groups) or as a ConvGeometry, timed on every rank of `world` at
-    once, the three passes in turn (as a training step runs them; the slowest rank's median of
-    `repeats`), and filed
-    under the path the kernel table takes for it and its rows (paths.rate_key), float32.
-    `table`: add to this one."""
+def _shapes_and_args(g):
+    """(x shape, w shape, the kernels' keyword arguments) of geometry g (zero padding)."""
+    args = dict(stride=(g.sh, g.sw), padding=(g.pt, g.pb, g.pl, g.pr), dilation=(g.dh, g.dw), groups=g.G)
+    return (g.N, g.C, g.H, g.W), (g.F, g.C // g.G, g.Kh, g.Kw), args
+
+
+def _flops(g):
+    x_shape, w_shape, args = _shapes_and_args(g)
+    return float(conv2d_flops(x_shape, w_shape, **args))
+
+
+def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
+    """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each ConvGeometry timed on
+    every rank of `world` at once, the three passes in turn (as a training step runs them; the
+    slowest rank's median of `repeats`), and filed under the path the kernel table takes for it
+    and its rows (paths.rate_key), float32. `table`: add to this one."""
     rng = np.random.default_rng(0)
     table = {name: {} for name in paths.PASSES} if table is None else table
-    for i, shape in enumerate(shapes):
-        g = shape if isinstance(shape, tuple) and hasattr(shape, "_fields") else _geometry(shape)
-        args = dict(stride=(g.sh, g.sw), padding=(g.pt, g.pb, g.pl, g.pr), dilation=(g.dh, g.dw), groups=g.G)
-        x = rng.standard_normal((g.N, g.C, g.H, g.W)).astype(np.float32)
-        w = rng.standard_normal((g.F, g.C // g.G, g.Kh, g.Kw)).astype(np.float32)
+    for i, g in enumerate(geometries):
+        x_shape, w_shape, args = _shapes_and_args(g)
+        x = rng.standard_normal(x_shape).astype(np.float32)
+        w = rng.standard_normal(w_shape).astype(np.float32)
         y = conv2d_forward(x, w, None, **args)
-        flops = float(conv2d_flops(x.shape, w.shape, **args))
+        flops = _flops(g)
         calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
                  "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
                  "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
@@ -258,20 +267,14 @@ def calibrate_kernels(world, shapes, repeats, progress=None, table=None):
             path, rows = paths.rate_key(name, g, np.dtype(np.float32))
             table[name].setdefault(path, []).append([flops, float(rows), flops / seconds[name]])
         if progress:
-            progress(i + 1, len(shapes))
+            progress(i + 1, len(geometries))
     return table
-
-
-def _geometry(shape):
-    N, C, F, H, K, stride, dilation, groups = shape
-    return conv_geometry((N, C, H, H), (F, C // groups, K, K), stride, dilation * (K // 2), dilation, groups)
 
 
 def measured(profile_data, g):
     """Whether every pass of geometry g has a point of its own in the profile's kernel rates
     (the same path, flops and rows)."""
-    flops = float(conv2d_flops((g.N, g.C, g.H, g.W), (g.F, g.C // g.G, g.Kh, g.Kw), (g.sh, g.sw),
-                               (g.pt, g.pb, g.pl, g.pr), (g.dh, g.dw), g.G))
+    flops = _flops(g)
     for name in paths.PASSES:
         path, rows = paths.rate_key(name, g, np.dtype(np.float32))
         if not any(p[0] == flops and p[1] == float(rows) for p in profile_data["kernels"][name].get(path, [])):
@@ -370,7 +373,8 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
     links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats)
     check_fits(links, packing)  # rank 0's fit on every rank: every rank judges alike
 
-    kernels = calibrate_kernels(world, kernel_shapes(quick), 3 if quick else repeats, progress)
+    kernels = calibrate_kernels(world, [_geometry(s) for s in kernel_shapes(quick)], 3 if quick else repeats,
+                                progress)
     kernels, layers = world.bcast((kernels, calibrate_layers(world, 3 if quick else repeats)), root=0)
     P = world.Get_size()
     record = machine_record(P, threads)
@@ -423,6 +427,16 @@ def _cached(path, record, warn):
         return None
 
 
+def _cache(path, data):
+    """Write profile `data` to cache file `path` (atomically); says where it went, or why not."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_json(path, data)
+        return f"cached in {path}"
+    except (OSError, ValueError) as e:
+        return f"not cached ({e})"
+
+
 def profile_for(world, threads, layers=None, directory=None, out=None):
     """This machine's profile (a perfmodel.MachineProfile) for a run on the ranks of `world` at
     `threads` BLAS threads per rank: the cached one (cache_dir()) where it matches this
@@ -447,27 +461,15 @@ def profile_for(world, threads, layers=None, directory=None, out=None):
         start = time.time()
         data = calibrate(world, quick=True, threads=threads)
         if rank0:
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                save_json(path, data)
-                where = f"cached in {path}"
-            except (OSError, ValueError) as e:
-                where = f"not cached ({e})"
-            say(f"cfp: calibrated in {time.time() - start:.1f} s, {where}")
+            say(f"cfp: calibrated in {time.time() - start:.1f} s, {_cache(path, data)}")
     data = world.bcast(data, root=0)
     if layers:
         from .planner import geometries
         start = time.time()
         added = top_up(world, data, geometries(layers, world.Get_size(), MachineProfile(data)))
-        data = world.bcast(data, root=0)  # rank 0's rates on every rank
-        if added and rank0:
-            try:
-                save_json(path, data)
-                where = f"cached in {path}"
-            except (OSError, ValueError) as e:
-                where = f"not cached ({e})"
+        if added and rank0:  # (every rank measured the same slowest-rank rates)
             say(f"cfp: measured the kernels of {added} more layer shape(s) the planner weighs in "
-                f"{time.time() - start:.1f} s, {where}")
+                f"{time.time() - start:.1f} s, {_cache(path, data)}")
     return MachineProfile(data, where=f"machine profile {path!r}")
 
 
