@@ -267,6 +267,35 @@ def test_winograd_is_exact_in_float64_and_close_in_float32(tile):
                 assert a.dtype == dtype and relative_error(a.astype(np.float64), b) < tolerance
 
 
+@pytest.mark.parametrize("tile", [2, 4])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_winograd_strips_of_large_images_match_the_loops(tile, rows, monkeypatch):
+    """Where a sample has more tiles than a block holds, Winograd goes through strips of its
+    tile rows: with blocks of 1, 3 or 7 tiles, every pass equals the plain loops in float64,
+    for images of whole and cropped tiles, padding on every side or none, one sample and
+    several, the last strip shorter; and strips were taken (more blocks than samples)."""
+    monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", rows)
+    counted = []
+    real = winograd_kernels._WinogradTiles.count
+    monkeypatch.setattr(winograd_kernels._WinogradTiles, "count",
+                        lambda self: counted.append((self.g.N, real(self))) or real(self))
+    rng = np.random.default_rng(rows + tile)
+    for x_shape, F, padding in (((1, 3, 13, 11), 4, 1), ((2, 2, 9, 17), 3, (2, 0)), ((3, 2, 16, 16), 2, 1),
+                                ((1, 2, 21, 10), 2, 0)):
+        x, w = rng.standard_normal(x_shape), rng.standard_normal((F, x_shape[1], 3, 3))
+        dy = rng.standard_normal(conv_module.conv2d_output_shape(x_shape, w.shape, padding=padding))
+        counted.clear()
+        with settings.winograd(True, tile=tile):
+            fast = (conv2d_forward(x, w, padding=padding), conv2d_backward_data(dy, w, x_shape, padding=padding),
+                    conv2d_backward_filter(x, dy, w.shape, padding=padding))
+        loops = (conv2d_forward_loop(x, w, None, padding=padding),
+                 conv2d_backward_data_loop(dy, w, x_shape, padding=padding),
+                 conv2d_backward_filter_loop(x, dy, w.shape, padding=padding))
+        for actual, expected in zip(fast, loops):
+            assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
+        assert counted and all(blocks > samples for samples, blocks in counted), counted
+
+
 def _dilated_3x3_cases(count=40, seed=4):
     """Dilated 3x3 stride-1 layers (dilation 2 or 3 on either axis or both), with odd and even
     sizes, symmetric, asymmetric ('same') and one-sided padding in every mode: the layers that

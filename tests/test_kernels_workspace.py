@@ -283,11 +283,14 @@ def _winograd_sizing_cases(count=30, seed=12):
 @pytest.mark.parametrize("dtype,forced", [("float32", False), ("float32", True), ("float64", False),
                                           ("float64", True)],
                          ids=["float32", "float32-forced", "float64", "float64-forced"])
-def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, monkeypatch):
+@pytest.mark.parametrize("rows", [128, 5], ids=["blocks-of-128-tiles", "strips-of-5"])
+def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, rows, monkeypatch):
     """The cost model's Winograd workspace (kernels.workspace_bytes) against the workspace each
     pass asks for, exactly, for the passes that take Winograd (seen by the tiles they make);
     the others are left out: by default the layers where Winograd does not pay and float64,
-    forced (winograd(True)) none."""
+    forced (winograd(True)) none. With blocks of 5 tiles, the larger images go through strips
+    of tile rows."""
+    monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", rows)
     made = []
 
     class Tiles(winograd_kernels._WinogradTiles):
@@ -314,13 +317,19 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, mon
             if measured:
                 seen.add("dilated" if g.dh * g.dw > 1 else "cropped" if (g.Ho % 4 or g.Wo % 4) else "whole tiles")
                 seen.add("blocks" if x_shape[0] == 40 else "one block")
+                with settings.winograd(True):
+                    m, _, th, _, strip, *_ = winograd_kernels._winograd_tile_sizes(
+                        winograd_kernels._subgrid_geometry(g) if g.dh * g.dw > 1 else g)
+                if strip < th:
+                    seen.add("strips")
             if len(measured) < 3:
                 seen.add("some passes on other paths")
     expected = {"float32": {"dilated", "cropped", "whole tiles", "blocks", "one block", "some passes on other paths"},
                 "float32-forced": {"dilated", "cropped", "whole tiles", "blocks", "one block"},
                 "float64": {"some passes on other paths"},
                 "float64-forced": {"dilated", "cropped", "whole tiles", "blocks", "one block"}}
-    assert seen == expected[dtype + ("-forced" if forced else "")]
+    expected = expected[dtype + ("-forced" if forced else "")]
+    assert seen == (expected | {"strips"} if rows == 5 and "one block" in expected else expected)
 
 
 def test_winograd_workspace_bytes_leave_out_other_paths():

@@ -115,73 +115,103 @@ def _winograd_filters(w, G2, xp, flipped):
 
 
 def _winograd_tile_sizes(g):
-    """(m, a, th, tw, Hp, Wp, step) of geometry g: the output tile's side m and the input's
-    a = m + 2, tiles th x tw a sample, the zero-padded input Hp x Wp (every tile whole), and
-    samples a block (about _WINOGRAD_ROWS tiles)."""
+    """(m, a, th, tw, strip, Hp, Wp, step) of geometry g: the output tile's side m and the
+    input's a = m + 2, tiles th x tw a sample, and the blocks the passes go through, about
+    _WINOGRAD_ROWS tiles each: `step` whole samples (strip = th), or, where one sample has more
+    tiles than that, `strip` tile rows of one sample (step = 1), so that a large image's tiles
+    and products stay in cache as a batch of small ones do; Hp x Wp the zero-padded input of a
+    block's tiles (m * strip + 2 rows, every tile whole)."""
     m = settings.current().winograd_tile
     th, tw = -(-g.Ho // m), -(-g.Wo // m)
-    step = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw)))
-    return m, m + 2, th, tw, m * th + 2, m * tw + 2, step
+    if th * tw <= _WINOGRAD_ROWS:
+        step, strip = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw))), th
+    else:
+        step, strip = 1, max(1, _WINOGRAD_ROWS // tw)
+    return m, m + 2, th, tw, strip, m * strip + 2, m * tw + 2, step
+
+
+def _copy_rows(source, lo, hi, target):
+    """target[..., k, :] = source[..., lo + k, :] where that row exists (0 <= lo + k < the
+    source's rows), zero elsewhere: a block's rows of a zero-extended plane, into a reused
+    buffer whose other columns stay as they are."""
+    rows = source.shape[-2]
+    first, last = max(0, lo), min(rows, hi)
+    target[..., :max(0, first - lo), :] = 0
+    target[..., max(0, last - lo):hi - lo, :] = 0
+    if last > first:
+        target[..., first - lo:last - lo, :source.shape[-1]] = source[..., first:last, :]
 
 
 class _WinogradTiles:
-    """The input side shared by forward and backward-filter: blocks of samples of x, zero
-    padded, channel-last, cut into overlapping (m+2) x (m+2) tiles (m apart) and transformed:
-    V ((m+2)^2, tiles, C) = (B^T (x) B^T) @ d."""
+    """The input side shared by forward and backward-filter: blocks of x (samples, or strips of
+    tile rows of one sample: _winograd_tile_sizes), zero padded, channel-last, cut into
+    overlapping (m+2) x (m+2) tiles (m apart) and transformed: V ((m+2)^2, tiles, C) =
+    (B^T (x) B^T) @ d."""
 
     def __init__(self, x, g, xp):
-        self.m, self.a, self.th, self.tw, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g)
+        self.m, self.a, self.th, self.tw, self.strip, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g)
         m, a = self.m, self.a
         self.x, self.g, self.xp = x, g, xp
         self.B2, self.G2, self.A2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
-        tiles = self.step * self.th * self.tw
-        self.padded = spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # border stays zero
+        tiles = self.step * self.strip * self.tw
+        self.padded = spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # side borders stay zero
         self.channel_last = workspace.empty(xp, (self.step, self.Hp, self.Wp, g.C), x.dtype)
         self._d = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
         self._v = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
 
+    def count(self):
+        """How many blocks the passes go through."""
+        return -(-self.g.N // self.step) * -(-self.th // self.strip)
+
     def blocks(self):
-        """(start, n, V) for each block of n samples: V ((m+2)^2, n * th * tw, C)."""
-        g, xp, m, a, th, tw = self.g, self.xp, self.m, self.a, self.th, self.tw
+        """(start, n, t0, r, V) for each block: n samples from `start`, their tile rows t0 to
+        t0 + r (all of them, or a strip of one sample), V ((m+2)^2, n * r * tw, C)."""
+        g, xp, m, a, tw = self.g, self.xp, self.m, self.a, self.tw
         for start in range(0, g.N, self.step):
             n = min(self.step, g.N - start)
-            P = n * th * tw
-            self.padded[:n, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = self.x[start:start + n]
-            source = self.channel_last[:n]
-            source[...] = self.padded[:n].transpose(0, 2, 3, 1)
-            d = self._d[:a * a * P * g.C].reshape(a, a, n, th, tw, g.C)
-            for i in range(a):
-                for j in range(a):
-                    d[i, j] = source[:, i:i + m * (th - 1) + 1:m, j:j + m * (tw - 1) + 1:m]
-            v = self._v[:a * a * P * g.C].reshape(a * a, P * g.C)
-            xp.matmul(self.B2, d.reshape(a * a, P * g.C), out=v)
-            yield start, n, v.reshape(a * a, P, g.C)
+            for t0 in range(0, self.th, self.strip):
+                r = min(self.strip, self.th - t0)
+                P, rows = n * r * tw, m * r + 2
+                # the padded input's rows m t0 .. m (t0 + r) + 1 are x's rows from m t0 - pt
+                padded = self.padded[:n, :, :rows]
+                _copy_rows(self.x[start:start + n], m * t0 - g.pt, m * t0 - g.pt + rows,
+                           padded[:, :, :, g.pl:])
+                source = self.channel_last[:n, :rows]
+                source[...] = padded.transpose(0, 2, 3, 1)
+                d = self._d[:a * a * P * g.C].reshape(a, a, n, r, tw, g.C)
+                for i in range(a):
+                    for j in range(a):
+                        d[i, j] = source[:, i:i + m * (r - 1) + 1:m, j:j + m * (tw - 1) + 1:m]
+                v = self._v[:a * a * P * g.C].reshape(a * a, P * g.C)
+                xp.matmul(self.B2, d.reshape(a * a, P * g.C), out=v)
+                yield start, n, t0, r, v.reshape(a * a, P, g.C)
 
 
 def forward(x, w, g, xp, y, flipped=False):
     """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(m x m,
-    3 x 3) over blocks of samples: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
+    3 x 3) over blocks of tiles: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
     then the outputs (A^T (x) A^T) @ M, m x m per tile. (flipped: see _winograd_filters.)"""
     tiles = _WinogradTiles(x, g, xp)
-    m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
+    m, a, tw = tiles.m, tiles.a, tiles.tw
     U = _winograd_filters(w, tiles.G2, xp, flipped)
-    rows = tiles.step * th * tw
+    rows = tiles.step * tiles.strip * tw
     M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
     # whole tiles go straight into y; otherwise through a block of whole tiles, then cropped
-    cropped = (m * th, m * tw) != (g.Ho, g.Wo)
-    whole = workspace.empty(xp, (tiles.step, g.F, m * th, m * tw), x.dtype) if cropped else None
-    for start, n, V in tiles.blocks():
-        P = n * th * tw
+    cropped = (m * tiles.th, m * tw) != (g.Ho, g.Wo)
+    whole = workspace.empty(xp, (tiles.step, g.F, m * tiles.strip, m * tw), x.dtype) if cropped else None
+    for start, n, t0, r, V in tiles.blocks():
+        P = n * r * tw
         products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(V, U, out=products)
         out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
         xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
-        tiled = out.reshape(m, m, n, th, tw, g.F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, th, m, tw, m)
+        tiled = out.reshape(m, m, n, r, tw, g.F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, r, m, tw, m)
+        top, bottom = m * t0, min(g.Ho, m * (t0 + r))
         if cropped:
-            whole[:n].reshape(tiled.shape)[...] = tiled
-            y[start:start + n] = whole[:n, :, :g.Ho, :g.Wo]
+            whole[:n, :, :m * r].reshape(tiled.shape)[...] = tiled
+            y[start:start + n, :, top:bottom] = whole[:n, :, :bottom - top, :g.Wo]
         else:
-            y[start:start + n].reshape(tiled.shape)[...] = tiled
+            y[start:start + n, :, top:bottom].reshape(tiled.shape)[...] = tiled
 
 
 def backward_filter(x, dy, g, xp):
@@ -189,28 +219,32 @@ def backward_filter(x, dy, g, xp):
     through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k^T = dM_k^T @ V_k
     (F x C) summed over the blocks, and dw (F C, 9) = dU^T @ (G (x) G), in w's layout."""
     tiles = _WinogradTiles(x, g, xp)
-    m, a, th, tw = tiles.m, tiles.a, tiles.th, tiles.tw
-    rows = tiles.step * th * tw
+    m, a, tw = tiles.m, tiles.a, tiles.tw
+    rows = tiles.step * tiles.strip * tw
     # dy's block channel-last (through planes an odd number of cache lines apart, as x's), zero
     # beyond Ho x Wo, so that the tiles' gather runs over contiguous F
-    dy_planes = spread_planes(xp, (tiles.step, g.F, m * th, m * tw), x.dtype)
-    dy_last = workspace.empty(xp, (tiles.step, m * th, m * tw, g.F), x.dtype)
+    dy_planes = spread_planes(xp, (tiles.step, g.F, m * tiles.strip, m * tw), x.dtype)
+    dy_last = workspace.empty(xp, (tiles.step, m * tiles.strip, m * tw, g.F), x.dtype)
     dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
     dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
     dU_t = workspace.empty(xp, (a * a, g.F, g.C), x.dtype)
     # the first block's product is dU itself: a mini-batch in one block (8 samples of 16x16)
     # needs neither a second buffer of (m+2)^2 C F values nor a pass adding it up
-    product = workspace.empty(xp, (a * a, g.F, g.C), x.dtype) if g.N > tiles.step else None
-    for start, n, V in tiles.blocks():
-        P = n * th * tw
-        dy_planes[:n, :, :g.Ho, :g.Wo] = dy[start:start + n]
-        dy_last[:n] = dy_planes[:n].transpose(0, 2, 3, 1)
-        t = dy_tiles[:m * m * P * g.F].reshape(m, m, n, th, tw, g.F)
-        t[...] = dy_last[:n].reshape(n, th, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
+    product = workspace.empty(xp, (a * a, g.F, g.C), x.dtype) if tiles.count() > 1 else None
+    first = True
+    for start, n, t0, r, V in tiles.blocks():
+        P = n * r * tw
+        planes = dy_planes[:n, :, :m * r]
+        _copy_rows(dy[start:start + n], m * t0, m * (t0 + r), planes)
+        block = dy_last[:n, :m * r]
+        block[...] = planes.transpose(0, 2, 3, 1)
+        t = dy_tiles[:m * m * P * g.F].reshape(m, m, n, r, tw, g.F)
+        t[...] = block.reshape(n, r, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
         back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
-        if start == 0:
+        if first:
             xp.matmul(back.transpose(0, 2, 1), V, out=dU_t)
+            first = False
         else:
             dU_t += xp.matmul(back.transpose(0, 2, 1), V, out=product)
     dw = xp.empty((g.F, g.C, 3, 3), x.dtype)
@@ -304,28 +338,29 @@ def _piece(count, itemsize):
 
 
 def _winograd_tiles_bytes(g, item):
-    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
-    tiles = step * th * tw
+    m, a, th, tw, strip, Hp, Wp, step = _winograd_tile_sizes(g)
+    tiles = step * strip * tw
     return (_piece(step * g.C * spread_plane_size(Hp, Wp, item), item) + _piece(step * Hp * Wp * g.C, item)
             + 2 * _piece(a * a * tiles * g.C, item))
 
 
 def _winograd_forward_bytes(g, item):
-    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
-    rows = step * th * tw
+    m, a, th, tw, strip, Hp, Wp, step = _winograd_tile_sizes(g)
+    rows = step * strip * tw
     cropped = (m * th, m * tw) != (g.Ho, g.Wo)
     return (_winograd_tiles_bytes(g, item) + _piece(a * a * g.C * g.F, item)
             + _piece(a * a * rows * g.F, item) + _piece(m * m * rows * g.F, item)
-            + (_piece(step * g.F * m * th * m * tw, item) if cropped else 0))
+            + (_piece(step * g.F * m * strip * m * tw, item) if cropped else 0))
 
 
 def _winograd_backward_filter_bytes(g, item):
-    m, a, th, tw, Hp, Wp, step = _winograd_tile_sizes(g)
-    rows = step * th * tw
-    dy_planes = step * g.F * spread_plane_size(m * th, m * tw, item)
-    return (_winograd_tiles_bytes(g, item) + _piece(dy_planes, item) + _piece(step * m * th * m * tw * g.F, item)
+    m, a, th, tw, strip, Hp, Wp, step = _winograd_tile_sizes(g)
+    rows = step * strip * tw
+    dy_planes = step * g.F * spread_plane_size(m * strip, m * tw, item)
+    blocks = -(-g.N // step) * -(-th // strip)
+    return (_winograd_tiles_bytes(g, item) + _piece(dy_planes, item) + _piece(step * m * strip * m * tw * g.F, item)
             + _piece(m * m * rows * g.F, item) + _piece(a * a * rows * g.F, item)
-            + _piece(a * a * g.C * g.F, item) * (2 if g.N > step else 1))
+            + _piece(a * a * g.C * g.F, item) * (2 if blocks > 1 else 1))
 
 
 def workspace_bytes(pass_name, g, dtype):
