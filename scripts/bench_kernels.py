@@ -3,6 +3,9 @@
 Single process, no mpiexec: `python scripts/bench_kernels.py --threads 1 --repeats 5 [--json out.json]`.
 `--winograd 4` (or 2, or off) picks the path of the 3x3 layers; the "error" column is the largest
 difference of each pass from the float64 im2col result, relative to its largest value.
+`--sweep` times the convolutions of ResNet-50, VGG-16 and a U-Net at their natural image sizes
+(batches from `--batches`), and the half and quarter blocks that 2 and 4 ranks hold of their
+wide 3x3 layers, with a summary of the torch/cfp ratios.
 """
 import argparse
 import re
@@ -27,12 +30,40 @@ from cfp.kernels import (
 )
 from cfp.kernels.conv import paths
 
-# N x C x F x H x W x K[gG][dD]: the shapes BENCHMARKS.md reports (3x3 "same" convolutions on a
-# wide-ish and a very wide layer, a 1x1 channel-reducing layer; then a depthwise, a grouped
+# N x C x F x H x W x K[gG][dD][sS]: the shapes BENCHMARKS.md reports (3x3 "same" convolutions on
+# a wide-ish and a very wide layer, a 1x1 channel-reducing layer; then a depthwise, a grouped
 # and a dilated 3x3 layer).
 DEFAULT_SHAPES = ("32x64x64x32x32x3", "8x256x256x16x16x3", "32x256x64x16x16x1",
                   "32x256x256x16x16x3g256", "32x256x256x16x16x3g32", "8x256x256x32x32x3d2")
 PASSES = ("forward", "backward_data", "backward_filter")
+
+# The sweep's networks: each convolution as (C, F, H, K, stride) on a square H x H input, in the
+# order the network meets them (a layer repeated in a network is listed once). ResNet-50 as
+# torchvision builds it (the stride on the bottleneck's 3x3 layer, 1x1 projections with stride
+# 2), VGG-16's thirteen 3x3 layers, and a U-Net on 256x256 images of one channel with 64 to 1024
+# channels (its 2x2 up-convolutions are transposed convolutions, which cfp does not have).
+SWEEP_NETWORKS = {
+    "resnet50": ((3, 64, 224, 7, 2), (64, 64, 56, 1, 1), (64, 64, 56, 3, 1), (64, 256, 56, 1, 1),
+                 (256, 64, 56, 1, 1), (256, 128, 56, 1, 1), (128, 128, 56, 3, 2), (256, 512, 56, 1, 2),
+                 (128, 512, 28, 1, 1), (512, 128, 28, 1, 1), (128, 128, 28, 3, 1), (512, 256, 28, 1, 1),
+                 (256, 256, 28, 3, 2), (512, 1024, 28, 1, 2), (256, 1024, 14, 1, 1), (1024, 256, 14, 1, 1),
+                 (256, 256, 14, 3, 1), (1024, 512, 14, 1, 1), (512, 512, 14, 3, 2), (1024, 2048, 14, 1, 2),
+                 (512, 2048, 7, 1, 1), (2048, 512, 7, 1, 1), (512, 512, 7, 3, 1)),
+    "vgg16": ((3, 64, 224, 3, 1), (64, 64, 224, 3, 1), (64, 128, 112, 3, 1), (128, 128, 112, 3, 1),
+              (128, 256, 56, 3, 1), (256, 256, 56, 3, 1), (256, 512, 28, 3, 1), (512, 512, 28, 3, 1),
+              (512, 512, 14, 3, 1)),
+    "unet": ((1, 64, 256, 3, 1), (64, 64, 256, 3, 1), (64, 128, 128, 3, 1), (128, 128, 128, 3, 1),
+             (128, 256, 64, 3, 1), (256, 256, 64, 3, 1), (256, 512, 32, 3, 1), (512, 512, 32, 3, 1),
+             (512, 1024, 16, 3, 1), (1024, 1024, 16, 3, 1), (1024, 512, 32, 3, 1), (512, 256, 64, 3, 1),
+             (256, 128, 128, 3, 1), (128, 64, 256, 3, 1), (64, 2, 256, 1, 1)),
+}
+SWEEP_BATCHES = (1, 8, 32)
+# The blocks 2 and 4 ranks hold of a layer, at BLOCK_BATCH samples: half and a quarter of the
+# samples, the channels, the filters or the rows (a spatial split's rows, its halo left out),
+# of the 3x3 stride-1 layers on images of at most BLOCK_IMAGE rows: the wide layers that
+# channel and filter parallelism are for.
+BLOCK_BATCH, BLOCK_IMAGE = 8, 64
+BLOCK_SPLITS = ("samples", "channels", "filters", "rows")
 
 try:
     import torch
@@ -41,21 +72,54 @@ except ImportError:  # the comparison is optional: cfp is timed alone
 
 
 def parse_shape(text):
-    """'32x64x64x32x32x3' -> (N, C, F, H, W, K, groups, dilation), with 'g32' and 'd2' after K
-    for groups and dilation; padding dilation * (K // 2) keeps H and W ("same")."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)(?:g(\d+))?(?:d(\d+))?", text.lower())
+    """'32x64x64x32x32x3' -> (N, C, F, H, W, K, groups, dilation, stride), with 'g32', 'd2' and
+    's2' after K for groups, dilation and stride; padding dilation * (K // 2) keeps H and W at
+    stride 1 ("same")."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)(?:g(\d+))?(?:d(\d+))?(?:s(\d+))?", text.lower())
     dims = tuple(int(d) if d else 1 for d in match.groups()) if match else ()
-    if len(dims) != 8 or min(dims) < 1 or dims[1] % dims[6] or dims[2] % dims[6]:
+    if len(dims) != 9 or min(dims) < 1 or dims[1] % dims[6] or dims[2] % dims[6]:
         raise argparse.ArgumentTypeError(
             f"shape must be N x C x F x H x W x K with positive integers and optional gG (groups dividing "
-            f"C and F) and dD (dilation), e.g. 32x64x64x32x32x3 or 32x256x256x16x16x3g32, got {text!r}"
+            f"C and F), dD (dilation) and sS (stride), e.g. 32x64x64x32x32x3 or 32x256x256x16x16x3g32, "
+            f"got {text!r}"
         )
     return dims
 
 
 def shape_text(shape):
-    N, C, F, H, W, K, G, D = shape
-    return f"{N}x{C}x{F}x{H}x{W}x{K}" + (f"g{G}" if G > 1 else "") + (f"d{D}" if D > 1 else "")
+    N, C, F, H, W, K, G, D, S = shape
+    return (f"{N}x{C}x{F}x{H}x{W}x{K}" + (f"g{G}" if G > 1 else "") + (f"d{D}" if D > 1 else "")
+            + (f"s{S}" if S > 1 else ""))
+
+
+def sweep_shapes(batches, networks=tuple(SWEEP_NETWORKS)):
+    """[(shape, where)]: every convolution of `networks` at each batch, then the half and
+    quarter blocks of their wide 3x3 layers (BLOCK_SPLITS); where (network, layer or block)
+    names what it is, and a block's "of" its full layer. A shape met twice is timed once."""
+    rows, seen = [], set()
+
+    def add(shape, where):
+        if shape not in seen:
+            seen.add(shape)
+            rows.append((shape, where))
+    for N in batches:
+        for network in networks:
+            for C, F, H, K, S in SWEEP_NETWORKS[network]:
+                add((N, C, F, H, H, K, 1, 1, S), {"network": network, "batch": N})
+    for network in networks:
+        for C, F, H, K, S in SWEEP_NETWORKS[network]:
+            if (K, S) != (3, 1) or H > BLOCK_IMAGE:
+                continue
+            full = (BLOCK_BATCH, C, F, H, H, K, 1, 1, S)
+            add(full, {"network": network, "batch": BLOCK_BATCH})
+            for ranks in (2, 4):
+                for split in BLOCK_SPLITS:
+                    N, C_, F_, H_ = full[:4]
+                    block = {"samples": (N // ranks, C_, F_, H_), "channels": (N, C_ // ranks, F_, H_),
+                             "filters": (N, C_, F_ // ranks, H_), "rows": (N, C_, F_, H_ // ranks)}[split]
+                    add(block + (H, K, 1, 1, S), {"network": network, "of": shape_text(full),
+                                                  "split": f"{split}/{ranks}"})
+    return rows
 
 
 def median_seconds(runs, repeats, warmup=1):
@@ -76,8 +140,8 @@ def median_seconds(runs, repeats, warmup=1):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def cfp_runs(x, w, dy, padding, groups, dilation):
-    kw = {"padding": padding, "groups": groups, "dilation": dilation}
+def cfp_runs(x, w, dy, padding, groups, dilation, stride=1):
+    kw = {"stride": stride, "padding": padding, "groups": groups, "dilation": dilation}
     return {
         "forward": lambda: conv2d_forward(x, w, **kw),
         "backward_data": lambda: conv2d_backward_data(dy, w, x.shape, **kw),
@@ -85,7 +149,7 @@ def cfp_runs(x, w, dy, padding, groups, dilation):
     }
 
 
-def torch_runs(x, w, dy, padding, groups, dilation):
+def torch_runs(x, w, dy, padding, groups, dilation, stride=1):
     tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
 
     def backward(which):
@@ -93,39 +157,40 @@ def torch_runs(x, w, dy, padding, groups, dilation):
         # (input, weight, bias) gradients so each pass is timed on its own.
         mask = [which == "data", which == "filter", False]
         return torch.ops.aten.convolution_backward(
-            tdy, tx, tw, None, [1, 1], [padding, padding], [dilation, dilation], False, [0, 0], groups, mask
+            tdy, tx, tw, None, [stride, stride], [padding, padding], [dilation, dilation], False, [0, 0],
+            groups, mask
         )
 
     return {
-        "forward": lambda: torch.nn.functional.conv2d(tx, tw, padding=padding, groups=groups, dilation=dilation),
+        "forward": lambda: torch.nn.functional.conv2d(tx, tw, stride=stride, padding=padding, groups=groups,
+                                                      dilation=dilation),
         "backward_data": lambda: backward("data"),
         "backward_filter": lambda: backward("filter"),
     }
 
 
-def largest_error(x, w, dy, padding, groups, dilation):
+def largest_error(x, w, dy, padding, groups, dilation, stride=1):
     """The largest of the three passes' max |cfp - float64 im2col| / max |float64 im2col|."""
-    ours = {p: run() for p, run in cfp_runs(x, w, dy, padding, groups, dilation).items()}
+    ours = {p: run() for p, run in cfp_runs(x, w, dy, padding, groups, dilation, stride).items()}
     with settings.winograd(False):
         exact = {p: run() for p, run in cfp_runs(*(a.astype(np.float64) for a in (x, w, dy)),
-                                                 padding, groups, dilation).items()}
+                                                 padding, groups, dilation, stride).items()}
     return max(float(np.abs(ours[p] - exact[p]).max() / np.abs(exact[p]).max()) for p in PASSES)
 
 
 def bench_shape(shape, dtype, repeats, rng):
-    N, C, F, H, W, K, G, D = shape
+    N, C, F, H, W, K, G, D, S = shape
     padding = D * (K // 2)
     x = rng.standard_normal((N, C, H, W)).astype(dtype)
     w = rng.standard_normal((F, C // G, K, K)).astype(dtype)
-    extent = D * (K - 1) + 1
-    dy = rng.standard_normal((N, F, H + 2 * padding - extent + 1, W + 2 * padding - extent + 1)).astype(dtype)
-    flops = conv2d_flops(x.shape, w.shape, 1, padding, D, G)
-    g = conv_geometry(x.shape, w.shape, 1, padding, D, G)
+    g = conv_geometry(x.shape, w.shape, S, padding, D, G)
+    dy = rng.standard_normal((N, F, g.Ho, g.Wo)).astype(dtype)
+    flops = conv2d_flops(x.shape, w.shape, S, padding, D, G)
     row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops,
-           "cfp_error": largest_error(x, w, dy, padding, G, D), "paths": paths.taken(g, np.dtype(dtype))}
-    implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D)}
+           "cfp_error": largest_error(x, w, dy, padding, G, D, S), "paths": paths.taken(g, np.dtype(dtype))}
+    implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D, S)}
     if torch is not None:
-        implementations["torch"] = torch_runs(x, w, dy, padding, G, D)
+        implementations["torch"] = torch_runs(x, w, dy, padding, G, D, S)
     for pass_name in PASSES:
         seconds = median_seconds({name: runs[pass_name] for name, runs in implementations.items()}, repeats)
         for name in implementations:
@@ -140,7 +205,7 @@ def bench_shape(shape, dtype, repeats, rng):
 
 def markdown_table(rows):
     names = ["cfp"] + (["torch"] if torch is not None else [])
-    header = ["shape N x C x F x H x W x K [groups, dilation]", "pad"]
+    header = ["shape N x C x F x H x W x K [groups, dilation, stride]", "pad"]
     for name in names:
         header += [f"{name} fwd ms (GF/s)", f"{name} bwd-data ms (GF/s)",
                    f"{name} bwd-filter ms (GF/s)", f"{name} total ms"]
@@ -162,6 +227,44 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
+def _geometric_mean(values):
+    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
+
+
+def sweep_summary(rows):
+    """Lines that sum up a sweep's torch/cfp ratios: over every shape, over the shapes with at
+    least 16 input channels, over the first layers (1 or 3 channels): the geometric mean and
+    the worst with its shape."""
+    lines = []
+    classes = (("every shape", lambda C: True), ("C >= 16", lambda C: C >= 16),
+               ("first layers (C <= 3)", lambda C: C <= 3))
+    for name, keep in classes:
+        chosen = [r for r in rows if keep(parse_shape(r["shape"])[1])]
+        if not chosen:
+            continue
+        worst = min(chosen, key=lambda r: r["torch_over_cfp"])
+        lines.append(f"{name}: {len(chosen)} shapes, torch/cfp geometric mean "
+                     f"{_geometric_mean([r['torch_over_cfp'] for r in chosen]):.2f}, worst "
+                     f"{worst['torch_over_cfp']:.2f} ({worst['shape']}, {worst['where'].get('network', '')})")
+    return lines
+
+
+def block_table(rows):
+    """The blocks' times as fractions of their full layer's, cfp's and torch's (1/ranks is what
+    a perfect split would take): a markdown table, or '' where the sweep had no blocks."""
+    full = {r["shape"]: r for r in rows}
+    lines = ["| layer | block | cfp block / layer | torch block / layer |", "|---|---|---|---|"]
+    for r in rows:
+        of = r["where"].get("of")
+        if of is None or of not in full:
+            continue
+        cells = [of, f"{r['where']['split']}: {r['shape']}",
+                 f"{r['cfp_total_s'] / full[of]['cfp_total_s']:.2f}"]
+        cells.append(f"{r['torch_total_s'] / full[of]['torch_total_s']:.2f}" if torch is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def parse_args(argv):
     parser = cli.ArgumentParser(description=cli.script_description(__doc__))
     parser.add_argument("--repeats", type=int, default=5,
@@ -169,22 +272,54 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=1, help="BLAS and torch threads")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
-                        help="N x C x F x H x W x K[gG][dD], stride 1, padding D * (K // 2) "
+                        help="N x C x F x H x W x K[gG][dD][sS], padding D * (K // 2) "
                              f"(default: {' '.join(DEFAULT_SHAPES)})")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the layers of --networks at each of --batches and the half and quarter "
+                             "blocks of their wide 3x3 layers (instead of --shapes), with a summary")
+    parser.add_argument("--batches", type=_positive_list, default=SWEEP_BATCHES,
+                        help="the sweep's batch sizes, comma-separated (default: "
+                             f"{','.join(map(str, SWEEP_BATCHES))})")
+    parser.add_argument("--networks", type=_network_list, default=tuple(SWEEP_NETWORKS),
+                        help=f"the sweep's networks, comma-separated, of {', '.join(SWEEP_NETWORKS)} (default: all)")
     parser.add_argument("--winograd", choices=("off", "2", "4"), default=None,
                         help="3x3 stride-1 layers by im2col (off) or Winograd F(2x2) / F(4x4) in "
                              "every dtype (default: cfp's, F(4x4) in float32 and im2col in float64)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     int_options(args, positive=("repeats", "threads"))
+    if args.sweep and args.shapes:
+        parser.error("--sweep and --shapes choose the shapes both: give one of them")
     return args
+
+
+def _positive_list(text):
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,8,32, got {text!r}")
+    return values
+
+
+def _network_list(text):
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in SWEEP_NETWORKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected networks of {', '.join(SWEEP_NETWORKS)} separated by commas, "
+                                         f"got {text!r}")
+    return names
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.json:
         check_writable(args.json, "--json")
-    shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
+    if args.sweep:
+        shapes = sweep_shapes(args.batches, args.networks)
+    else:
+        shapes = [(shape, {}) for shape in args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]]
 
     switch = {}
     if args.winograd is not None:
@@ -220,9 +355,19 @@ def run(args, shapes):
     print()
     rng = np.random.default_rng(0)
     rows = []
-    for shape in shapes:
-        rows.append(bench_shape(shape, np.dtype(args.dtype), args.repeats, rng))
+    for shape, where in shapes:
+        rows.append(dict(bench_shape(shape, np.dtype(args.dtype), args.repeats, rng), where=where))
+        if args.sweep:
+            print(f"# {len(rows)}/{len(shapes)} {rows[-1]['shape']}", file=sys.stderr, flush=True)
     print(markdown_table(rows))
+    if args.sweep and torch is not None:
+        print()
+        print("\n".join(sweep_summary(rows)))
+    if args.sweep:
+        blocks = block_table(rows)
+        if blocks:
+            print()
+            print(blocks)
     if args.json:
         save_json(args.json, {"context": context, "rows": rows})
         print(f"wrote {args.json}")
