@@ -341,16 +341,21 @@ def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
 @pytest.mark.parametrize("side,takes", [(1, False), (2, False), (3, False), (4, True), (5, False), (6, True),
                                         (8, True), (16, True), (15, True), (9, True), ((5, 6), False)])
 def test_float32_layers_take_winograd_by_default_where_it_pays(side, takes):
-    """4 Ho Wo >= tiles * 36 and outputs at least 4 wide: not on 1x1 to 3x3 outputs or 5x5
-    (measured slower than im2col), on 4x4, 6x6 and larger; every size when forced."""
+    """4 Ho Wo >= tiles * 36, outputs at least 4 wide and at least 32 tiles a call: not on 1x1
+    to 3x3 outputs or 5x5 (measured slower than im2col), on 4x4, 6x6 and larger; not on fewer
+    tiles; every size when forced."""
     H, W = side if isinstance(side, tuple) else (side, side)  # 5x6: 4 tiles * 36 = 144 > 4 * 30
-    g = conv_module.conv_geometry((2, 8, H, W), (8, 8, 3, 3), padding=1)
+    g = conv_module.conv_geometry((32, 8, H, W), (8, 8, 3, 3), padding=1)
     assert winograd_kernels.applies(g, np.dtype(np.float32)) == takes
     assert not winograd_kernels.applies(g, np.dtype(np.float64))
-    wide = conv_module.conv_geometry((2, 8, 16, W), (8, 8, 3, 3), padding=1)  # the narrow side decides
+    wide = conv_module.conv_geometry((32, 8, 16, W), (8, 8, 3, 3), padding=1)  # the narrow side decides
     assert winograd_kernels.applies(wide, np.dtype(np.float32)) == (W >= 4)  # 16x5: 288 <= 320
+    tiles = -(-H // 4) * -(-W // 4)
+    fewer = conv_module.conv_geometry((-(-32 // tiles) - 1, 8, H, W), (8, 8, 3, 3), padding=1)
+    assert not winograd_kernels.applies(fewer, np.dtype(np.float32))  # fewer than 32 tiles
     with settings.winograd(True):
         assert winograd_kernels.applies(g, np.dtype(np.float32))
+        assert winograd_kernels.applies(fewer, np.dtype(np.float32)) == (fewer.N > 0)
 
 
 def test_dilated_layers_take_subgrids_only_where_winograd_would():
@@ -374,6 +379,33 @@ def test_dilated_layers_take_subgrids_only_where_winograd_would():
                                                                 dilation=(2, 3)))
     # padded 12 x 9: classes of ceil(12 / 2) = 6 rows and ceil(9 / 3) = 3 columns, 2 * 3 of them
     assert (s.N, s.H, s.W, s.Ho, s.Wo, s.dh, s.dw, s.pt + s.pb + s.pl + s.pr) == (6, 6, 3, 4, 1, 1, 1, 0)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,args", [
+    ((1, 5, 3, 3), (9, 5, 1, 1), {}),  # one sample of a 1x1 layer: x is its own columns
+    ((3, 5, 2, 2), (12, 5, 1, 1), {}),
+    ((1, 3, 4, 5), (30, 3, 3, 3), {"padding": 1}),
+    ((2, 2, 5, 6), (40, 2, 2, 3), {"padding": (1, 0), "stride": (2, 1), "dilation": (1, 2)}),
+    ((2, 3, 4, 4), (40, 3, 3, 3), {"padding": 1, "padding_mode": "reflect"}),
+    ((1, 2, 7, 7), (20, 2, 5, 5), {"padding": 1, "stride": 2}),
+])
+def test_filter_major_columns_match_the_loops(x_shape, w_shape, args):
+    """Layers with more filters than output pixels take filter-major columns for all three
+    passes, in float64 and float32, and equal the plain loops: one 1x1 sample and several,
+    padding on some sides, stride, dilation, even kernels, a padding mode."""
+    g = conv_module.conv_geometry(x_shape, w_shape, **args)
+    if g.mode != "zeros":  # the passes pad first, then choose for the padded geometry
+        g = g._replace(H=g.H + g.pt + g.pb, W=g.W + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0, mode="zeros")
+    for dtype in ("float64", "float32"):
+        assert set(paths.taken(g, np.dtype(dtype)).values()) == {"columns"}
+    case = {"x": x_shape, "w": w_shape, "args": args}
+    x, w, b, dy = _problem(case, seed=5)
+    fast = (conv2d_forward(x, w, b, **args), conv2d_backward_data(dy, w, x.shape, **args),
+            conv2d_backward_filter(x, dy, w.shape, **args))
+    loops = (conv2d_forward_loop(x, w, b, **args), conv2d_backward_data_loop(dy, w, x.shape, **args),
+             conv2d_backward_filter_loop(x, dy, w.shape, **args))
+    for actual, expected in zip(fast, loops):
+        assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["kernel-rows-stacked", "a-GEMM-a-kernel-row"])

@@ -39,6 +39,7 @@ PATHS = {
     "pointwise, one filter": ((2, 5, 6, 6), (1, 5, 1, 1), {}, False),
     "pointwise, widening": ((2, 3, 6, 6), (7, 3, 1, 1), {}, False),
     "plane columns": ((2, 4, 6, 7), (4, 2, 3, 3), {"padding": 1, "groups": 2}, False),
+    "filter-major columns": ((2, 3, 4, 3), (30, 3, 3, 3), {"padding": 1, "stride": (1, 2)}, False),
     "im2col": ((2, 70, 5, 5), (3, 70, 3, 3), {"padding": 1}, False),
     "col2im, reflect": ((2, 70, 7, 7), (3, 70, 3, 3), {"stride": 2, "padding": 1, "padding_mode": "reflect"}, False),
 }
@@ -287,10 +288,11 @@ def _winograd_sizing_cases(count=30, seed=12):
 def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, rows, monkeypatch):
     """The cost model's Winograd workspace (kernels.workspace_bytes) against the workspace each
     pass asks for, exactly, for the passes that take Winograd (seen by the tiles they make);
-    the others are left out: by default the layers where Winograd does not pay and float64,
-    forced (winograd(True)) none. With blocks of 5 tiles, the larger images go through strips
+    the others are left out: by default the layers where Winograd does not pay (at any count of
+    tiles, here) and float64, forced (winograd(True)) none. With blocks of 5 tiles, the larger images go through strips
     of tile rows."""
     monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", rows)
+    monkeypatch.setattr(winograd_kernels, "_MIN_TILES", 1)  # these small layers would take other paths
     made = []
 
     class Tiles(winograd_kernels._WinogradTiles):
@@ -338,8 +340,10 @@ def test_winograd_workspace_bytes_leave_out_other_paths():
     assert bytes_of((2, 4, 8, 8), (4, 4, 1, 1), "float32") == {}
     for x_shape, w_shape in (((0, 4, 8, 8), (4, 4, 3, 3)), ((2, 0, 8, 8), (4, 0, 3, 3)), ((2, 4, 8, 8), (0, 4, 3, 3))):
         assert bytes_of(x_shape, w_shape, "float32", padding=1) == {}  # an empty shard computes nothing
-    # nn.Conv2d's defaults: padding 0 (6x6 outputs of 8x8, which Winograd pays on), float32
-    assert bytes_of((2, 4, 8, 8), (4, 4, 3, 3)) == bytes_of((2, 4, 8, 8), (4, 4, 3, 3), "float32", padding=0) != {}
+    # nn.Conv2d's defaults: padding 0 (6x6 outputs of 8x8, which Winograd pays on with 8 samples
+    # of 4 tiles; not with 2), float32
+    assert bytes_of((8, 4, 8, 8), (4, 4, 3, 3)) == bytes_of((8, 4, 8, 8), (4, 4, 3, 3), "float32", padding=0) != {}
+    assert bytes_of((2, 4, 8, 8), (4, 4, 3, 3)) == {}
     strided = conv_module.workspace_bytes((2, 4, 8, 8), (4, 4, 3, 3), "float32", stride=2, padding=1)
     assert strided == {}  # stride 2: im2col and col2im
 

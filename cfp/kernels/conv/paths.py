@@ -10,11 +10,12 @@ section 3c).
 Backward-data has fewer paths of its own: at stride 1 it is the forward convolution of dy with
 the flipped filters (the "full convolution", `full_geometry`), which takes whichever forward
 path that geometry chooses; at a stride im2col's col2im; depthwise layers with a stride or a
-multiplier take their banded backward-data.
+multiplier take their banded backward-data; layers with few pixels and many filters (or
+channels) that are not Winograd's take filter-major columns' col2im (_columns_backward_data).
 """
 import typing
 
-from cfp.kernels.conv import depthwise, im2col, plane, winograd
+from cfp.kernels.conv import columns, depthwise, im2col, plane, winograd
 from cfp.kernels.conv.geometry import ConvGeometry
 from cfp.kernels.conv.im2col import flipped_filters
 
@@ -96,12 +97,25 @@ def _always(g, dtype):
     return True
 
 
+def _columns_backward_data(g, dtype):
+    """Backward-data by filter-major columns where the layer takes them, or where its full
+    convolution would (few input pixels, many channels: a classifier's dx), which reads the
+    filters where they lie instead of flipping a copy; but a Winograd layer's backward-data
+    stays Winograd's full convolution (what winograd = True asks for, and on the layers both
+    take, 32 tiles and more, the faster)."""
+    if winograd.applies(g, dtype) or winograd.subgrids_apply(g, dtype):
+        return False
+    return columns.applies(g, dtype) or _stride_one(g, dtype) and columns.applies(full_geometry(g)[1], dtype)
+
+
 PATHS = (
     KernelPath("winograd-subgrids", winograd.subgrids_apply, forward=winograd.subgrids_forward,
                backward_filter=winograd.subgrids_backward_filter, workspace=winograd.subgrids_workspace_bytes,
                flips=True, rows=winograd.subgrids_tile_rows),
     KernelPath("winograd", winograd.applies, forward=winograd.forward, backward_filter=winograd.backward_filter,
                workspace=winograd.workspace_bytes, flips=True, rows=winograd.tile_rows),
+    KernelPath("columns", columns.applies, forward=columns.forward, backward_data=columns.backward_data,
+               backward_filter=columns.backward_filter, backward_data_applies=_columns_backward_data),
     KernelPath("depthwise", depthwise.applies, forward=depthwise.forward, backward_data=depthwise.backward_data,
                backward_filter=depthwise.backward_filter, backward_data_applies=depthwise.backward_data_applies),
     KernelPath("full-convolution", _stride_one, backward_data=_full_convolution, workspace=_full_convolution_bytes),

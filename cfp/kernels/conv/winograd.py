@@ -30,6 +30,7 @@ from cfp.kernels.conv.im2col import spread_plane_size, spread_planes
 # is the setting winograd_tile, 2 or 4.
 
 _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
+_MIN_TILES = 32  # by default, fewer tiles a call go by another path (_pays)
 # Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
 # transform, G (m+2 x 3) the filter transform, B^T (m+2 x m+2) the input transform.
 _WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
@@ -52,15 +53,20 @@ def tile_rows(g):
 
 
 def _pays(g):
-    """By default a layer takes Winograd where its outputs are at least a tile wide and its
-    tiles multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2).
-    Measured on cfp's machine, 32x256x256 float32, F(4x4) against im2col (three passes): 4x4
-    outputs 21 against 26 ms, 6x6 48 against 57 ms; but 1x1 21 against 5 ms, 2x2 (32x512x512)
-    83 against 43 ms, 3x3 22 against 18 ms, 5x5 47 against 39 ms: tiles mostly cropped away,
-    or too few of them to pay for the transforms."""
+    """By default a layer takes Winograd where its outputs are at least a tile wide, its tiles
+    multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2), and
+    the call has at least _MIN_TILES tiles to transform its filters for. Measured on cfp's
+    machine, 32x256x256 float32, F(4x4) against im2col (three passes): 4x4 outputs 21 against
+    26 ms, 6x6 48 against 57 ms; but 1x1 21 against 5 ms, 2x2 (32x512x512) 83 against 43 ms,
+    3x3 22 against 18 ms, 5x5 47 against 39 ms: tiles mostly cropped away, or too few of them
+    to pay for the transforms. And by the tiles of the call (AMD EPYC guest): 4 to 16 of them
+    1.06-1.55 times slower than im2col (1 to 4 samples of 512 channels on 7x7, 1 or 4 of 64 on
+    8x8 and 14x14), 24 level (0.96-1.08), 32 and more faster (2x128x128x14x14 0.89, 8x512x512
+    x7x7 0.82, 1x64x64x28x28 0.71): the filters' transform, 36 C F values written, is paid
+    once a call whatever its tiles."""
     m = settings.current().winograd_tile
     tiles = -(-g.Ho // m) * -(-g.Wo // m)
-    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo
+    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= _MIN_TILES
 
 
 @functools.lru_cache(maxsize=None)
