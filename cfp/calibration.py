@@ -194,30 +194,33 @@ def check_fits(links, packing):
 
 MAX_FLOPS = 3e9  # the largest shapes are left out: their rate is the last measured one's
 
-# Families of layers, (K, stride, dilation, depthwise, channels, sides): every path of the kernel
-# table is reached by some family (tests/test_calibration.py checks it), each over the channel
-# counts and image sides that move its rate. Samples: 1, 8 and 32 (quick: 1 and 32).
+# Families of layers, (K, stride, dilation, depthwise, channels, sides, filters): every path of
+# the kernel table is reached by some family (tests/test_calibration.py checks it), each over
+# the channel counts and image sides that move its rate. Filters: as many as channels, or 64 on
+# a first layer's few channels, unless the family names them. Samples: 1, 8 and 32 (quick: 1
+# and 32).
 FAMILIES = (
-    (3, 1, 1, False, (16, 64, 256, 512), (2, 4, 8, 16, 32)),  # Winograd where it pays, else im2col / plane
-    (3, 2, 1, False, (16, 64, 256), (4, 8, 16, 32)),  # im2col, col2im
-    (1, 1, 1, False, (16, 64, 256, 512), (2, 4, 8, 16)),  # pointwise (below 64 channels the same)
-    (1, 2, 1, False, (16, 64, 256), (4, 8, 16)),  # im2col at a stride
-    (5, 1, 1, False, (16, 64, 256), (4, 8, 16)),  # im2col, plane columns
-    (3, 1, 1, False, (1, 3), (8, 16, 32)),  # a network's first layer: plane columns or Winograd
-    (3, 1, 2, False, (16, 64, 256), (8, 16, 32)),  # dilated: Winograd on the sub-grids
-    (3, 1, 1, True, (16, 64, 256), (4, 8, 16, 32)),  # depthwise bands
-    (3, 2, 1, True, (16, 64, 256), (4, 8, 16, 32)),  # depthwise, banded backward-data
+    (3, 1, 1, False, (16, 64, 256, 512), (2, 4, 8, 16, 32), None),  # Winograd where it pays, else im2col / plane
+    (3, 2, 1, False, (16, 64, 256), (4, 8, 16, 32), None),  # im2col, col2im
+    (1, 1, 1, False, (16, 64, 256, 512), (2, 4, 8, 16), None),  # pointwise (below 64 channels the same)
+    (1, 2, 1, False, (16, 64, 256), (4, 8, 16), None),  # im2col at a stride
+    (5, 1, 1, False, (16, 64, 256), (4, 8, 16), None),  # im2col, plane columns
+    (3, 1, 1, False, (1, 3), (8, 16, 32), None),  # a network's first layer: per-sample columns
+    (3, 1, 1, False, (16, 64, 256), (8, 16, 32), 4),  # a rank's few filters: backward-data by per-sample columns
+    (3, 1, 2, False, (16, 64, 256), (8, 16, 32), None),  # dilated: Winograd on the sub-grids
+    (3, 1, 1, True, (16, 64, 256), (4, 8, 16, 32), None),  # depthwise bands
+    (3, 2, 1, True, (16, 64, 256), (4, 8, 16, 32), None),  # depthwise, banded backward-data
 )
 SAMPLES = (1, 8, 32)
 
 
 def kernel_shapes(quick):
     """[(N, C, F, H, K, stride, dilation, groups)] of the layers calibration measures (H = W,
-    padding dilation * (K // 2), F = C, or the first layer's 64 filters), within MAX_FLOPS."""
+    padding dilation * (K // 2)), within MAX_FLOPS."""
     out = []
-    for K, stride, dilation, depthwise, channels, sides in FAMILIES:
+    for K, stride, dilation, depthwise, channels, sides, filters in FAMILIES:
         for C in channels[::2] if quick else channels:
-            F = 64 if C < 16 else C
+            F = filters or (64 if C < 16 else C)
             for H in sides[::2] if quick else sides:
                 for N in SAMPLES[::2] if quick else SAMPLES:
                     groups = C if depthwise else 1

@@ -12,7 +12,7 @@ from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_back
                          conv2d_forward, conv2d_output_shape)
 from cfp.kernels import conv as conv_module
 from cfp.kernels import settings
-from cfp.kernels.conv import depthwise, paths, plane
+from cfp.kernels.conv import columns, depthwise, paths, plane
 from cfp.kernels.conv import winograd as winograd_kernels
 from cfp.kernels.conv import PADDING_MODES
 from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
@@ -99,11 +99,16 @@ def _set(monkeypatch, **changes):
     monkeypatch.setattr(settings._current, "settings", dataclasses.replace(settings.current(), **changes))
 
 
-@pytest.fixture(params=[None, 2, 4], ids=["im2col", "winograd2", "winograd4"])
-def fast_path(request):
-    """Every check of the fast kernels runs on the im2col path and with Winograd F(2x2, 3x3) and
-    F(4x4, 3x3) for the 3x3 stride-1 layers."""
-    with settings.winograd(request.param is not None, tile=request.param):
+@pytest.fixture(params=[None, "columns", 2, 4], ids=["im2col", "columns", "winograd2", "winograd4"])
+def fast_path(request, monkeypatch):
+    """Every check of the fast kernels runs on the im2col path (the layers of few channels too,
+    which by default take per-sample columns), on the default paths without Winograd (those
+    per-sample columns), and with Winograd F(2x2, 3x3) and F(4x4, 3x3) for the 3x3 stride-1
+    layers."""
+    if request.param is None:
+        monkeypatch.setattr(columns, "FEW_CHANNELS", 0)
+    tile = request.param if request.param != "columns" else None
+    with settings.winograd(tile is not None, tile=tile):
         yield request.param
 
 
@@ -341,39 +346,42 @@ def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
 @pytest.mark.parametrize("side,takes", [(1, False), (2, False), (3, False), (4, True), (5, False), (6, True),
                                         (8, True), (16, True), (15, True), (9, True), ((5, 6), False)])
 def test_float32_layers_take_winograd_by_default_where_it_pays(side, takes):
-    """4 Ho Wo >= tiles * 36, outputs at least 4 wide and at least 32 tiles a call: not on 1x1
-    to 3x3 outputs or 5x5 (measured slower than im2col), on 4x4, 6x6 and larger; not on fewer
-    tiles; every size when forced."""
+    """4 Ho Wo >= tiles * 36, outputs at least 4 wide, at least 32 tiles a call and more than 8
+    channels: not on 1x1 to 3x3 outputs or 5x5 (measured slower than im2col), on 4x4, 6x6 and
+    larger; not on fewer tiles or channels (those take other paths); every size when forced."""
     H, W = side if isinstance(side, tuple) else (side, side)  # 5x6: 4 tiles * 36 = 144 > 4 * 30
-    g = conv_module.conv_geometry((32, 8, H, W), (8, 8, 3, 3), padding=1)
+    g = conv_module.conv_geometry((32, 16, H, W), (8, 16, 3, 3), padding=1)
     assert winograd_kernels.applies(g, np.dtype(np.float32)) == takes
     assert not winograd_kernels.applies(g, np.dtype(np.float64))
-    wide = conv_module.conv_geometry((32, 8, 16, W), (8, 8, 3, 3), padding=1)  # the narrow side decides
+    wide = conv_module.conv_geometry((32, 16, 16, W), (8, 16, 3, 3), padding=1)  # the narrow side decides
     assert winograd_kernels.applies(wide, np.dtype(np.float32)) == (W >= 4)  # 16x5: 288 <= 320
     tiles = -(-H // 4) * -(-W // 4)
-    fewer = conv_module.conv_geometry((-(-32 // tiles) - 1, 8, H, W), (8, 8, 3, 3), padding=1)
+    fewer = conv_module.conv_geometry((-(-32 // tiles) - 1, 16, H, W), (8, 16, 3, 3), padding=1)
     assert not winograd_kernels.applies(fewer, np.dtype(np.float32))  # fewer than 32 tiles
+    narrow = conv_module.conv_geometry((32, 8, H, W), (8, 8, 3, 3), padding=1)
+    assert not winograd_kernels.applies(narrow, np.dtype(np.float32))  # 8 channels: per-sample columns
     with settings.winograd(True):
         assert winograd_kernels.applies(g, np.dtype(np.float32))
+        assert winograd_kernels.applies(narrow, np.dtype(np.float32))
         assert winograd_kernels.applies(fewer, np.dtype(np.float32)) == (fewer.N > 0)
 
 
 def test_dilated_layers_take_subgrids_only_where_winograd_would():
     """The sub-grids serve Winograd: float32 3x3 stride-1 ungrouped dilated layers by default;
     not float64 (im2col reads dilated windows directly), not strided, grouped or 5x5 layers."""
-    g = conv_module.conv_geometry((2, 4, 17, 17), (4, 4, 3, 3), padding=2, dilation=2)  # classes 9x9 outputs
+    g = conv_module.conv_geometry((2, 16, 17, 17), (4, 16, 3, 3), padding=2, dilation=2)  # classes 9x9 outputs
     assert winograd_kernels.subgrids_apply(g, np.dtype(np.float32))
-    small = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 3, 3), padding=2, dilation=2)  # classes 5x5 outputs
+    small = conv_module.conv_geometry((2, 16, 9, 9), (4, 16, 3, 3), padding=2, dilation=2)  # classes 5x5 outputs
     assert not winograd_kernels.subgrids_apply(small, np.dtype(np.float32))  # Winograd would not pay there
     with settings.winograd(True):
         assert winograd_kernels.subgrids_apply(small, np.dtype(np.float32))
     assert not winograd_kernels.subgrids_apply(g, np.dtype(np.float64))
     assert not winograd_kernels.subgrids_apply(g._replace(dh=1, dw=1), np.dtype(np.float32))  # undilated
     for other in ({"stride": 2}, {"groups": 2}):
-        geometry = conv_module.conv_geometry((2, 4, 17, 17), (4, 4 // other.get("groups", 1), 3, 3),
+        geometry = conv_module.conv_geometry((2, 16, 17, 17), (4, 16 // other.get("groups", 1), 3, 3),
                                              padding=2, dilation=2, **other)
         assert not winograd_kernels.subgrids_apply(geometry, np.dtype(np.float32)), other
-    g5 = conv_module.conv_geometry((2, 4, 9, 9), (4, 4, 5, 5), padding=4, dilation=2)
+    g5 = conv_module.conv_geometry((2, 16, 9, 9), (4, 16, 5, 5), padding=4, dilation=2)
     assert not winograd_kernels.subgrids_apply(g5, np.dtype(np.float32))
     s = winograd_kernels._subgrid_geometry(conv_module.conv_geometry((1, 1, 8, 7), (1, 1, 3, 3), padding=(2, 1),
                                                                 dilation=(2, 3)))
@@ -408,6 +416,37 @@ def test_filter_major_columns_match_the_loops(x_shape, w_shape, args):
         assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
 
 
+@pytest.mark.parametrize("block", [1, 2, 64], ids=["sample-blocks", "short-last-block", "one-block"])
+@pytest.mark.parametrize("x_shape,w_shape,args", [
+    ((3, 1, 6, 7), (4, 1, 3, 3), {"padding": 1}),  # one channel
+    ((3, 3, 9, 8), (5, 3, 7, 7), {"padding": 3, "stride": 2}),  # ResNet's first layer, small
+    ((3, 8, 5, 5), (6, 8, 1, 1), {}),  # 1x1: x is its own columns
+    ((3, 2, 6, 5), (3, 2, 1, 1), {"stride": 2}),
+    ((3, 4, 7, 8), (6, 4, 2, 3), {"padding": (1, 0), "stride": (2, 1), "dilation": (1, 2)}),
+    ((3, 3, 6, 6), (4, 3, 3, 3), {"padding": 2, "dilation": 2, "padding_mode": "reflect"}),
+    ((3, 3, 5, 6), (2, 3, 3, 3), {"padding": "valid"}),
+])
+def test_per_sample_columns_match_the_loops(block, x_shape, w_shape, args, monkeypatch):
+    """Layers of one group and at most 8 channels take per-sample columns for all three passes,
+    in float64 and float32, and equal the plain loops: blocks of one sample, of two of three
+    (a short last one) and all three; a stride, dilation, even kernels, a padding mode."""
+    g = conv_module.conv_geometry(x_shape, w_shape, **args)
+    if g.mode != "zeros":  # the passes pad first, then choose for the padded geometry
+        g = g._replace(H=g.H + g.pt + g.pb, W=g.W + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0, mode="zeros")
+    for dtype in ("float64", "float32"):
+        assert set(paths.taken(g, np.dtype(dtype)).values()) == {"columns-per-sample"}
+    monkeypatch.setattr(columns, "_BLOCK_VALUES", block * g.C * g.Kh * g.Kw * g.Ho * g.Wo)
+    assert len(columns._blocks(g)) == -(-x_shape[0] // block)
+    case = {"x": x_shape, "w": w_shape, "args": args}
+    x, w, b, dy = _problem(case, seed=block)
+    fast = (conv2d_forward(x, w, b, **args), conv2d_backward_data(dy, w, x.shape, **args),
+            conv2d_backward_filter(x, dy, w.shape, **args))
+    loops = (conv2d_forward_loop(x, w, b, **args), conv2d_backward_data_loop(dy, w, x.shape, **args),
+             conv2d_backward_filter_loop(x, dy, w.shape, **args))
+    for actual, expected in zip(fast, loops):
+        assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE
+
+
 @pytest.mark.parametrize("stacked", [True, False], ids=["kernel-rows-stacked", "a-GEMM-a-kernel-row"])
 @pytest.mark.parametrize("samples", [1, 2, 64], ids=["sample-blocks", "short-last-block", "one-block"])
 @pytest.mark.parametrize("args,x_shape,w_shape", [
@@ -425,6 +464,7 @@ def test_plane_columns_match_the_loops(stacked, samples, args, x_shape, w_shape,
     shape, dilation and block size (1, 2 of 3 samples, all) gives the loops' three passes, in
     either form of the forward, and the path is taken."""
     _set(monkeypatch, plane_stacking=stacked)
+    monkeypatch.setattr(columns, "FEW_CHANNELS", 0)  # the layers of one group here would take per-sample columns
     case = {"x": x_shape, "w": w_shape, "args": {"stride": 1, "padding_mode": "zeros", "dilation": 1, **args}}
     g = conv_module.conv_geometry(x_shape, w_shape, **case["args"])
     width = g.W if g.mode == "zeros" else g.W + g.pl + g.pr  # other modes pad x first

@@ -10,7 +10,7 @@ from cfp.kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_for
 from cfp.kernels import conv as conv_module
 from cfp.kernels import settings
 from cfp.kernels import workspace
-from cfp.kernels.conv import im2col, paths
+from cfp.kernels.conv import columns, im2col, paths
 from cfp.kernels.conv import winograd as winograd_kernels
 from cfp.kernels.conv_reference import (conv2d_backward_data_loop, conv2d_backward_filter_loop,
                                         conv2d_forward_loop)
@@ -35,11 +35,13 @@ PATHS = {
     "depthwise, multiplier 2": ((2, 4, 7, 9), (8, 1, 3, 3), {"padding": 1, "groups": 4}, False),
     "depthwise, strided strips": ((2, 4, 9, 40), (4, 1, 3, 3), {"stride": 2, "padding": 1, "groups": 4}, False),
     "depthwise, dilated": ((2, 4, 9, 9), (4, 1, 3, 3), {"padding": 2, "dilation": 2, "groups": 4}, False),
-    "pointwise": ((2, 5, 6, 6), (3, 5, 1, 1), {}, False),
-    "pointwise, one filter": ((2, 5, 6, 6), (1, 5, 1, 1), {}, False),
-    "pointwise, widening": ((2, 3, 6, 6), (7, 3, 1, 1), {}, False),
+    "pointwise": ((2, 10, 6, 6), (3, 10, 1, 1), {}, False),
+    "pointwise, one filter": ((2, 10, 6, 6), (1, 10, 1, 1), {}, False),
+    "pointwise, widening": ((2, 9, 6, 6), (17, 9, 1, 1), {}, False),
     "plane columns": ((2, 4, 6, 7), (4, 2, 3, 3), {"padding": 1, "groups": 2}, False),
     "filter-major columns": ((2, 3, 4, 3), (30, 3, 3, 3), {"padding": 1, "stride": (1, 2)}, False),
+    "per-sample columns": ((3, 3, 7, 6), (4, 3, 3, 3), {"padding": 1, "dilation": (1, 2)}, False),
+    "per-sample columns, 1x1": ((3, 2, 5, 6), (4, 2, 1, 1), {}, False),
     "im2col": ((2, 70, 5, 5), (3, 70, 3, 3), {"padding": 1}, False),
     "col2im, reflect": ((2, 70, 7, 7), (3, 70, 3, 3), {"stride": 2, "padding": 1, "padding_mode": "reflect"}, False),
 }
@@ -292,7 +294,8 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, row
     tiles, here) and float64, forced (winograd(True)) none. With blocks of 5 tiles, the larger images go through strips
     of tile rows."""
     monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", rows)
-    monkeypatch.setattr(winograd_kernels, "_MIN_TILES", 1)  # these small layers would take other paths
+    monkeypatch.setattr(winograd_kernels, "_MIN_TILES", 1)  # these small layers would take other paths,
+    monkeypatch.setattr(columns, "FEW_CHANNELS", 0)  # and these narrow ones per-sample columns
     made = []
 
     class Tiles(winograd_kernels._WinogradTiles):
@@ -341,9 +344,10 @@ def test_winograd_workspace_bytes_leave_out_other_paths():
     for x_shape, w_shape in (((0, 4, 8, 8), (4, 4, 3, 3)), ((2, 0, 8, 8), (4, 0, 3, 3)), ((2, 4, 8, 8), (0, 4, 3, 3))):
         assert bytes_of(x_shape, w_shape, "float32", padding=1) == {}  # an empty shard computes nothing
     # nn.Conv2d's defaults: padding 0 (6x6 outputs of 8x8, which Winograd pays on with 8 samples
-    # of 4 tiles; not with 2), float32
-    assert bytes_of((8, 4, 8, 8), (4, 4, 3, 3)) == bytes_of((8, 4, 8, 8), (4, 4, 3, 3), "float32", padding=0) != {}
-    assert bytes_of((2, 4, 8, 8), (4, 4, 3, 3)) == {}
+    # of 4 tiles of 16 channels; not with 2 samples, nor with 8 channels), float32
+    assert bytes_of((8, 16, 8, 8), (4, 16, 3, 3)) == bytes_of((8, 16, 8, 8), (4, 16, 3, 3), "float32", padding=0) != {}
+    assert bytes_of((2, 16, 8, 8), (4, 16, 3, 3)) == {}
+    assert bytes_of((8, 8, 8, 8), (4, 8, 3, 3)) == {}
     strided = conv_module.workspace_bytes((2, 4, 8, 8), (4, 4, 3, 3), "float32", stride=2, padding=1)
     assert strided == {}  # stride 2: im2col and col2im
 

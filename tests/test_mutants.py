@@ -789,26 +789,26 @@ def test_halo_of_a_height_split_with_a_strided_kernel_by_hand():
 
 def test_a_winograd_layers_workspace_is_what_its_passes_ask_for():
     """A float32 3x3 layer on cfp's kernels: the workspace its largest Winograd pass asks for
-    (cfp.kernels.workspace_bytes on the rank's shard: 2 samples of 16x16, 32 tiles, 8 channels, the 6 of
-    12 filters of channel rank 0 under stationary-y), not the bound; without its backward-data
+    (cfp.kernels.workspace_bytes on the rank's shard: 2 samples of 16x16, 32 tiles, 16 channels, the 12 of
+    24 filters of channel rank 0 under stationary-y), not the bound; without its backward-data
     as a first layer; the bound where no pass takes Winograd (groups 2, float64)."""
     from cfp.kernels import workspace_bytes
-    layer = LayerShape("L", 4, 8, 12, 16, 16, 3)
+    layer = LayerShape("L", 4, 16, 24, 16, 16, 3)
     cost = layer_cost(layer, "y", 2, 2, profile(winograd_workspace=True))
-    passes = workspace_bytes((2, 8, 16, 16), (6, 8, 3, 3), "float32", padding=1)
+    passes = workspace_bytes((2, 16, 16, 16), (12, 16, 3, 3), "float32", padding=1)
     assert sorted(passes) == ["backward-data", "backward-filter", "forward"]
     assert cost["memory"]["workspace"] == max(passes.values())
     first = layer_cost(dataclasses.replace(layer, first=True), "y", 2, 2, profile(winograd_workspace=True))
     assert first["memory"]["workspace"] == max(passes["forward"], passes["backward-filter"])
     bound = layer_cost(layer, "y", 2, 2, profile())["memory"]["workspace"]
-    assert bound == 3 * 6 * 8 * 9 * 4 + 2 * 256 * 8 * 9 * 4
+    assert bound == 3 * 12 * 16 * 9 * 4 + 2 * 256 * 16 * 9 * 4
     for other in (dataclasses.replace(layer, groups=2), layer):
         itemsize = 8 if other is layer else 4
         same = layer_cost(other, "y", 2, 2, profile(winograd_workspace=True, itemsize=itemsize))
         assert same["memory"]["workspace"] == layer_cost(other, "y", 2, 2, profile(itemsize=itemsize))["memory"]["workspace"]
     from cfp.kernels import winograd
     with winograd(True):  # float64 by Winograd too (CFP_WINOGRAD=1): its passes in 8-byte values
-        forced = workspace_bytes((2, 8, 16, 16), (6, 8, 3, 3), "float64", padding=1)
+        forced = workspace_bytes((2, 16, 16, 16), (12, 16, 3, 3), "float64", padding=1)
         cost64 = layer_cost(layer, "y", 2, 2, profile(winograd_workspace=True, itemsize=8))
     assert cost64["memory"]["workspace"] == max(forced.values()) > max(passes.values())
     # cfp's own kernels unless a profile says otherwise (the reference GPU profile models cuDNN)
@@ -908,7 +908,7 @@ def test_the_winograd_switch_runs_winograd(monkeypatch):
     spied = tuple(p._replace(forward=lambda *a, real=p.forward: calls.append(1) or real(*a))
                   if p.name == "winograd" else p for p in paths.PATHS)
     monkeypatch.setattr(paths, "PATHS", spied)
-    x, w = np.ones((32, 2, 4, 4)), np.ones((3, 2, 3, 3))  # 32 tiles: Winograd's by default
+    x, w = np.ones((32, 9, 4, 4)), np.ones((3, 9, 3, 3))  # 32 tiles, 9 channels: Winograd's by default
     with settings.winograd():
         conv2d_forward(x, w, padding=1)
         assert calls == [1]

@@ -11,7 +11,8 @@ Backward-data has fewer paths of its own: at stride 1 it is the forward convolut
 the flipped filters (the "full convolution", `full_geometry`), which takes whichever forward
 path that geometry chooses; at a stride im2col's col2im; depthwise layers with a stride or a
 multiplier take their banded backward-data; layers with few pixels and many filters (or
-channels) that are not Winograd's take filter-major columns' col2im (_columns_backward_data).
+channels) that are not Winograd's take filter-major columns' col2im (_columns_backward_data),
+and layers with few channels per-sample columns' col2im.
 """
 import typing
 
@@ -103,9 +104,19 @@ def _columns_backward_data(g, dtype):
     filters where they lie instead of flipping a copy; but a Winograd layer's backward-data
     stays Winograd's full convolution (what winograd = True asks for, and on the layers both
     take, 32 tiles and more, the faster)."""
-    if winograd.applies(g, dtype) or winograd.subgrids_apply(g, dtype):
+    if _winograd_layer(g, dtype):
         return False
     return columns.applies(g, dtype) or _stride_one(g, dtype) and columns.applies(full_geometry(g)[1], dtype)
+
+
+def _columns_per_sample_backward_data(g, dtype):
+    """Backward-data by per-sample columns where the layer takes them, but not where its forward
+    is Winograd's (forced on a layer of few channels): its full convolution is Winograd's too."""
+    return not _winograd_layer(g, dtype) and columns.per_sample_applies(g, dtype)
+
+
+def _winograd_layer(g, dtype):
+    return winograd.applies(g, dtype) or winograd.subgrids_apply(g, dtype)
 
 
 PATHS = (
@@ -116,6 +127,9 @@ PATHS = (
                workspace=winograd.workspace_bytes, flips=True, rows=winograd.tile_rows),
     KernelPath("columns", columns.applies, forward=columns.forward, backward_data=columns.backward_data,
                backward_filter=columns.backward_filter, backward_data_applies=_columns_backward_data),
+    KernelPath("columns-per-sample", columns.per_sample_applies, forward=columns.per_sample_forward,
+               backward_data=columns.per_sample_backward_data, backward_filter=columns.per_sample_backward_filter,
+               backward_data_applies=_columns_per_sample_backward_data),
     KernelPath("depthwise", depthwise.applies, forward=depthwise.forward, backward_data=depthwise.backward_data,
                backward_filter=depthwise.backward_filter, backward_data_applies=depthwise.backward_data_applies),
     KernelPath("full-convolution", _stride_one, backward_data=_full_convolution, workspace=_full_convolution_bytes),

@@ -6,6 +6,7 @@ import functools
 import numpy as np
 
 from cfp.kernels import settings, workspace
+from cfp.kernels.conv import columns
 from cfp.kernels.conv.geometry import padded_size
 from cfp.kernels.conv.im2col import spread_plane_size, spread_planes
 
@@ -54,19 +55,21 @@ def tile_rows(g):
 
 def _pays(g):
     """By default a layer takes Winograd where its outputs are at least a tile wide, its tiles
-    multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2), and
-    the call has at least _MIN_TILES tiles to transform its filters for. Measured on cfp's
-    machine, 32x256x256 float32, F(4x4) against im2col (three passes): 4x4 outputs 21 against
-    26 ms, 6x6 48 against 57 ms; but 1x1 21 against 5 ms, 2x2 (32x512x512) 83 against 43 ms,
-    3x3 22 against 18 ms, 5x5 47 against 39 ms: tiles mostly cropped away, or too few of them
-    to pay for the transforms. And by the tiles of the call (AMD EPYC guest): 4 to 16 of them
+    multiply at most 1/2.25 as often as direct convolution (4 Ho Wo >= tiles (m+2)^2), the
+    call has at least _MIN_TILES tiles to transform its filters for, and more than a few
+    channels. Measured on cfp's machine, 32x256x256 float32, F(4x4) against im2col (three
+    passes): 4x4 outputs 21 against 26 ms, 6x6 48 against 57 ms; but 1x1 21 against 5 ms, 2x2
+    (32x512x512) 83 against 43 ms, 3x3 22 against 18 ms, 5x5 47 against 39 ms: tiles mostly
+    cropped away, or too few of them to pay for the transforms. And by the tiles of the call (AMD EPYC guest): 4 to 16 of them
     1.06-1.55 times slower than im2col (1 to 4 samples of 512 channels on 7x7, 1 or 4 of 64 on
     8x8 and 14x14), 24 level (0.96-1.08), 32 and more faster (2x128x128x14x14 0.89, 8x512x512
     x7x7 0.82, 1x64x64x28x28 0.71): the filters' transform, 36 C F values written, is paid
-    once a call whatever its tiles."""
+    once a call whatever its tiles. Nor on layers of at most columns.FEW_CHANNELS channels
+    (a network's first layer), whose GEMMs C deep per-sample columns outrun (columns.py)."""
     m = settings.current().winograd_tile
     tiles = -(-g.Ho // m) * -(-g.Wo // m)
-    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= _MIN_TILES
+    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= _MIN_TILES \
+        and g.C > columns.FEW_CHANNELS
 
 
 @functools.lru_cache(maxsize=None)
