@@ -38,6 +38,7 @@ PATHS = {
     "pointwise": ((2, 10, 6, 6), (3, 10, 1, 1), {}, False),
     "pointwise, one filter": ((2, 10, 6, 6), (1, 10, 1, 1), {}, False),
     "pointwise, widening": ((2, 9, 6, 6), (17, 9, 1, 1), {}, False),
+    "pointwise, strided": ((2, 10, 7, 6), (3, 10, 1, 1), {"stride": (2, 3)}, False),
     "plane columns": ((2, 4, 6, 7), (4, 2, 3, 3), {"padding": 1, "groups": 2}, False),
     "filter-major columns": ((2, 3, 4, 3), (30, 3, 3, 3), {"padding": 1, "stride": (1, 2)}, False),
     "per-sample columns": ((3, 3, 7, 6), (4, 3, 3, 3), {"padding": 1, "dilation": (1, 2)}, False),

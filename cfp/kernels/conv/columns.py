@@ -73,7 +73,7 @@ class _SampleColumns:
 
     def __init__(self, x, g, xp):
         self.x, self.g, self.xp = x, g, xp
-        self.own = im2col.pointwise_applies(g, x.dtype)
+        self.own = im2col.is_own_patches(g)
         if not self.own:
             n = _samples_per_block(g)
             Hp, Wp = padded_size(g)
@@ -134,7 +134,7 @@ def per_sample_backward_data(dy, w, g, xp):
     n = _samples_per_block(g)
     filters = w.reshape(g.F, g.C * g.Kh * g.Kw).T
     grads = dy.reshape(g.N, g.F, g.Ho * g.Wo)
-    if im2col.pointwise_applies(g, dy.dtype):  # the columns are x: their gradients are dx
+    if im2col.is_own_patches(g):  # the columns are x: their gradients are dx
         for block in _blocks(g):
             xp.matmul(filters, grads[block], out=dx[block].reshape(-1, g.C, g.H * g.W))
         return dx
@@ -164,7 +164,7 @@ def _columns(x, g, xp):
     """x (N, C, H, W) as its (C Kh Kw, N Ho Wo) columns: row (c, i, j) holds, for each output
     pixel, the input value kernel offset (i, j) of channel c meets there (zero in the padding).
     One sample of a 1x1 stride-1 layer without padding is its own columns: x itself."""
-    if g.N == 1 and im2col.pointwise_applies(g, x.dtype):
+    if g.N == 1 and im2col.is_own_patches(g):
         return x.reshape(g.C, g.H * g.W)
     padded = workspace.zeros(xp, (g.N, g.C) + padded_size(g), x.dtype)
     padded[:, :, g.pt:g.pt + g.H, g.pl:g.pl + g.W] = x

@@ -9,7 +9,8 @@ section 3c).
 
 Backward-data has fewer paths of its own: at stride 1 it is the forward convolution of dy with
 the flipped filters (the "full convolution", `full_geometry`), which takes whichever forward
-path that geometry chooses; at a stride im2col's col2im; depthwise layers with a stride or a
+path that geometry chooses; at a stride im2col's col2im, or for a 1x1 layer pointwise's GEMM
+scattered to the pixels the stride kept; depthwise layers with a stride or a
 multiplier take their banded backward-data; layers with few pixels and many filters (or
 channels) that are not Winograd's take filter-major columns' col2im (_columns_backward_data),
 and layers with few channels per-sample columns' col2im.
@@ -134,7 +135,7 @@ PATHS = (
                backward_filter=depthwise.backward_filter, backward_data_applies=depthwise.backward_data_applies),
     KernelPath("full-convolution", _stride_one, backward_data=_full_convolution, workspace=_full_convolution_bytes),
     KernelPath("pointwise", im2col.pointwise_applies, forward=im2col.pointwise_forward,
-               backward_filter=im2col.pointwise_backward_filter),
+               backward_data=im2col.pointwise_backward_data, backward_filter=im2col.pointwise_backward_filter),
     KernelPath("plane-columns", plane.applies, forward=plane.forward, backward_filter=plane.backward_filter),
     KernelPath("im2col", _always, forward=im2col.forward, backward_data=im2col.col2im_backward_data,
                backward_filter=im2col.backward_filter),
