@@ -31,6 +31,7 @@ def unlimited_workspace():
 PATHS = {
     "winograd": ((2, 3, 8, 8), (4, 3, 3, 3), {"padding": 1}, True),
     "winograd, cropped tiles": ((2, 3, 7, 6), (4, 3, 3, 3), {"padding": 1}, True),
+    "winograd, strips, padded sides": ((1, 3, 50, 46), (4, 3, 3, 3), {"padding": (0, 1)}, True),
     "dilated by sub-grids": ((2, 3, 9, 8), (4, 3, 3, 3), {"padding": 2, "dilation": 2}, True),
     "depthwise, multiplier 2": ((2, 4, 7, 9), (8, 1, 3, 3), {"padding": 1, "groups": 4}, False),
     "depthwise, strided strips": ((2, 4, 9, 40), (4, 1, 3, 3), {"stride": 2, "padding": 1, "groups": 4}, False),

@@ -73,17 +73,29 @@ def _channel_major(a, start, n, out):
     return target.reshape(K, n * P)
 
 
-def spread_planes(xp, shape, dtype):
+def spread_planes(xp, shape, dtype, interior=None):
     """A zeroed (n, C, Hp, Wp) temporary whose (Hp, Wp) planes lie an odd number of cache lines apart.
 
     Transposing to channel-last reads one value from each of C planes in turn; planes a multiple
     of 4 KiB apart (32x32 float32, for one) all fall into the same L1 cache sets and evict each
     other, which makes the transposition 5-10 times slower.
+
+    interior: (top, left, height, width), the window of every plane that the caller writes
+    before it reads: only the frame around it is zeroed (zeroing whole planes cost 0.5 ms of a
+    25 ms Winograd call on 8x256x16x16, for values that are overwritten at once).
     """
     n, C, Hp, Wp = shape
-    storage = workspace.zeros(xp, (n, C, spread_plane_size(Hp, Wp, xp.dtype(dtype).itemsize)), dtype)
-    return storage[:, :, :Hp * Wp].reshape(shape)
-
+    plane = spread_plane_size(Hp, Wp, xp.dtype(dtype).itemsize)
+    if interior is None:
+        return workspace.zeros(xp, (n, C, plane), dtype)[:, :, :Hp * Wp].reshape(shape)
+    planes = workspace.empty(xp, (n, C, plane), dtype)[:, :, :Hp * Wp].reshape(shape)
+    top, left, height, width = interior
+    bottom, right = top + height, left + width
+    planes[:, :, :top] = 0
+    planes[:, :, bottom:] = 0
+    planes[:, :, top:bottom, :left] = 0
+    planes[:, :, top:bottom, right:] = 0
+    return planes
 
 
 def spread_plane_size(Hp, Wp, itemsize):
@@ -112,7 +124,7 @@ def pixel_patches(x, g, xp):
     step = blocks[0][1] if blocks else 0
     Hp, Wp = padded_size(g)
     G, Cg = g.G, g.C // g.G
-    padded = spread_planes(xp, (step, g.C, Hp, Wp), x.dtype)  # the border stays zero
+    padded = spread_planes(xp, (step, g.C, Hp, Wp), x.dtype, (g.pt, g.pl, g.H, g.W))  # the border stays zero
     # Channel-last within each group, (sample, group, row, column, channel of the group): a
     # kernel row's Kw*Cg values are then contiguous (without dilation), and one strided view,
     # (group, sample, output row, output column, kernel row, kernel column, channel), holds all

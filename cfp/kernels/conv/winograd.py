@@ -163,7 +163,8 @@ class _WinogradTiles:
         self.x, self.g, self.xp = x, g, xp
         self.B2, self.G2, self.A2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
         tiles = self.step * self.strip * self.tw
-        self.padded = spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype)  # side borders stay zero
+        # _copy_rows writes every row of columns pl .. pl + W - 1; the side borders stay zero
+        self.padded = spread_planes(xp, (self.step, g.C, self.Hp, self.Wp), x.dtype, (0, g.pl, self.Hp, g.W))
         self.channel_last = workspace.empty(xp, (self.step, self.Hp, self.Wp, g.C), x.dtype)
         self._d = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
         self._v = workspace.empty(xp, a * a * tiles * g.C, x.dtype)
@@ -232,7 +233,8 @@ def backward_filter(x, dy, g, xp):
     rows = tiles.step * tiles.strip * tw
     # dy's block channel-last (through planes an odd number of cache lines apart, as x's), zero
     # beyond Ho x Wo, so that the tiles' gather runs over contiguous F
-    dy_planes = spread_planes(xp, (tiles.step, g.F, m * tiles.strip, m * tw), x.dtype)
+    dy_planes = spread_planes(xp, (tiles.step, g.F, m * tiles.strip, m * tw), x.dtype,
+                              (0, 0, m * tiles.strip, g.Wo))
     dy_last = workspace.empty(xp, (tiles.step, m * tiles.strip, m * tw, g.F), x.dtype)
     dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
     dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
