@@ -362,8 +362,12 @@ def test_spread_planes_lie_an_odd_number_of_cache_lines_apart():
     assert size(18, 18, 4) == 21 * 16  # 1296 bytes: 20.25 lines, 21
     assert size(3, 3, 8) == 3 * 8  # 72 bytes: 2 lines, even, so 3
     assert size(1, 1, 4) == 16  # 4 bytes: one line
-    planes = im2col.spread_planes(np, (2, 3, 18, 18), np.float32)
-    assert planes.shape == (2, 3, 18, 18) and not planes.any() and planes.strides[1] == 21 * 64
+    planes = im2col.spread_planes(np, (2, 3, 18, 18), np.float32, (1, 2, 16, 15))
+    assert planes.shape == (2, 3, 18, 18) and planes.strides[1] == 21 * 64
+    planes[:, :, 1:17, 2:17] = np.nan  # what the caller writes; the frame around it is zero
+    frame = np.ones((18, 18), bool)
+    frame[1:17, 2:17] = False
+    assert not planes[:, :, frame].any()
 
 
 def test_a_path_added_to_the_table_alone_is_taken_by_every_pass_and_the_workspace_count(monkeypatch):
