@@ -62,13 +62,37 @@ def on_rank0(world, work):
     return world.bcast(result, root=0)
 
 
+KERNELS = ("local_forward", "local_backward_data", "local_backward_filter")
+
+
+def _count_kernel_seconds(conv):
+    """Make the local kernels of `conv` (its KERNELS methods) add the seconds they take to the
+    one-element list returned."""
+    spent = [0.0]
+    for name in KERNELS:
+        def timed_kernel(*args, kernel=getattr(conv, name), **kwargs):
+            start = time.perf_counter()
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        setattr(conv, name, timed_kernel)
+    return spent
+
+
+BREAKDOWN = ("step", "kernels", "packing", "mpi", "wait", "rest")
+
+
 def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup):
     """Time one distributed convolution, forward and backward, on the global tensors x, w, b, dy.
 
     Returns forward_s and backward_s (median of the slowest rank), and the most any rank sent
     per iteration (bytes_sent_per_rank; of them in the halo exchange, halo_bytes_per_rank),
     holds as weights (weight_bytes_per_rank) and keeps from forward to backward
-    (kept_activation_bytes_per_rank).
+    (kept_activation_bytes_per_rank); and `breakdown`, each rank's median seconds (BREAKDOWN)
+    of a step: in its local kernels, in the collectives' local copies (the ledger's
+    pack_seconds), in MPI calls (seconds), waiting for the group (wait_seconds), and the rest
+    (the layer's own code around them).
     """
     conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
                      stride=stride, padding=padding, layer="conv")
@@ -77,18 +101,27 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)
     ledger = comm.CommLedger()
     check_blocks(x_local, conv.input_layout, grid, "x")  # once; the timed calls then skip the check
+    kernel_seconds = _count_kernel_seconds(conv)
+    parts = []  # this rank's BREAKDOWN of every iteration
 
     def step():
         ledger.reset()
+        kernel_seconds[0] = 0.0
         with comm.use_ledger(ledger), comm.inputs_checked():
             t0 = time.perf_counter()
             conv.forward(x_local, w_shard, b_shard, input_shape=x.shape)
             t1 = time.perf_counter()
             conv.backward(dy_local)
             t2 = time.perf_counter()
+        records = ledger.records
+        spent = {"step": t2 - t0, "kernels": kernel_seconds[0], "packing": sum(r.pack_seconds for r in records),
+                 "mpi": sum(r.seconds for r in records), "wait": sum(r.wait_seconds for r in records)}
+        spent["rest"] = spent["step"] - sum(v for k, v in spent.items() if k != "step")
+        parts.append(spent)
         return {"forward": t1 - t0, "backward": t2 - t1}
 
     times = slowest_median(world, step, repeats, warmup)
+    mine = {k: statistics.median(p[k] for p in parts[warmup:]) for k in BREAKDOWN}
     kept = conv.kept_bytes
     sent = sum(r.bytes_sent for r in ledger.records)
     halo = sum(r.bytes_sent for r in ledger.records if r.phase == "halo")
@@ -97,7 +130,8 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
                     op=MPI.MAX)
     return {"forward_s": times["forward"], "backward_s": times["backward"],
             "bytes_sent_per_rank": int(most[0]), "weight_bytes_per_rank": int(most[1]),
-            "kept_activation_bytes_per_rank": int(most[2]), "halo_bytes_per_rank": int(most[3])}
+            "kept_activation_bytes_per_rank": int(most[2]), "halo_bytes_per_rank": int(most[3]),
+            "breakdown": world.allgather(mine)}
 
 
 def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup):

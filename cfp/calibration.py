@@ -46,11 +46,12 @@ MACHINE_KEYS = ("cpu", "cores", "blas", "numpy", "mpi", "kernels", "threads_per_
 
 def kernels_version():
     """A hash of cfp's kernel sources (cfp/kernels, every .py file), of this module (how they
-    are measured) and of the kernel settings that choose their paths: it changes when a
-    kernel, the path table or the calibration changes, and with it the rates a profile holds."""
+    are measured), of cfp/comm.py (the collectives' local copies, whose cost a profile holds)
+    and of the kernel settings that choose their paths: it changes when a kernel, the path
+    table, the collectives or the calibration changes, and with it the rates a profile holds."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.join(here, "kernels")
-    sources = [os.path.abspath(__file__)]
+    sources = [os.path.abspath(__file__), os.path.join(here, "comm.py")]
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
         sources += [os.path.join(folder, name) for name in sorted(f for f in files if f.endswith(".py"))]

@@ -65,8 +65,9 @@ class CommRecord:
     group_size: int
     bytes_sent: int
     bytes_received: int
-    seconds: float  # in the collective, after every member arrived (the transfer)
+    seconds: float  # in the MPI call, after every member arrived (the transfer)
     wait_seconds: float = 0.0  # waiting for the group's last member to arrive
+    pack_seconds: float = 0.0  # local copies around the MPI call (staging, packing, summing)
 
 
 class CommLedger:
@@ -97,13 +98,15 @@ class CommLedger:
         finally:
             self.layer, self.phase = saved
 
-    def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None, wait_seconds=0.0):
+    def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None, wait_seconds=0.0,
+               pack_seconds=0.0):
         self.records.append(
             CommRecord(self.layer, self.phase, collective, int(group_size),
-                       int(bytes_sent), int(bytes_received), float(seconds), float(wait_seconds))
+                       int(bytes_sent), int(bytes_received), float(seconds), float(wait_seconds),
+                       float(pack_seconds))
         )
         if self.results is not None:
-            self.results.append(None if result is None else np.array(result))
+            self.results.append(None if result is None else np.array(backend.to_host(result)))
 
     def keep_result(self, result):
         """The result of the last collective, when the caller assembles it (tensor.move)."""
@@ -116,30 +119,31 @@ class CommLedger:
             self.results.clear()
 
     def totals(self, by=("layer", "phase", "collective")):
-        """{key tuple: {'calls', 'bytes_sent', 'bytes_received', 'seconds', 'wait_seconds'}}
-        grouped by `by`, in the order each key first occurs."""
+        """{key tuple: {'calls', 'bytes_sent', 'bytes_received', 'seconds', 'wait_seconds',
+        'pack_seconds'}} grouped by `by`, in the order each key first occurs."""
         out = {}
         for r in self.records:
             key = tuple(getattr(r, field) for field in by)
             t = out.setdefault(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0,
-                                     "wait_seconds": 0.0})
+                                     "wait_seconds": 0.0, "pack_seconds": 0.0})
             t["calls"] += 1
             t["bytes_sent"] += r.bytes_sent
             t["bytes_received"] += r.bytes_received
             t["seconds"] += r.seconds
             t["wait_seconds"] += r.wait_seconds
+            t["pack_seconds"] += r.pack_seconds
         return out
 
     def summary(self, by=("layer", "phase", "collective"), top=None):
-        """A plain-text table of `totals(by)`: transfer seconds and waiting seconds apart. With
+        """A plain-text table of `totals(by)`: transfer, waiting and packing seconds apart. With
         `top`, the `top` rows of most transfer time, a line for the rest, and the total."""
         totals = list(self.totals(by).items())
         shown = totals if top is None else sorted(totals, key=lambda kv: -kv[1]["seconds"])[:top]
-        rows = [list(by) + ["calls", "sent", "received", "transfer s", "wait s"]]
+        rows = [list(by) + ["calls", "sent", "received", "transfer s", "wait s", "pack s"]]
         for key, t in shown:
             rows.append(list(key) + [str(t["calls"]), format_bytes(t["bytes_sent"]),
                                      format_bytes(t["bytes_received"]), f"{t['seconds']:.4f}",
-                                     f"{t['wait_seconds']:.4f}"])
+                                     f"{t['wait_seconds']:.4f}", f"{t['pack_seconds']:.4f}"])
         if top is not None:
             rest = [kv for kv in totals if kv not in shown]
             blank = [""] * (len(by) - 1)
@@ -154,7 +158,7 @@ def _total_cells(totals):
     """The calls, bytes and seconds of a summary row adding up `totals`."""
     return [str(sum(t["calls"] for t in totals)), format_bytes(sum(t["bytes_sent"] for t in totals)),
             format_bytes(sum(t["bytes_received"] for t in totals)), f"{sum(t['seconds'] for t in totals):.4f}",
-            f"{sum(t['wait_seconds'] for t in totals):.4f}"]
+            f"{sum(t['wait_seconds'] for t in totals):.4f}", f"{sum(t['pack_seconds'] for t in totals):.4f}"]
 
 
 _ledgers = [CommLedger()]
@@ -237,7 +241,7 @@ def _agree(comm, x, collective, free_axis=None):
     """ValueError on every rank of `comm` unless all ranks pass arrays of one dtype and number
     of dimensions, equal in every dimension but `free_axis` (whose blocks the caller checked).
     Returns the seconds it took: the check waits for the group, and that time is the
-    collective's waiting (_Timer)."""
+    collective's waiting (_Timer.agree)."""
     if comm.Get_size() == 1 or not checking():
         return 0.0
     start = time.perf_counter()
@@ -276,13 +280,20 @@ def _displacements(counts):
 
 
 class _Timer:
-    """The seconds of a collective on `comm`: `wait_seconds` in a barrier first (for the group's
-    last member; none on one rank or without a communicator), plus `waited` already (the
-    agreement check before it, which waits for the group too), `seconds` in the collective."""
+    """The seconds of one collective call on `comm`, counted from where the call starts:
+    `wait_seconds` in the agreement check (`agree`) and in a barrier before the transfer (for
+    the group's last member; none on one rank or without a communicator), `seconds` in the MPI
+    call (the `with` block), and `pack_seconds` the rest up to `record`: the local copies
+    around the call (host staging, packing, summing the received blocks)."""
 
-    def __init__(self, comm=None, waited=0.0):
+    def __init__(self, comm=None):
         self.comm = comm
-        self.wait_seconds = waited
+        self.started = time.perf_counter()
+        self.wait_seconds = 0.0
+        self.seconds = 0.0
+
+    def agree(self, x, collective, free_axis=None):
+        self.wait_seconds += _agree(self.comm, x, collective, free_axis)
 
     def __enter__(self):
         if self.comm is not None and self.comm.Get_size() > 1:
@@ -293,7 +304,39 @@ class _Timer:
         return self
 
     def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.start
+        self.seconds += time.perf_counter() - self.start
+
+    def record(self, collective, group_size, bytes_sent, bytes_received, result=None):
+        """The call's record in the active ledger."""
+        pack = max(time.perf_counter() - self.started - self.wait_seconds - self.seconds, 0.0)
+        get_ledger().record(collective, group_size, bytes_sent, bytes_received, self.seconds, result,
+                            self.wait_seconds, pack)
+
+
+@contextlib.contextmanager
+def _block_types(shape, axis, sizes, dtype):
+    """(MPI datatype, byte displacement) of each rank's block of the C-contiguous tensor of
+    `shape` split along `axis` in blocks of `sizes`, as the block lies in the tensor: one run
+    of sizes[r] * inner elements per index before `axis`, a whole row of the tensor apart. MPI
+    reads and writes the blocks where they lie, so no block is packed or unpacked by a copy
+    (the channel blocks of an NCHW tensor with several samples interleave in memory). The
+    datatypes are freed when the block ends."""
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    item = np.dtype(dtype).itemsize
+    base = MPI.Datatype.fromcode(np.dtype(dtype).char)
+    types = [base.Create_vector(outer, n * inner, int(shape[axis]) * inner).Commit() for n in sizes]
+    offsets = _displacements(np.array(sizes, dtype=np.int64)) * inner * item
+    try:
+        yield types, [int(o) for o in offsets]
+    finally:
+        for t in types:
+            t.Free()
+
+
+def _contiguous(dtype, p):
+    """The datatype of a contiguous block, for each of p ranks."""
+    return [MPI.Datatype.fromcode(np.dtype(dtype).char)] * p
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,9 +347,10 @@ def allgather(comm, x, axis, sizes):
     """Concatenate the blocks of all ranks along `axis`.
 
     x: this rank's block, x.shape[axis] == sizes[rank]. Returns the whole tensor, of extent
-    sum(sizes) along `axis`, on every rank (C-contiguous). Adjoint:
+    sum(sizes) along `axis`, on every rank (C-contiguous, a new array). Adjoint:
     `reduce_scatter(comm, dy, axis, sizes)`.
     """
+    t = _Timer(comm)
     sizes = _check_sizes(comm, sizes)
     rank, p = comm.Get_rank(), comm.Get_size()
     axis = axis % x.ndim
@@ -315,37 +359,37 @@ def allgather(comm, x, axis, sizes):
             f"allgather: rank {rank} holds {x.shape[axis]} entries along axis {axis}, "
             f"the block sizes say {sizes[rank]}"
         )
-    waited = _agree(comm, x, "allgather", free_axis=axis)
+    t.agree(x, "allgather", free_axis=axis)
+    if p == 1:
+        out = _alone(x, donate=False)
+        t.record("allgather", p, 0, 0, out)
+        return out
     xp = backend.get_array_module(x)
     mine = np.ascontiguousarray(backend.to_host(x))
-    # Each rank's block travels as it lies in memory; one concatenation then puts the blocks
-    # side by side along `axis` (the channel blocks of an NCHW tensor interleave in memory).
-    shapes = [mine.shape[:axis] + (n,) + mine.shape[axis + 1:] for n in sizes]
     counts = _block_counts(mine.shape, axis, sizes)
-    with _Timer(comm, waited) as t:
-        if p == 1:
-            out = mine.copy()
-        elif int(np.prod(mine.shape[:axis], dtype=np.int64)) == 1:
-            # Nothing before `axis` (or one sample): the blocks lie end to end in the result.
-            out = np.empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
-            comm.Allgatherv(mine, [out, (counts, _displacements(counts))])
-        else:
-            flat = np.empty(int(counts.sum()), dtype=mine.dtype)
-            comm.Allgatherv(mine, [flat, (counts, _displacements(counts))])
-            blocks = np.split(flat, np.cumsum(counts)[:-1])
-            out = np.concatenate([b.reshape(s) for b, s in zip(blocks, shapes)], axis=axis)
+    # Each rank's block is sent as it lies and received straight into its place in the result
+    # (_block_types), by every rank (itself too): an all-to-all whose send side is the same
+    # block for every destination.
+    out = np.empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
+    with _block_types(out.shape, axis, sizes, out.dtype) as (types, offsets):
+        with t:
+            comm.Alltoallw([mine, ([mine.size] * p, [0] * p), _contiguous(mine.dtype, p)],
+                           [out, ([int(n > 0) for n in sizes], offsets), types])
+    result = backend.from_host(out, xp)
     item = mine.dtype.itemsize
-    get_ledger().record("allgather", p, (p - 1) * counts[rank] * item,
-                        (counts.sum() - counts[rank]) * item, t.seconds, out, t.wait_seconds)
-    return backend.from_host(out, xp)
+    t.record("allgather", p, (p - 1) * counts[rank] * item, (counts.sum() - counts[rank]) * item, out)
+    return result
 
 
-def reduce_scatter(comm, x, axis, sizes):
+def reduce_scatter(comm, x, axis, sizes, donate=False):
     """Sum `x` over the ranks and keep this rank's block along `axis`.
 
     x: the whole extent, x.shape[axis] == sum(sizes), a different summand on each rank.
-    Returns the sum's block `rank`, of extent sizes[rank] (C-contiguous). Adjoint: `allgather`.
+    Returns the sum's block `rank`, of extent sizes[rank] (C-contiguous). donate=True: the
+    caller does not use x afterwards, and on a group of one rank the result is x itself
+    instead of a copy. Adjoint: `allgather`.
     """
+    t = _Timer(comm)
     sizes = _check_sizes(comm, sizes)
     rank, p = comm.Get_rank(), comm.Get_size()
     axis = axis % x.ndim
@@ -354,55 +398,90 @@ def reduce_scatter(comm, x, axis, sizes):
             f"reduce_scatter: axis {axis} has extent {x.shape[axis]}, the block sizes "
             f"{sizes} add up to {sum(sizes)}"
         )
-    waited = _agree(comm, x, "reduce_scatter")
+    t.agree(x, "reduce_scatter")
+    counts = _block_counts(x.shape, axis, sizes)
+    item = np.dtype(x.dtype).itemsize
+    if p == 1:
+        out = _alone(x, donate)
+        t.record("reduce_scatter", p, 0, 0, out)
+        return out
     xp = backend.get_array_module(x)
-    host = backend.to_host(x)
+    host = np.ascontiguousarray(backend.to_host(x))
+    # Each rank sends every other rank that rank's block of its summand, read where it lies
+    # (_block_types), and receives its own block from each of the others, side by side; their
+    # sum with its own summand is the result (the direct algorithm the ledger counts).
     shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
-    out = np.empty(shape, dtype=host.dtype)
-    counts = _block_counts(host.shape, axis, sizes)
-    with _Timer(comm, waited) as t:
-        if p == 1:
-            out[...] = host
-        else:
-            # Pack the block for each rank contiguously, in rank order (already so when nothing
-            # lies before `axis`); each rank receives its block in the tensor's own layout.
-            if int(np.prod(host.shape[:axis], dtype=np.int64)) == 1:
-                packed = np.ascontiguousarray(host)
-            else:
-                packed = np.concatenate([block.reshape(-1) for block in
-                                         np.split(host, np.cumsum(sizes)[:-1], axis=axis)])
-            comm.Reduce_scatter(packed, out, counts, op=MPI.SUM)
-    item = host.dtype.itemsize
-    get_ledger().record("reduce_scatter", p, (counts.sum() - counts[rank]) * item,
-                        (p - 1) * counts[rank] * item, t.seconds, out, t.wait_seconds)
-    return backend.from_host(out, xp)
+    others = [s for s in range(p) if s != rank]
+    received = np.empty((p - 1,) + shape, dtype=host.dtype)
+    slot = {s: k for k, s in enumerate(others)}
+    block = received[0].nbytes
+    with _block_types(host.shape, axis, sizes, host.dtype) as (types, offsets):
+        with t:
+            comm.Alltoallw([host, ([int(d != rank and sizes[d] > 0) for d in range(p)], offsets), types],
+                           [received, ([0 if s == rank else int(counts[rank]) for s in range(p)],
+                                       [slot.get(s, 0) * block for s in range(p)]), _contiguous(host.dtype, p)])
+    start = int(np.sum(sizes[:rank]))
+    own = host[(slice(None),) * axis + (slice(start, start + sizes[rank]),)]
+    # With two ranks the one received block is exactly the result's memory: sum into it.
+    out = np.add(own, received[0], out=received[0] if p == 2 else None)
+    for summand in received[1:]:
+        out += summand
+    result = backend.from_host(out, xp)
+    t.record("reduce_scatter", p, (counts.sum() - counts[rank]) * item, (p - 1) * counts[rank] * item, out)
+    return result
+
+
+def _alone(x, donate):
+    """The result of a sum over a group of one rank: x itself when donated (C-contiguous), a
+    copy otherwise."""
+    xp = backend.get_array_module(x)
+    return xp.ascontiguousarray(x) if donate else xp.array(x, order="C", copy=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # allreduce (self-adjoint)
 
 
-def allreduce(comm, x):
+def allreduce(comm, x, donate=False):
     """The sum of `x` over the ranks of `comm`, on every rank (same shape as x).
 
-    Used for the segmented gradient allreduce: `comm` is then the group of ranks holding the
-    same weight shard. Adjoint: itself.
+    x: an array, or a list of arrays of one dtype summed as one message (their flattened
+    concatenation, the segmented gradient allreduce's weight and bias), whose sums come back
+    as a list of arrays of their shapes. Used for the segmented gradient allreduce: `comm` is
+    then the group of ranks holding the same weight shard. donate=True: the caller does not use
+    x afterwards, and on a group of one rank the result is x itself instead of a copy.
+    Adjoint: itself.
     """
+    t = _Timer(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
-    waited = _agree(comm, x, "allreduce")
-    xp = backend.get_array_module(x)
-    host = np.ascontiguousarray(backend.to_host(x))
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    xp = backend.get_array_module(parts[0])
+    if len(parts) > 1:
+        kinds = {np.dtype(a.dtype) for a in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"allreduce: the parts of one message have dtypes {sorted(map(str, kinds))}; "
+                             f"expected one")
+    if p == 1:  # nothing to sum, nothing to concatenate
+        sums = [_alone(a, donate) for a in parts]
+        kept = None  # what a ledger that keeps results keeps: the one message, as summed
+        if get_ledger().results is not None:
+            kept = sums[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in sums])
+        t.record("allreduce", p, 0, 0, kept)
+        return sums if isinstance(x, (list, tuple)) else sums[0]
+    one = parts[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in parts])
+    t.agree(one, "allreduce")
+    n, item = one.size, np.dtype(one.dtype).itemsize
+    host = np.ascontiguousarray(backend.to_host(one))
     out = np.empty_like(host)
-    with _Timer(comm, waited) as t:
-        if p == 1:
-            out[...] = host
-        else:
-            comm.Allreduce(host, out, op=MPI.SUM)
-    n, item = host.size, host.dtype.itemsize
+    with t:
+        comm.Allreduce(host, out, op=MPI.SUM)
+    total = backend.from_host(out, xp)
+    bounds = np.cumsum([a.size for a in parts])[:-1]
+    sums = [piece.reshape(a.shape) for piece, a in zip(xp.split(total.reshape(-1), bounds), parts)]
     own = block_sizes(n, p)[rank]
     moved = ((n - own) + (p - 1) * own) * item
-    get_ledger().record("allreduce", p, moved, moved, t.seconds, out, t.wait_seconds)
-    return backend.from_host(out, xp)
+    t.record("allreduce", p, moved, moved, out)
+    return sums if isinstance(x, (list, tuple)) else sums[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,36 +491,40 @@ def allreduce(comm, x):
 def broadcast(comm, x, root=0):
     """The root's `x` on every rank. Every rank passes an array of the root's shape and dtype
     (its content is ignored off the root). Adjoint: `sum_reduce(comm, dy, root)`."""
+    t = _Timer(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
-    waited = _agree(comm, x, "broadcast")
+    t.agree(x, "broadcast")
     xp = backend.get_array_module(x)
     out = np.array(backend.to_host(x), order="C", copy=True)
-    with _Timer(comm, waited) as t:
-        if p > 1:
+    if p > 1:
+        with t:
             comm.Bcast(out, root=root)
+    result = backend.from_host(out, xp)
     m = out.nbytes
     sent, received = ((p - 1) * m, 0) if rank == root else (0, m)
-    get_ledger().record("broadcast", p, sent, received, t.seconds, wait_seconds=t.wait_seconds)
-    return backend.from_host(out, xp)
+    t.record("broadcast", p, sent, received)
+    return result
 
 
 def sum_reduce(comm, x, root=0):
     """The sum of `x` over the ranks, on the root; zeros of the same shape elsewhere.
     Adjoint: `broadcast(comm, dy, root)`."""
+    t = _Timer(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
-    waited = _agree(comm, x, "sum_reduce")
+    t.agree(x, "sum_reduce")
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
     out = np.zeros_like(host)
-    with _Timer(comm, waited) as t:
-        if p == 1:
-            out[...] = host
-        else:
+    if p == 1:
+        out[...] = host
+    else:
+        with t:
             comm.Reduce(host, out if rank == root else None, op=MPI.SUM, root=root)
+    result = backend.from_host(out, xp)
     m = host.nbytes
     sent, received = (0, (p - 1) * m) if rank == root else (m, 0)
-    get_ledger().record("sum_reduce", p, sent, received, t.seconds, wait_seconds=t.wait_seconds)
-    return backend.from_host(out, xp)
+    t.record("sum_reduce", p, sent, received)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,24 +537,26 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
     recv_counts[s]: the number of elements rank s sends here. The general exchange behind
     `alltoall` and `DistTensor.redistribute`.
     """
+    t = _Timer(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
     if len(send_chunks) != p or len(recv_counts) != p:
         raise ValueError(f"alltoallv needs one chunk and one count per rank of a group of {p}")
     send_counts = np.array([c.size for c in send_chunks], dtype=np.int64)
     recv_counts = np.array(recv_counts, dtype=np.int64)
-    waited = _agree_counts(comm, send_counts, recv_counts, dtype) if p > 1 and checking() else 0.0
+    if p > 1 and checking():
+        t.wait_seconds += _agree_counts(comm, send_counts, recv_counts, dtype)
     sendbuf = (np.concatenate(send_chunks).astype(dtype, copy=False) if p > 1
                else np.ascontiguousarray(send_chunks[0], dtype=dtype))
     recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
-    with _Timer(comm, waited) as t:
-        if p == 1:
-            recvbuf[...] = sendbuf
-        else:
+    if p == 1:
+        recvbuf[...] = sendbuf
+    else:
+        with t:
             comm.Alltoallv([sendbuf, (send_counts, _displacements(send_counts))],
                            [recvbuf, (recv_counts, _displacements(recv_counts))])
     item = np.dtype(dtype).itemsize
-    get_ledger().record("alltoall", p, (send_counts.sum() - send_counts[rank]) * item,
-                        (recv_counts.sum() - recv_counts[rank]) * item, t.seconds, wait_seconds=t.wait_seconds)
+    t.record("alltoall", p, (send_counts.sum() - send_counts[rank]) * item,
+             (recv_counts.sum() - recv_counts[rank]) * item)
     return np.split(recvbuf, np.cumsum(recv_counts)[:-1])
 
 

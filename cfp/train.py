@@ -501,7 +501,8 @@ def _print_summary(summary, ledger, comm_table="top", wrote=()):
     full = comm_table == "full"
     print(f"\ncommunication of rank 0 by layer, phase and collective"
           f"{'' if full else f' ({COMM_TABLE_ROWS} rows of most transfer time; --comm-table full for all)'}; "
-          f"transfer: in the collective once every rank arrived, wait: for the last to arrive:")
+          f"transfer: in the MPI call once every rank arrived, wait: for the last to arrive, pack: local "
+          f"copies around the call:")
     print(ledger.summary(by=("layer", "phase", "collective"), top=None if full else COMM_TABLE_ROWS))
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
           f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")

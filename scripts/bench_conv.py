@@ -1,7 +1,8 @@
 """Time every algorithm and grid on one convolution layer at the current rank count.
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
-        [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--spatial] [--json out.json]
+        [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--spatial] [--breakdown] \\
+        [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
 the image split over height and width too) and each algorithm (stationary-w with every
@@ -9,7 +10,10 @@ p_f dividing P_c): forward and backward time (median over repeats of the slowest
 speedup over one rank (the serial kernels timed on rank 0 in the same run, while the other
 ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
 the bytes of the halo exchange and the weight and activation memory per rank. A table on
-stdout; --json keeps the rows.
+stdout; --json keeps the rows. --breakdown adds a second table: where each rank's step goes
+(median of each part over the repeats): its local kernels, the collectives' local copies
+(packing), the MPI calls, waiting for the group (the barrier before each collective), and the
+rest (the layer's own code around them).
 """
 import sys
 import time
@@ -20,7 +24,7 @@ from mpi4py import MPI
 
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
-from cfp.benchtools import measure_conv, on_rank0, slowest_median
+from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import check_writable, save_json
@@ -45,6 +49,8 @@ def parse_args(argv):
                    help=f"comma-separated algorithms to time, of {', '.join(ALGORITHMS)}")
     p.add_argument("--spatial", action="store_true",
                    help="also split the image: every sample x height x width x channel factorization")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     try:
@@ -90,6 +96,16 @@ def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy):
     row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
                        args.repeats, args.warmup)
     return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else ""), **row}
+
+
+def print_breakdown(rows):
+    """Each rank's median step of each distributed row, in milliseconds, part by part."""
+    print("\n| grid | algorithm | rank | step ms | kernels | packing | MPI | wait | rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for rank, parts in enumerate(r.get("breakdown", [])):
+            print(f"| {r['grid']} | {r['algorithm']} | {rank} | "
+                  + " | ".join(f"{parts[k] * 1e3:.1f}" for k in BREAKDOWN) + " |")
 
 
 def main(argv=None):
@@ -141,6 +157,8 @@ def main(argv=None):
                   f"{r['bytes_sent_per_rank'] / MiB:.2f} | {r['halo_bytes_per_rank'] / MiB:.2f} | "
                   f"{r['weight_bytes_per_rank'] / MiB:.2f} | "
                   f"{r['kept_activation_bytes_per_rank'] / MiB:.2f} |")
+        if args.breakdown:
+            print_breakdown(rows)
         if args.json:
             save_json(args.json, {"arguments": vars(args), "ranks": P, "threads": threads, "rows": rows})
             print(f"wrote {args.json}")

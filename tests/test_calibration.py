@@ -58,9 +58,11 @@ def test_the_kernel_version_follows_the_sources_and_the_settings(tmp_path, monke
     copy = tmp_path / "cfp"
     shutil.copytree(calibration.os.path.dirname(calibration.__file__) + "/kernels", copy / "kernels")
     shutil.copy(calibration.__file__, copy / "calibration.py")
+    shutil.copy(calibration.os.path.dirname(calibration.__file__) + "/comm.py", copy / "comm.py")
     monkeypatch.setattr(calibration, "__file__", str(copy / "calibration.py"))
     assert calibration.kernels_version() == before  # the same sources
-    for source in (copy / "kernels" / "conv" / "paths.py", copy / "calibration.py"):  # a kernel, the measuring
+    # a kernel, the measuring, the collectives' packing
+    for source in (copy / "kernels" / "conv" / "paths.py", copy / "calibration.py", copy / "comm.py"):
         text = source.read_text()
         source.write_text(text + "\n#")
         assert calibration.kernels_version() != before, source

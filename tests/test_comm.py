@@ -132,6 +132,38 @@ def test_alltoall(grid_and_groups, split, concat):
                        f"alltoall over {name}")
 
 
+def test_donated_summands_are_the_result_on_one_rank(grid_and_groups):
+    """donate=True lets a sum over a group of one rank return its summand itself, no copy;
+    without it, and on several ranks either way, the result is a new array, the summand is
+    left as it was, and the values are the same. A list of parts is summed as one message."""
+    rng = np.random.default_rng(3000 + WORLD.Get_rank())
+    for name, comm in grid_and_groups:
+        p = comm.Get_size()
+        sizes = block_sizes(5, p)
+        x, b = rng.standard_normal((2, 5, 3)), rng.standard_normal(4)
+        kept = x.copy()
+        expected = comm.allreduce(x, op=MPI.SUM)
+        for donate in (False, True):
+            alias = donate and p == 1
+            rs = C.reduce_scatter(comm, x, 1, sizes, donate=donate)
+            ar = C.allreduce(comm, x, donate=donate)
+            dw, db = C.allreduce(comm, [x, b], donate=donate)
+            for what, got in (("reduce_scatter", rs), ("allreduce", ar), ("allreduce of parts", dw)):
+                assert_all_ranks(np.shares_memory(got, x) == alias,
+                                 f"{what} over {name}, donate={donate}: shares x's memory: {np.shares_memory(got, x)}")
+            assert_all_ranks(np.array_equal(x, kept), f"donate={donate} over {name} changed the summand")
+            assert_close_all_ranks(ar, expected, 1e-13, f"allreduce over {name}, donate={donate}")
+            assert_close_all_ranks(dw, expected, 1e-13, f"allreduce of parts over {name}")
+            assert_close_all_ranks(db, comm.allreduce(b, op=MPI.SUM), 1e-13, f"allreduce of parts over {name}")
+            start, stop = block_range(5, p, comm.Get_rank())
+            assert_close_all_ranks(rs, expected[:, start:stop], 1e-13, f"reduce_scatter over {name}, donate={donate}")
+
+
+def test_allreduce_refuses_parts_of_two_dtypes():
+    with pytest.raises(ValueError, match=r"allreduce: the parts of one message have dtypes \['float32', 'float64'\]"):
+        C.allreduce(WORLD, [np.ones(2), np.ones(2, dtype=np.float32)])
+
+
 def test_ledger_bytes_and_tags(grid_and_groups):
     ledger = C.CommLedger()
     for name, comm in grid_and_groups:
@@ -184,8 +216,11 @@ def test_the_ledger_keeps_waiting_apart_from_transfer():
                      f"rank {WORLD.Get_rank()} waited {record.wait_seconds:.3f} s")
     assert_all_ranks(record.seconds < 0.2, f"the transfer took {record.seconds:.3f} s")
     assert_all_ranks(WORLD.Get_size() > 1 or record.wait_seconds == 0.0, "a rank alone waited")
+    assert_all_ranks(record.pack_seconds >= 0.0 and (WORLD.Get_size() > 1 or record.seconds == 0.0),
+                     f"a rank alone spent {record.seconds} s in MPI, {record.pack_seconds} s packing")
     text = ledger.summary(top=1)
-    assert "transfer s" in text and "wait s" in text and text.splitlines()[-1].startswith("total")
+    assert "transfer s" in text and "wait s" in text and "pack s" in text
+    assert text.splitlines()[-1].startswith("total")
 
 
 def test_unknown_phase():

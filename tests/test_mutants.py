@@ -241,19 +241,19 @@ def test_ledger_keeps_the_last_result_and_totals_by_hand():
     a, b, c = np.array([1.0]), np.array([2.0]), np.array([3.0])
     ledger.record("allgather", 2, 10, 20, 0.5, a)
     ledger.record("allgather", 2, 30, 40, 0.25, b)
-    ledger.record("alltoall", 4, 7, 0, 1.0, None, wait_seconds=0.125)
+    ledger.record("alltoall", 4, 7, 0, 1.0, None, wait_seconds=0.125, pack_seconds=0.0625)
     ledger.keep_result(c)  # replaces the last record's result only
     assert [None if r is None else float(r[0]) for r in ledger.results] == [1.0, 2.0, 3.0]
     totals = ledger.totals(by=("collective",))
     assert totals == {("allgather",): {"calls": 2, "bytes_sent": 40, "bytes_received": 60, "seconds": 0.75,
-                                       "wait_seconds": 0.0},
+                                       "wait_seconds": 0.0, "pack_seconds": 0.0},
                       ("alltoall",): {"calls": 1, "bytes_sent": 7, "bytes_received": 0, "seconds": 1.0,
-                                      "wait_seconds": 0.125}}
+                                      "wait_seconds": 0.125, "pack_seconds": 0.0625}}
     # the top row by transfer time, one row for the rest, the total
     lines = ledger.summary(by=("collective",), top=1).splitlines()
-    assert lines[1].split() == ["alltoall", "1", "7", "B", "0", "B", "1.0000", "0.1250"]
-    assert lines[2].split() == ["(1", "more", "row)", "2", "40", "B", "60", "B", "0.7500", "0.0000"]
-    assert lines[3].split() == ["total", "3", "47", "B", "60", "B", "1.7500", "0.1250"]
+    assert lines[1].split() == ["alltoall", "1", "7", "B", "0", "B", "1.0000", "0.1250", "0.0625"]
+    assert lines[2].split() == ["(1", "more", "row)", "2", "40", "B", "60", "B", "0.7500", "0.0000", "0.0000"]
+    assert lines[3].split() == ["total", "3", "47", "B", "60", "B", "1.7500", "0.1250", "0.0625"]
     assert len(ledger.summary(by=("collective",)).splitlines()) == 3  # every row, no total
 
 
@@ -1054,29 +1054,60 @@ def test_timer_measures_the_time_inside():
     assert 0.005 < t.seconds < 5
 
 
+class _Alltoallw(_Ranks):
+    """A stand-in whose Alltoallw carries out each message with the real datatypes and byte
+    displacements cfp passes, on this process: the message from rank s is what `sends(s, spec)`
+    returns, a contiguous array, received through the receive spec's datatype for s."""
+
+    def Alltoallw(self, send, recv):
+        from mpi4py import MPI
+        buf, (counts, displs), types = recv
+        whole = buf.reshape(-1).view(np.uint8)
+        for s in range(self.size):
+            if counts[s]:
+                message = np.ascontiguousarray(self.sends(s, send))
+                MPI.COMM_SELF.Sendrecv([message, MPI.Datatype.fromcode(message.dtype.char)], 0,
+                                       recvbuf=[whole[displs[s]:], counts[s], types[s]], source=0)
+
+    @staticmethod
+    def read(spec, destination):
+        """What `spec` (a send spec) sends `destination`: its datatype read at its displacement."""
+        from mpi4py import MPI
+        buf, (counts, displs), types = spec
+        out = np.empty(types[destination].Get_size() // buf.itemsize * counts[destination], buf.dtype)
+        whole = buf.reshape(-1).view(np.uint8)
+        MPI.COMM_SELF.Sendrecv([whole[displs[destination]:], counts[destination], types[destination]], 0,
+                               recvbuf=[out, MPI.Datatype.fromcode(out.dtype.char)], source=0)
+        return out
+
+
 def test_allgather_of_three_ranks_interleaves_the_blocks():
     """A (2, 1) block on each of 3 ranks along axis 1 (a sample axis before it): the result is
-    (2, 3), column r from rank r, though the ranks' blocks arrive end to end."""
+    (2, 3), column r from rank r, each block received into its interleaved place."""
     from cfp import comm as C
 
-    class Three(_Ranks):
-        def Allgatherv(self, mine, spec):
-            flat, (counts, displs) = spec
-            for r in range(3):
-                flat[displs[r]:displs[r] + counts[r]] = mine.ravel() + 10 * r
+    class Three(_Alltoallw):
+        def sends(self, s, spec):  # rank s holds this rank's block plus 10 s
+            return self.read(spec, s) + 10 * s
     out = C.allgather(Three(3), np.array([[1.0], [2.0]]), axis=1, sizes=[1, 1, 1])
     np.testing.assert_array_equal(out, [[1, 11, 21], [2, 12, 22]])
 
+    class Uneven(_Alltoallw):  # blocks of 1, 0 and 2 columns; this is rank 2
+        def sends(self, s, spec):
+            return {0: np.array([[5.0], [6.0]]), 2: self.read(spec, s)}[s]
+    uneven = C.allgather(Uneven(3, rank=2), np.array([[1.0, 2.0], [3.0, 4.0]]), axis=1, sizes=[1, 0, 2])
+    np.testing.assert_array_equal(uneven, [[5, 1, 2], [6, 3, 4]])
 
-def test_reduce_scatter_of_three_ranks_packs_each_ranks_block():
-    """Rank 1 of 3 keeps column 1 of a (2, 3) sum: its Reduce_scatter receives the packed
-    blocks' second part, which must be column 1 (2 values), not columns 1-2."""
+
+def test_reduce_scatter_of_three_ranks_sends_each_rank_its_block():
+    """Rank 1 of 3 keeps column 1 of a (2, 3) sum: every other rank sends it its column 1 (as
+    this rank's datatype for rank 1 reads it: 2 values, not columns 1-2), which it adds to its own."""
     from cfp import comm as C
 
-    class Three(_Ranks):
-        def Reduce_scatter(self, packed, out, counts, op=None):
-            start = int(counts[0])
-            out[...] = packed[start:start + int(counts[1])].reshape(out.shape) * 3
+    class Three(_Alltoallw):
+        def sends(self, s, spec):  # every rank has the same summand: what this one would send rank 1
+            buf, (counts, displs), types = spec
+            return self.read((buf, ([1] * 3, displs), types), self.rank)
     x = np.arange(6.0).reshape(2, 3)
     out = C.reduce_scatter(Three(3, rank=1), x, axis=1, sizes=[1, 1, 1])
     np.testing.assert_array_equal(out, 3 * x[:, 1:2])

@@ -171,9 +171,9 @@ def test_train_script_end_to_end(tmp_path):
     # the communication table: the 10 rows of most transfer time, the rest in one row, the total
     table = proc.stdout.split("communication of rank 0 by layer, phase and collective (10 rows of most transfer "
                               "time; --comm-table full for all)")[1].split("memory per rank")[0].strip().splitlines()
-    assert table[1].split()[-2:] == ["transfer", "s"] or table[1].endswith("transfer s  wait s"), table[1]
+    assert table[1].endswith("transfer s  wait s  pack s"), table[1]
     assert len(table) == 1 + 1 + 10 + 2 and table[-2].startswith("(") and table[-1].startswith("total"), table
-    rows = [float(r.split()[-2]) for r in table[2:12]]
+    rows = [float(r.split()[-3]) for r in table[2:12]]
     assert rows == sorted(rows, reverse=True)  # by transfer time
     with open(log) as f:
         record = json.load(f)
@@ -183,6 +183,27 @@ def test_train_script_end_to_end(tmp_path):
     total_calls = sum(c["calls"] for c in communication)
     assert table[-1].split()[1] == str(total_calls)
     assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_conv_breaks_each_ranks_step_down(tmp_path):
+    """bench_conv --breakdown on 2 ranks: a row per rank of every distributed row, whose parts
+    (kernels, packing, MPI, waiting, the rest) add up to its step, and the JSON keeps them."""
+    out = tmp_path / "bench.json"
+    proc, _ = run(2, ["--shape", "2,4,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "x,sample",
+                      "--breakdown", "--json", str(out)], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout.split("| grid | algorithm | rank | step ms | kernels | packing | MPI | wait | rest |")[1]
+    rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[1:] if line.startswith("|")]
+    assert len(rows) == 4 * 2, rows  # channel=2 and sample=2, each with x and sample, on 2 ranks
+    with open(out) as f:
+        record = json.load(f)
+    distributed = [r for r in record["rows"] if "breakdown" in r]
+    assert [len(r["breakdown"]) for r in distributed] == [2] * len(distributed)
+    for r in distributed:
+        for parts in r["breakdown"]:
+            assert parts["kernels"] > 0 and parts["packing"] >= 0 and parts["mpi"] >= 0 and parts["wait"] >= 0
+            total = parts["kernels"] + parts["packing"] + parts["mpi"] + parts["wait"] + parts["rest"]
+            assert total == pytest.approx(parts["step"], rel=1e-9, abs=1e-12), parts
 
 
 def test_the_progress_bar_shows_the_epoch(tmp_path):

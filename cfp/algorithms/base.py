@@ -357,13 +357,9 @@ class ConvAlgorithm:
     def sync_gradients(self, dw, db):
         """Segmented allreduce: sum dw (and db) over the P/P_c ranks holding the same shard,
         as one message. With P_c = 1 it is the data-parallel allreduce."""
-        xp = backend.get_array_module(dw)
-        parts = [dw.reshape(-1)] + ([db.reshape(-1)] if db is not None else [])
         with comm.tag(layer=self.layer, phase="gradient-sync"):
-            total = comm.allreduce(self.gradient_comm, xp.concatenate(parts))
-        dw = total[:dw.size].reshape(dw.shape)
-        db = total[dw.size:].reshape(db.shape) if db is not None else None
-        return dw, db
+            sums = comm.allreduce(self.gradient_comm, [dw] + ([db] if db is not None else []), donate=True)
+        return sums[0], (sums[1] if db is not None else None)
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.layer}: C={self.C}, F={self.F}, "

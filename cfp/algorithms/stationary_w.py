@@ -51,7 +51,7 @@ class StationaryW(ConvAlgorithm):
             else:
                 x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes)
             partial_y = self.local_forward(x_row, w)
-            y = comm.reduce_scatter(self.column_comm, partial_y, 1, self.column_filter_sizes)
+            y = comm.reduce_scatter(self.column_comm, partial_y, 1, self.column_filter_sizes, donate=True)
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
         self._saved = (x_row, w)
@@ -67,6 +67,6 @@ class StationaryW(ConvAlgorithm):
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
                 partial_dx = self.local_backward_data(dy_column, w, x_row.shape)
-                dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes)
+                dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes, donate=True)
         dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db

@@ -33,7 +33,8 @@ class StationaryX(ConvAlgorithm):
             x = x[:, self.w_channels]
         with comm.tag(layer=self.layer, phase="forward"):
             partial_y = self.local_forward(x, w)
-            y = comm.reduce_scatter(self.channel_comm, partial_y, 1, channel_block_sizes(self.F, self.grid))
+            y = comm.reduce_scatter(self.channel_comm, partial_y, 1, channel_block_sizes(self.F, self.grid),
+                                    donate=True)
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
         self._saved = (x, w)

@@ -47,6 +47,7 @@ class StationaryY(ConvAlgorithm):
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
                 partial_dx = self.local_backward_data(dy, w, x_all_channels.shape)
-                dx = comm.reduce_scatter(self.channel_comm, partial_dx, 1, channel_block_sizes(self.C, self.grid))
+                dx = comm.reduce_scatter(self.channel_comm, partial_dx, 1, channel_block_sizes(self.C, self.grid),
+                                         donate=True)
         dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db

@@ -115,7 +115,7 @@ class GlobalAvgPool2d(Module):
         sums = x.sum(axis=(2, 3))
         with comm.tag(layer="global-pool", phase="forward"):
             for axis in spatial:
-                sums = comm.allreduce(self._grid.axis_comm(axis), sums)
+                sums = comm.allreduce(self._grid.axis_comm(axis), sums, donate=True)
         H, W = self.input_shape[2:]
         self._positions = H * W
         return sums / (H * W)
@@ -202,7 +202,7 @@ class BatchNorm2d(Module):
         parts = [per_channel(t) for t in terms]
         if count is not None:
             parts.append(xp.asarray([count], dtype=first.dtype))
-        total = comm.allreduce(self.stats_comm, xp.concatenate(parts))
+        total = comm.allreduce(self.stats_comm, xp.concatenate(parts), donate=True)
         sums = xp.split(total[:len(terms) * c], len(terms))
         return sums if count is None else (sums, int(total[-1]))
 
