@@ -103,8 +103,8 @@ def collective_call(name, group, m_bytes):
     """A zero-argument function running collective `name` with a whole result of ~m bytes.
 
     Allgather, reduce-scatter and all-to-all move activation-like tensors (8 samples, blocks
-    along the channel axis, so they pay the packing an NCHW block needs); allreduce moves a
-    flat gradient.
+    along the channel axis, as a layer's NCHW blocks lie); allreduce moves a flat gradient. The
+    sums are donated, as the layers donate theirs (a group of one rank then copies nothing).
     """
     p, r = group.Get_size(), group.Get_rank()
     samples = 8
@@ -115,9 +115,9 @@ def collective_call(name, group, m_bytes):
     if name == "allgather":
         return lambda: comm.allgather(group, mine, 1, sizes)
     if name == "reduce_scatter":
-        return lambda: comm.reduce_scatter(group, full, 1, sizes)
+        return lambda: comm.reduce_scatter(group, full, 1, sizes, donate=True)
     if name == "allreduce":
-        return lambda: comm.allreduce(group, full.reshape(-1))
+        return lambda: comm.allreduce(group, full.reshape(-1), donate=True)
     split = block_sizes(samples, p)  # trade the sample split for the channel split
     x = np.ones((samples, sizes[r]), dtype=np.float32)
     return lambda: comm.alltoall(group, x, 0, 1, split, sizes)
