@@ -356,6 +356,16 @@ def gather_plan(global_shape, source, source_grid, wanted):
     return tuple(pieces)
 
 
+def tiles(pieces, wanted):
+    """Whether `pieces` (index sets per dimension, each inside `wanted`) cover the indices
+    `wanted` exactly once: no two share an index and their sizes add up to wanted's. Then an
+    exchange can put each piece in place instead of adding it onto zeros (tensor.move)."""
+    if sum(piece_size(piece) for piece in pieces) != piece_size(wanted):
+        return False
+    return all(any(_intersect(a, b) is None for a, b in zip(first, second))
+               for k, first in enumerate(pieces) for second in pieces[k + 1:])
+
+
 def positions(indices, within):
     """Where the global `indices` sit inside a block holding `within` (both sorted): a slice
     when they are contiguous there, else an index array."""

@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend, comm as collectives
-from .layout import Layout, Shard, exchange_plan, global_extent, piece_size, positions, selector
+from .layout import Layout, Shard, exchange_plan, global_extent, piece_size, positions, selector, tiles
 
 __all__ = ["DistTensor", "Layout", "Shard", "assemble", "check_blocks", "move"]
 
@@ -135,13 +135,22 @@ def move(local, held, pieces, wanted, comm):
     """The exchange behind redistribute and the halo: rank s sends, for each piece (s, d, index
     sets), that part of its `local` array (which holds the global indices `held`) to rank d;
     every rank returns an array over the indices `wanted`, zero where nothing arrived, the sum
-    where several pieces arrive at one place. One all-to-all over `comm`, in the ledger."""
+    where several pieces arrive at one place. One all-to-all over `comm`, in the ledger. The
+    pieces a rank keeps (s = d: the interior of a halo exchange, what a redistribution leaves
+    in place) go into the result straight from `local`, never packed or sent; where the pieces
+    arriving at a rank cover its `wanted` exactly once (layout.tiles: a halo exchange, a
+    redistribution from a layout without summands) each is put in place, with no zeros to add
+    onto, and where a kept piece is all of `wanted` the others are added onto its copy."""
     p, me = comm.Get_size(), comm.Get_rank()
     xp = backend.get_array_module(local)
     host = backend.to_host(local)
     send = [[] for _ in range(p)]
     arriving = [[] for _ in range(p)]
+    kept = []
     for s, d, piece in pieces:
+        if s == d == me:
+            kept.append(piece)
+            continue
         if s == me:
             block = host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
             send[d].append(np.ascontiguousarray(block).reshape(-1))
@@ -150,13 +159,32 @@ def move(local, held, pieces, wanted, comm):
     send = [np.concatenate(chunks) if chunks else np.empty(0, dtype=host.dtype) for chunks in send]
     counts = [sum(piece_size(piece) for piece in arriving[s]) for s in range(p)]
     chunks = collectives.alltoallv(comm, send, counts, host.dtype)
-    out = np.zeros(tuple(len(ix) for ix in wanted), dtype=host.dtype)
+    exact = tiles(kept + [piece for s in range(p) for piece in arriving[s]], wanted)
+    shape = tuple(len(ix) for ix in wanted)
+
+    def mine(piece):
+        return host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
+    # A kept piece that is all of `wanted` (the adjoint of a halo exchange: the rank's own rows,
+    # onto which the neighbours' halo rows are added) starts the result as its copy.
+    whole = next((k for k, piece in enumerate(kept) if piece_size(piece) == piece_size(wanted)), None)
+    if whole is not None and not exact:
+        out = np.array(mine(kept.pop(whole)), order="C")
+    else:
+        out = (np.empty if exact else np.zeros)(shape, dtype=host.dtype)
+
+    def land(piece, values):
+        where = selector([positions(ix, w) for ix, w in zip(piece, wanted)])
+        if exact:
+            out[where] = values
+        else:
+            out[where] += values
+    for piece in kept:
+        land(piece, mine(piece))
     for s, chunk in enumerate(chunks):
         offset = 0
         for piece in arriving[s]:
             size = piece_size(piece)
-            where = selector([positions(ix, w) for ix, w in zip(piece, wanted)])
-            out[where] += chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece))
+            land(piece, chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece)))
             offset += size
     collectives.get_ledger().keep_result(out)
     return backend.from_host(out, xp)

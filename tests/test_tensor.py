@@ -56,6 +56,22 @@ def test_layout_basics():
     assert Layout(("sample", None)).on({"sample": 1}) == Layout.replicated(2)
 
 
+def test_tiles_means_every_index_exactly_once():
+    """layout.tiles, which lets an exchange put pieces in place instead of adding them onto
+    zeros: true only where the pieces cover the wanted indices and no two share one."""
+    from cfp.layout import tiles
+    wanted = (range(0, 4), (1, 3, 5))
+    halves = [(range(0, 2), (1, 3, 5)), (range(2, 4), (1, 3, 5))]
+    assert tiles(halves, wanted)
+    assert tiles([(range(0, 4), (1,)), (range(0, 4), (3, 5))], wanted)  # a tuple split
+    assert not tiles(halves[:1], wanted)  # a gap
+    assert not tiles(halves + [(range(1, 2), (3,))], wanted)  # an overlap
+    # an overlap and a gap of the same size: the sizes add up, the pieces do not tile
+    assert not tiles([(range(0, 3), (1, 3, 5)), (range(2, 3), (1, 3, 5))], wanted)
+    assert not tiles([(range(0, 2), (1, 3, 5))] * 2, (range(0, 4), (1, 3, 5)))  # summands of one piece
+    assert tiles([], (range(0), range(0, 3)))  # nothing wanted
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
