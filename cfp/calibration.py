@@ -116,8 +116,9 @@ def collective_call(name, group, m_bytes):
         return lambda: comm.allgather(group, mine, 1, sizes)
     if name == "reduce_scatter":
         return lambda: comm.reduce_scatter(group, full, 1, sizes, donate=True)
-    if name == "allreduce":
-        return lambda: comm.allreduce(group, full.reshape(-1), donate=True)
+    if name == "allreduce":  # a weight gradient and its bias, as one message (sync_gradients)
+        flat = full.reshape(-1)
+        return lambda: comm.allreduce(group, [flat[:-samples], flat[-samples:]], donate=True)
     split = block_sizes(samples, p)  # trade the sample split for the channel split
     x = np.ones((samples, sizes[r]), dtype=np.float32)
     return lambda: comm.alltoall(group, x, 0, 1, split, sizes)

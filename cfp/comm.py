@@ -449,8 +449,9 @@ def allreduce(comm, x, donate=False):
     concatenation, the segmented gradient allreduce's weight and bias), whose sums come back
     as a list of arrays of their shapes. Used for the segmented gradient allreduce: `comm` is
     then the group of ranks holding the same weight shard. donate=True: the caller does not use
-    x afterwards, and on a group of one rank the result is x itself instead of a copy.
-    Adjoint: itself.
+    x afterwards: on a group of one rank the result is x itself instead of a copy, and on
+    several the sum is taken in x's memory (MPI_IN_PLACE), as it always is in a concatenation
+    of parts, which is cfp's own. Adjoint: itself.
     """
     t = _Timer(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -472,9 +473,12 @@ def allreduce(comm, x, donate=False):
     t.agree(one, "allreduce")
     n, item = one.size, np.dtype(one.dtype).itemsize
     host = np.ascontiguousarray(backend.to_host(one))
-    out = np.empty_like(host)
+    # In place where the buffer is not the caller's (a concatenation, a staged or contiguous
+    # copy) or the caller gave it up: no fresh result to fault in and no second buffer to read.
+    ours = donate or len(parts) > 1 or xp is not np or not np.may_share_memory(host, parts[0])
+    out = host if ours else np.empty_like(host)
     with t:
-        comm.Allreduce(host, out, op=MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE if ours else host, out, op=MPI.SUM)
     total = backend.from_host(out, xp)
     bounds = np.cumsum([a.size for a in parts])[:-1]
     sums = [piece.reshape(a.shape) for piece, a in zip(xp.split(total.reshape(-1), bounds), parts)]

@@ -133,9 +133,10 @@ def test_alltoall(grid_and_groups, split, concat):
 
 
 def test_donated_summands_are_the_result_on_one_rank(grid_and_groups):
-    """donate=True lets a sum over a group of one rank return its summand itself, no copy;
-    without it, and on several ranks either way, the result is a new array, the summand is
-    left as it was, and the values are the same. A list of parts is summed as one message."""
+    """donate=True lets a sum over a group of one rank return its summand itself, no copy, and
+    an allreduce over several take the sum in the summand's memory; without it the result is a
+    new array and the summand is left as it was; the values are the same. A list of parts is
+    summed as one message, whose parts are left as they were."""
     rng = np.random.default_rng(3000 + WORLD.Get_rank())
     for name, comm in grid_and_groups:
         p = comm.Get_size()
@@ -146,12 +147,16 @@ def test_donated_summands_are_the_result_on_one_rank(grid_and_groups):
         for donate in (False, True):
             alias = donate and p == 1
             rs = C.reduce_scatter(comm, x, 1, sizes, donate=donate)
-            ar = C.allreduce(comm, x, donate=donate)
             dw, db = C.allreduce(comm, [x, b], donate=donate)
-            for what, got in (("reduce_scatter", rs), ("allreduce", ar), ("allreduce of parts", dw)):
+            for what, got in (("reduce_scatter", rs), ("allreduce of parts", dw)):
                 assert_all_ranks(np.shares_memory(got, x) == alias,
                                  f"{what} over {name}, donate={donate}: shares x's memory: {np.shares_memory(got, x)}")
             assert_all_ranks(np.array_equal(x, kept), f"donate={donate} over {name} changed the summand")
+            given = x.copy()
+            ar = C.allreduce(comm, given, donate=donate)
+            assert_all_ranks(np.shares_memory(ar, given) == donate, f"allreduce over {name}, donate={donate}: "
+                             f"shares the summand's memory: {np.shares_memory(ar, given)}")
+            assert_all_ranks(donate or np.array_equal(given, kept), f"allreduce over {name} changed the summand")
             assert_close_all_ranks(ar, expected, 1e-13, f"allreduce over {name}, donate={donate}")
             assert_close_all_ranks(dw, expected, 1e-13, f"allreduce of parts over {name}")
             assert_close_all_ranks(db, comm.allreduce(b, op=MPI.SUM), 1e-13, f"allreduce of parts over {name}")
