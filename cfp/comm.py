@@ -343,11 +343,13 @@ def _contiguous(dtype, p):
 # allgather <-> reduce_scatter
 
 
-def allgather(comm, x, axis, sizes):
+def allgather(comm, x, axis, sizes, may_alias=False):
     """Concatenate the blocks of all ranks along `axis`.
 
     x: this rank's block, x.shape[axis] == sizes[rank]. Returns the whole tensor, of extent
-    sum(sizes) along `axis`, on every rank (C-contiguous, a new array). Adjoint:
+    sum(sizes) along `axis`, on every rank (C-contiguous, a new array). may_alias=True: neither
+    x nor the result is written while the other is in use (a layer's input and what it keeps
+    of it), and on a group of one rank the result is x itself instead of a copy. Adjoint:
     `reduce_scatter(comm, dy, axis, sizes)`.
     """
     t = _Timer(comm)
@@ -361,7 +363,7 @@ def allgather(comm, x, axis, sizes):
         )
     t.agree(x, "allgather", free_axis=axis)
     if p == 1:
-        out = _alone(x, donate=False)
+        out = _alone(x, donate=may_alias)
         t.record("allgather", p, 0, 0, out)
         return out
     xp = backend.get_array_module(x)

@@ -152,6 +152,10 @@ def test_donated_summands_are_the_result_on_one_rank(grid_and_groups):
                 assert_all_ranks(np.shares_memory(got, x) == alias,
                                  f"{what} over {name}, donate={donate}: shares x's memory: {np.shares_memory(got, x)}")
             assert_all_ranks(np.array_equal(x, kept), f"donate={donate} over {name} changed the summand")
+            mine = x[:, :sizes[comm.Get_rank()]].copy()
+            gathered = C.allgather(comm, mine, 1, sizes, may_alias=donate)
+            assert_all_ranks(np.shares_memory(gathered, mine) == alias,
+                             f"allgather over {name}, may_alias={donate}: shares x's memory")
             given = x.copy()
             ar = C.allreduce(comm, given, donate=donate)
             assert_all_ranks(np.shares_memory(ar, given) == donate, f"allreduce over {name}, donate={donate}: "

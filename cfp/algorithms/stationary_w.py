@@ -49,7 +49,7 @@ class StationaryW(ConvAlgorithm):
             if self.input_whole:  # the first layer: take the row's channels, no message
                 x_row = x[:, self.w_channels]
             else:
-                x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes)
+                x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes, may_alias=True)
             partial_y = self.local_forward(x_row, w)
             y = comm.reduce_scatter(self.column_comm, partial_y, 1, self.column_filter_sizes, donate=True)
         if self.bias:
@@ -61,7 +61,7 @@ class StationaryW(ConvAlgorithm):
         x_row, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
-            dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes)
+            dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes, may_alias=True)
             dw = self.local_backward_filter(x_row, dy_column, w.shape)
         dx = None
         if self.need_dx:

@@ -44,7 +44,8 @@ class StationaryX(ConvAlgorithm):
         x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
-            dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid))
+            dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid),
+                                            may_alias=True)
             dw = self.local_backward_filter(x, dy_all_filters, w.shape)
         dx = None
         if self.need_dx:

@@ -33,7 +33,8 @@ class StationaryY(ConvAlgorithm):
             if self.input_whole:  # the first layer: every rank already has all channels
                 x_all_channels = x
             else:
-                x_all_channels = comm.allgather(self.channel_comm, x, 1, channel_block_sizes(self.C, self.grid))
+                x_all_channels = comm.allgather(self.channel_comm, x, 1, channel_block_sizes(self.C, self.grid),
+                                                 may_alias=True)
             y = self.local_forward(x_all_channels, w, b if self.bias else None)
         self._saved = (x_all_channels, w)
         return y
