@@ -8,6 +8,8 @@ of these are layouts (cfp/layout.py): `input_layout`, `output_layout`, `weight_l
 `bias_layout`, and every index set below is read from them.
 """
 import collections
+import functools
+import types
 
 from .. import backend, comm
 from ..checks import float_dtype, int_pair, positive_int
@@ -196,7 +198,7 @@ class ConvAlgorithm:
 
     @property
     def _layouts(self):
-        return self.layouts(self.image_split, self.p_f, self.input_whole, self.groups)
+        return _layouts_of(type(self), self.P_h, self.P_w, self.p_f, self.input_whole, self.groups)
 
     @property
     def input_layout(self):
@@ -364,6 +366,13 @@ class ConvAlgorithm:
     def __repr__(self):
         return (f"{type(self).__name__}({self.layer}: C={self.C}, F={self.F}, "
                 f"kernel={self.kernel_size}, grid {self.grid.describe()})")
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts_of(cls, P_h, P_w, p_f, input_whole, groups):
+    """cls.layouts of a layer with these settings, made once: a layer reads its layouts at
+    every pass, and the layouts (immutable) depend on nothing else."""
+    return types.MappingProxyType(cls.layouts({"height": P_h, "width": P_w}, p_f, input_whole, groups))
 
 
 def channel_block_sizes(extent, grid):
