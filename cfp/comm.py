@@ -401,27 +401,25 @@ def reduce_scatter(comm, x, axis, sizes, donate=False):
             f"{sizes} add up to {sum(sizes)}"
         )
     t.agree(x, "reduce_scatter")
-    counts = _block_counts(x.shape, axis, sizes)
-    item = np.dtype(x.dtype).itemsize
     if p == 1:
         out = _alone(x, donate)
         t.record("reduce_scatter", p, 0, 0, out)
         return out
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
+    counts, item = _block_counts(host.shape, axis, sizes), host.dtype.itemsize
     # Each rank sends every other rank that rank's block of its summand, read where it lies
-    # (_block_types), and receives its own block from each of the others, side by side; their
-    # sum with its own summand is the result (the direct algorithm the ledger counts).
+    # (_block_types), and receives its own block from each of the others, side by side in rank
+    # order (source s in slot s, or s - 1 past this rank); their sum with its own summand is
+    # the result (the direct algorithm the ledger counts).
     shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
-    others = [s for s in range(p) if s != rank]
     received = np.empty((p - 1,) + shape, dtype=host.dtype)
-    slot = {s: k for k, s in enumerate(others)}
     block = received[0].nbytes
     with _block_types(host.shape, axis, sizes, host.dtype) as (types, offsets):
         with t:
             comm.Alltoallw([host, ([int(d != rank and sizes[d] > 0) for d in range(p)], offsets), types],
                            [received, ([0 if s == rank else int(counts[rank]) for s in range(p)],
-                                       [slot.get(s, 0) * block for s in range(p)]), _contiguous(host.dtype, p)])
+                                       [(s - (s > rank)) * block for s in range(p)]), _contiguous(host.dtype, p)])
     start = int(np.sum(sizes[:rank]))
     own = host[(slice(None),) * axis + (slice(start, start + sizes[rank]),)]
     # With two ranks the one received block is exactly the result's memory: sum into it.

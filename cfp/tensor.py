@@ -147,13 +147,15 @@ def move(local, held, pieces, wanted, comm):
     send = [[] for _ in range(p)]
     arriving = [[] for _ in range(p)]
     kept = []
+
+    def mine(piece):
+        return host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
     for s, d, piece in pieces:
         if s == d == me:
             kept.append(piece)
             continue
         if s == me:
-            block = host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
-            send[d].append(np.ascontiguousarray(block).reshape(-1))
+            send[d].append(np.ascontiguousarray(mine(piece)).reshape(-1))
         if d == me:
             arriving[s].append(piece)
     send = [np.concatenate(chunks) if chunks else np.empty(0, dtype=host.dtype) for chunks in send]
@@ -161,9 +163,6 @@ def move(local, held, pieces, wanted, comm):
     chunks = collectives.alltoallv(comm, send, counts, host.dtype)
     exact = tiles(kept + [piece for s in range(p) for piece in arriving[s]], wanted)
     shape = tuple(len(ix) for ix in wanted)
-
-    def mine(piece):
-        return host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
     # A kept piece that is all of `wanted` (the adjoint of a halo exchange: the rank's own rows,
     # onto which the neighbours' halo rows are added) starts the result as its copy.
     whole = next((k for k, piece in enumerate(kept) if piece_size(piece) == piece_size(wanted)), None)

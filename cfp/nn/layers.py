@@ -202,9 +202,9 @@ class BatchNorm2d(Module):
         parts = [per_channel(t) for t in terms]
         if count is not None:
             parts.append(xp.asarray([count], dtype=first.dtype))
-        total = comm.allreduce(self.stats_comm, xp.concatenate(parts), donate=True)
-        sums = xp.split(total[:len(terms) * c], len(terms))
-        return sums if count is None else (sums, int(total[-1]))
+        dtype = xp.result_type(*parts)  # one message of one dtype (a float32 block in float64 terms)
+        sums = comm.allreduce(self.stats_comm, [a.astype(dtype, copy=False) for a in parts], donate=True)
+        return sums if count is None else (sums[:-1], int(sums[-1][0]))
 
     def forward(self, x):
         shape = (1, -1, 1, 1)
