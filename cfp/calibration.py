@@ -104,7 +104,8 @@ def collective_call(name, group, m_bytes):
 
     Allgather, reduce-scatter and all-to-all move activation-like tensors (8 samples, blocks
     along the channel axis, as a layer's NCHW blocks lie); allreduce moves a flat gradient. The
-    sums are donated, as the layers donate theirs (a group of one rank then copies nothing).
+    sums are donated and the gathers may alias their block, as the layers' are and may (a group
+    of one rank then copies nothing).
     """
     p, r = group.Get_size(), group.Get_rank()
     samples = 8
@@ -113,7 +114,7 @@ def collective_call(name, group, m_bytes):
     full = np.ones((samples, channels), dtype=np.float32)
     mine = np.ones((samples, sizes[r]), dtype=np.float32)
     if name == "allgather":
-        return lambda: comm.allgather(group, mine, 1, sizes)
+        return lambda: comm.allgather(group, mine, 1, sizes, may_alias=True)
     if name == "reduce_scatter":
         return lambda: comm.reduce_scatter(group, full, 1, sizes, donate=True)
     if name == "allreduce":  # a weight gradient and its bias, as one message (sync_gradients)
