@@ -185,20 +185,23 @@ class BatchNorm2d(Module):
     def buffers(self):
         return {p.name: p for p in (self.running_mean, self.running_var)}
 
+    # The arithmetic works on (n, C_c * H * W) rows, a per-channel value expanded to one row of
+    # C_c * H * W (xp.repeat): NumPy's inner loops then run along a whole row, not along H * W
+    # elements per channel (4 on the last stages of a ResNet at 8x8 input: 0.54 against 0.2 ms
+    # for a 32x256x2x2 forward and backward).
+
     def _channel_sums(self, *terms, count=None):
-        """Per-channel sums over the ranks holding these channels of each term: an (n, C_c, H, W)
-        array, or a pair (a, b) of them for the sums of a * b (by einsum, without making the
-        product: 0.9 against 3.0 ms for 32x256x16x16); with `count`, also the sum of the
-        counts, in the same message."""
+        """Per-channel sums over the ranks holding these channels of each term: an (n, C_c * H *
+        W) row array, or a pair (a, b) of them for the sums of a * b (by einsum, without making
+        the product); with `count`, also the sum of the counts, in the same message."""
         first = terms[0][0] if isinstance(terms[0], tuple) else terms[0]
         xp = backend.get_array_module(first)
-        n, c, h, w = first.shape
+        c, p = self._channels, self._positions
 
         def per_channel(term):
             if isinstance(term, tuple):
-                a, b = (t.reshape(n, c, h * w) for t in term)
-                return xp.einsum("ncp,ncp->c", a, b)
-            return term.sum(axis=(0, 2, 3))
+                return xp.einsum("nk,nk->k", *term).reshape(c, p).sum(axis=1)
+            return term.sum(axis=0).reshape(c, p).sum(axis=1)
         parts = [per_channel(t) for t in terms]
         if count is not None:
             parts.append(xp.asarray([count], dtype=first.dtype))
@@ -206,14 +209,20 @@ class BatchNorm2d(Module):
         sums = comm.allreduce(self.stats_comm, [a.astype(dtype, copy=False) for a in parts], donate=True)
         return sums if count is None else (sums[:-1], int(sums[-1][0]))
 
+    def _row(self, per_channel):
+        """A per-channel vector (C_c,) as one (1, C_c * H * W) row."""
+        return backend.get_array_module(per_channel).repeat(per_channel, self._positions).reshape(1, -1)
+
     def forward(self, x):
-        shape = (1, -1, 1, 1)
+        n, c, h, w = x.shape
+        self._channels, self._positions, self._shape = c, h * w, x.shape
+        rows = x.reshape(n, c * h * w)
         with comm.tag(layer=self.name, phase="forward"):
             if self.training:
                 # total: the positions per channel in the global batch
-                (sums,), total = self._channel_sums(x, count=x.shape[0] * x.shape[2] * x.shape[3])
+                (sums,), total = self._channel_sums(rows, count=n * h * w)
                 mean = sums / total
-                centred = x - mean.reshape(shape)
+                centred = rows - self._row(mean)
                 (squares,) = self._channel_sums((centred, centred))
                 var = squares / total
                 m = self.momentum
@@ -222,35 +231,35 @@ class BatchNorm2d(Module):
                 self._count = total
             else:
                 mean, var = self.running_mean.data, self.running_var.data
-                centred = x - mean.reshape(shape)
+                centred = rows - self._row(mean)
         xp = backend.get_array_module(x)
         self._inv_std = 1.0 / xp.sqrt(var + self.eps)
         # in place, into this layer's own arrays (a fresh 8 MiB array costs its page faults as
         # well as its pass); neither changes a dtype: centred and the statistics share x's in
         # training and NumPy's promotion of x and the parameters' in eval, and y has the
         # bias's dtype already
-        self._x_hat = xp.multiply(centred, self._inv_std.reshape(shape), out=centred)
-        y = self._x_hat * self.weight.data.reshape(shape)
-        y += self.bias.data.reshape(shape)
-        return y
+        self._x_hat = xp.multiply(centred, self._row(self._inv_std), out=centred)
+        y = self._x_hat * self._row(self.weight.data)
+        y += self._row(self.bias.data)
+        return y.reshape(x.shape)
 
     def backward(self, dy):
-        shape = (1, -1, 1, 1)
+        rows = dy.reshape(dy.shape[0], -1)
         with comm.tag(layer=self.name, phase="backward-data"):
             # The two sums are the gradients of beta and gamma, summed over the global batch.
-            sum_dy, sum_dy_xhat = self._channel_sums(dy, (dy, self._x_hat))
+            sum_dy, sum_dy_xhat = self._channel_sums(rows, (rows, self._x_hat))
         self.bias.grad, self.weight.grad = sum_dy, sum_dy_xhat
-        scale = (self.weight.data * self._inv_std).reshape(shape)
+        scale = self._row(self.weight.data * self._inv_std)
         if not self.training:
-            return dy * scale
+            return (rows * scale).reshape(dy.shape)
         m = self._count
-        mean_dy, mean_dy_xhat = (sum_dy / m).reshape(shape), (sum_dy_xhat / m).reshape(shape)
+        mean_dy, mean_dy_xhat = self._row(sum_dy / m), self._row(sum_dy_xhat / m)
         # scale * (dy - mean_dy - x_hat * mean_dy_xhat) in one array, of the dtype NumPy would
         # promote the expression to
         xp = backend.get_array_module(dy)
-        dx = xp.empty(dy.shape, xp.result_type(dy, self._x_hat, mean_dy, mean_dy_xhat, scale))
+        dx = xp.empty(rows.shape, xp.result_type(dy, self._x_hat, mean_dy, mean_dy_xhat, scale))
         xp.multiply(self._x_hat, mean_dy_xhat, out=dx)
-        xp.subtract(dy, dx, out=dx)
+        xp.subtract(rows, dx, out=dx)
         dx -= mean_dy
         dx *= scale
-        return dx
+        return dx.reshape(dy.shape)
