@@ -45,16 +45,18 @@ MACHINE_KEYS = ("cpu", "cores", "blas", "numpy", "mpi", "kernels", "threads_per_
 # -- what a profile was measured on -----------------------------------------------------------
 
 def kernels_version():
-    """A hash of cfp's kernel sources (cfp/kernels, every .py file), of this module (how they
+    """A hash of cfp's kernel sources (cfp/kernels, every .py file), of the layers and the
+    optimizers (cfp/nn, cfp/optim.py: the times between convolutions), of this module (how they
     are measured), of cfp/comm.py (the collectives' local copies, whose cost a profile holds)
     and of the kernel settings that choose their paths: it changes when a kernel, the path
-    table, the collectives or the calibration changes, and with it the rates a profile holds."""
+    table, a layer, the collectives or the calibration changes, and with it the times a
+    profile holds."""
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.join(here, "kernels")
-    sources = [os.path.abspath(__file__), os.path.join(here, "comm.py")]
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        sources += [os.path.join(folder, name) for name in sorted(f for f in files if f.endswith(".py"))]
+    sources = [os.path.abspath(__file__), os.path.join(here, "comm.py"), os.path.join(here, "optim.py")]
+    for root in (os.path.join(here, "kernels"), os.path.join(here, "nn")):
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            sources += [os.path.join(folder, name) for name in sorted(f for f in files if f.endswith(".py"))]
     digest = hashlib.sha256()
     for path in sources:
         digest.update(os.path.relpath(path, here).encode() + b"\0")
@@ -91,6 +93,40 @@ def differences(recorded, here):
         return []
     return [f"{key} {recorded.get(key)!r} (here {here[key]!r})" for key in MACHINE_KEYS
             if recorded.get(key) != here[key]]
+
+
+# -- caches as a step leaves them --------------------------------------------------------------
+
+def _evict_bytes():
+    """Bytes to write to push a call's data out of a core's caches: four times its L2 (where
+    the system says) and at least 8 MiB."""
+    try:
+        l2 = int(os.sysconf("SC_LEVEL2_CACHE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        l2 = 0
+    return max(4 * l2, 8 << 20)
+
+
+class _Cold:
+    """Timed calls as a training step makes them: between two passes of one layer the step runs
+    the other layers, whose data pushes this layer's out of the core's caches. Before each
+    timed call a buffer larger than the caches is written (untimed), so calibration measures
+    kernels and layers on cold caches, not on what the previous repetition left there (on the
+    2-core Intel Xeon guest, the ResNet width 4 step's 1x1 and first-layer kernels run 25-70%
+    slower in the step than hot, 3x3 ones 3-10%, and a small collective's Python around the
+    MPI call up to twice as slow; their evicted times are within a few per cent of the
+    step's). The collectives are timed so too."""
+
+    def __init__(self):
+        self._buffer = None
+
+    def __call__(self, func):
+        """{'total': seconds} of one call of func() after the caches are evicted (benchtools.timed)."""
+        if self._buffer is None:
+            self._buffer = np.zeros(_evict_bytes() // 4, np.float32)
+        self._buffer += 1.0
+        return timed(func)
+
 
 
 # -- the collectives ---------------------------------------------------------------------------
@@ -157,9 +193,10 @@ def calibrate_collectives(world, quick, repeats):
     samples = {name: [] for name in COLLECTIVE_NAMES}
     # Calibration traffic stays out of any ledger; the collectives run as a training step runs
     # them (train_step checks its batch once, then trusts it: no agreement check per call).
+    cold = _Cold()
     with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
         def packing_samples():
-            return {name: [(m, slowest_median(MPI.COMM_SELF, lambda: timed(collective_call(name, MPI.COMM_SELF, m)),
+            return {name: [(m, slowest_median(MPI.COMM_SELF, lambda: cold(collective_call(name, MPI.COMM_SELF, m)),
                                              repeats, 1)["total"]) for m in messages] for name in COLLECTIVE_NAMES}
         packing = {name: fit_packing(s) for name, s in on_rank0(world, packing_samples).items()}
         for p in range(2, P + 1):
@@ -169,7 +206,7 @@ def calibrate_collectives(world, quick, repeats):
                 for name in COLLECTIVE_NAMES:
                     for m in messages:
                         call = collective_call(name, group, m)
-                        seconds = slowest_median(group, lambda: timed(call), repeats, 1)["total"]
+                        seconds = slowest_median(group, lambda: cold(call), repeats, 1)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
                             else (p - 1, (p - 1) / p * m)
                         samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
@@ -251,11 +288,13 @@ def _flops(g):
 
 
 def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
-    """{pass: {path: [[flops, rows, flop/s], ...]}}: each pass of each ConvGeometry timed on
-    every rank of `world` at once, the three passes in turn (as a training step runs them; the
-    slowest rank's median of `repeats`), and filed under the path the kernel table takes for it
-    and its rows (paths.rate_key), float32. `table`: add to this one."""
+    """{pass: {path: [[flops, rows, flop/s, geometry], ...]}}: each pass of each ConvGeometry
+    timed on every rank of `world` at once, the three passes in turn on cold caches (as a
+    training step runs them; the slowest rank's median of `repeats`), and filed under the path
+    the kernel table takes for it, its rows (paths.rate_key) and the geometry's name
+    (paths.geometry_key), float32. `table`: add to this one."""
     rng = np.random.default_rng(0)
+    cold = _Cold()
     table = {name: {} for name in paths.PASSES} if table is None else table
     for i, g in enumerate(geometries):
         x_shape, w_shape, args = _shapes_and_args(g)
@@ -267,11 +306,11 @@ def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
                  "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
                  "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
         def step():  # the three passes in turn, as a layer's training step runs them
-            return {name: timed(call)["total"] for name, call in calls.items()}
+            return {name: cold(call)["total"] for name, call in calls.items()}
         seconds = slowest_median(world, step, repeats, 1)
         for name in calls:
             path, rows = paths.rate_key(name, g, np.dtype(np.float32))
-            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds[name]])
+            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds[name], paths.geometry_key(g)])
         if progress:
             progress(i + 1, len(geometries))
     return table
@@ -279,11 +318,11 @@ def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
 
 def measured(profile_data, g):
     """Whether every pass of geometry g has a point of its own in the profile's kernel rates
-    (the same path, flops and rows)."""
-    flops = _flops(g)
+    (the same path, measured on g: paths.geometry_key)."""
+    key = paths.geometry_key(g)
     for name in paths.PASSES:
-        path, rows = paths.rate_key(name, g, np.dtype(np.float32))
-        if not any(p[0] == flops and p[1] == float(rows) for p in profile_data["kernels"][name].get(path, [])):
+        path, _ = paths.rate_key(name, g, np.dtype(np.float32))
+        if not any(len(p) > 3 and p[3] == key for p in profile_data["kernels"][name].get(path, [])):
             return False
     return True
 
@@ -300,8 +339,9 @@ def top_up(world, profile_data, geometries, repeats=3):
 
 # -- the layers between convolutions -----------------------------------------------------------
 
-# (n, c, side) of the element-wise layers' inputs: 1 to 2^19 elements.
-LAYER_SIZES = ((1, 1, 2), (8, 16, 8), (8, 64, 16), (32, 64, 16))
+# (n, c, side) of the element-wise layers' inputs: 1 to 2^19 elements, large images with few
+# channels and small ones with many (a network's last stages).
+LAYER_SIZES = ((1, 1, 2), (8, 16, 8), (32, 256, 2), (32, 128, 4), (8, 64, 16), (32, 64, 16))
 PARAMETER_SIZES = (1, 4096, 1 << 16, 1 << 20)
 
 
@@ -325,9 +365,10 @@ def calibrate_layers(world, repeats):
     momentum, per parameter tensor and element)."""
     grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
     rng = np.random.default_rng(0)
+    cold = _Cold()
 
     def median(call):
-        return slowest_median(world, lambda: timed(call), repeats, 1)["total"]
+        return slowest_median(world, lambda: cold(call), repeats, 1)["total"]
 
     def through(module, x):
         return lambda: module.backward(module.forward(x))

@@ -19,7 +19,7 @@ from .io import load_json
 from .halo import halo_plan
 from .layout import piece_size
 from .kernels import conv2d_output_shape, conv_geometry, workspace_bytes
-from .kernels.conv.paths import PASSES, rate_key  # the kernel path table: its passes and its choice
+from .kernels.conv.paths import PASSES, geometry_key, rate_key  # the kernel path table: its passes and its choice
 from .partition import block_sizes, gather_group, scatter_group
 
 PHASES = tuple(p for p in LEDGER_PHASES if p != "other")  # the phases predictions cover
@@ -298,9 +298,10 @@ class MachineProfile:
         fixed, per_element = self.layers[kind]
         return count * fixed + elements * per_element
 
-    def kernel_time(self, pass_name, path, flops, rows=None):
+    def kernel_time(self, pass_name, path, flops, rows=None, geometry=None):
         """Seconds of one kernel pass of `flops` by kernel path `path` over `rows` GEMM rows
-        (paths.rate_key), at the rate of the measured shapes of that path nearest in log flops
+        (paths.rate_key): the rate measured on `geometry` itself (paths.geometry_key) where
+        the profile has it, else that of the measured shapes of that path nearest in log flops
         and log rows (inverse-distance weighted over the 3 nearest).
 
         The rows are the shape class: at equal flops a pass over few rows and many channels
@@ -314,14 +315,17 @@ class MachineProfile:
         if points is None:
             raise ValueError(f"machine profile {self.name!r} has no rates of kernel path {path!r} ({pass_name}): "
                              f"it was measured before that path; calibrate again (scripts/calibrate.py)")
+        exact = [rate for _, _, rate, key in points if geometry is not None and key == geometry]
+        if exact:
+            return flops / exact[-1]
         nearest = []
-        for f, px, rate in points:
+        for f, px, rate, _ in points:
             d = (math.log(flops) - math.log(f)) ** 2
             if px is not None and rows:
                 d += (math.log(rows) - math.log(px)) ** 2
             nearest.append((math.sqrt(d), rate))
         nearest.sort()
-        outside = not min(f for f, _, _ in points) <= flops <= max(f for f, _, _ in points)
+        outside = not min(p[0] for p in points) <= flops <= max(p[0] for p in points)
         if nearest[0][0] < 1e-9 or outside:  # beyond the measured range: the nearest rate holds
             return flops / nearest[0][1]
         weights = [(1.0 / d ** 2, math.log(rate)) for d, rate in nearest[:3]]
@@ -334,10 +338,13 @@ class _Refused(Exception):
 
 
 def _kernel_point(point):
-    """(flops, rows or None, flop/s) from a profile's [flops, rows, rate] or [flops, rate]."""
+    """(flops, rows or None, flop/s, geometry or None) from a profile's [flops, rows, rate,
+    geometry], [flops, rows, rate] or [flops, rate]."""
+    if len(point) == 4:
+        return float(point[0]), float(point[1]), float(point[2]), str(point[3])
     if len(point) == 3:
-        return float(point[0]), float(point[1]), float(point[2])
-    return float(point[0]), None, float(point[1])
+        return float(point[0]), float(point[1]), float(point[2]), None
+    return float(point[0]), None, float(point[1]), None
 
 
 def _shard_sizes(layer, cls, layouts, shape):
@@ -388,8 +395,10 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     flops = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all)
     local = local_geometry(layer, n, rows, cols, seen, Ho, Wo, P_h, P_w)
     keys = {pass_name: rate_key(pass_name, local, "float32") for pass_name in PASSES}
+    named = geometry_key(local)
     compute = {pass_name: 0.0 if layer.first and pass_name == "backward-data" else
-               profile.kernel_time(pass_name, path, flops, path_rows) for pass_name, (path, path_rows) in keys.items()}
+               profile.kernel_time(pass_name, path, flops, path_rows, named)
+               for pass_name, (path, path_rows) in keys.items()}
     comm = {phase: 0.0 for phase in PHASES}
     groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n * P_h * P_w, grad_intra)}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result

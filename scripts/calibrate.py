@@ -49,7 +49,7 @@ def main(argv=None):
                   f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)   packing "
                   f"{profile['packing'][name] * 1e9:.3f} ns/byte")
         for name, per_path in profile["kernels"].items():
-            rates = ", ".join(f"{path} {min(p[-1] for p in pts) / 1e9:.0f}-{max(p[-1] for p in pts) / 1e9:.0f}"
+            rates = ", ".join(f"{path} {min(p[2] for p in pts) / 1e9:.0f}-{max(p[2] for p in pts) / 1e9:.0f}"
                               for path, pts in sorted(per_path.items()))
             print(f"  {name:15s} GF/s {rates}")
         print("  layers          " + ", ".join(f"{kind} {fixed * 1e6:.0f} us + {per * 1e9:.2f} ns/element"

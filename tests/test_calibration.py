@@ -58,11 +58,14 @@ def test_the_kernel_version_follows_the_sources_and_the_settings(tmp_path, monke
     copy = tmp_path / "cfp"
     shutil.copytree(calibration.os.path.dirname(calibration.__file__) + "/kernels", copy / "kernels")
     shutil.copy(calibration.__file__, copy / "calibration.py")
-    shutil.copy(calibration.os.path.dirname(calibration.__file__) + "/comm.py", copy / "comm.py")
+    shutil.copytree(calibration.os.path.dirname(calibration.__file__) + "/nn", copy / "nn")
+    for name in ("comm.py", "optim.py"):
+        shutil.copy(calibration.os.path.dirname(calibration.__file__) + "/" + name, copy / name)
     monkeypatch.setattr(calibration, "__file__", str(copy / "calibration.py"))
     assert calibration.kernels_version() == before  # the same sources
-    # a kernel, the measuring, the collectives' packing
-    for source in (copy / "kernels" / "conv" / "paths.py", copy / "calibration.py", copy / "comm.py"):
+    # a kernel, the measuring, the collectives' packing, a layer, an optimizer
+    for source in (copy / "kernels" / "conv" / "paths.py", copy / "calibration.py", copy / "comm.py",
+                   copy / "nn" / "layers.py", copy / "optim.py"):
         text = source.read_text()
         source.write_text(text + "\n#")
         assert calibration.kernels_version() != before, source
@@ -241,3 +244,23 @@ def test_measure_steps_goes_round_the_plans(monkeypatch):
     assert list(seconds) == ["first", "second", "third"] and all(s > 0 for s in seconds.values())
     models = order[:3]
     assert len(set(models)) == 3 and order == models * 3  # 1 warm-up and 2 timed rounds, in turn
+
+
+def test_top_up_measures_each_geometry_once_even_where_two_share_flops_and_rows():
+    """Two 1x1 layers of one path, flops and rows (4 -> 2 and 8 -> 1 channels over 2x16x16
+    pixels) are two shapes to measure, each measured once: the profile then has a point of
+    each, named by its geometry, and prices each at its own."""
+    narrow, thin = (conv_geometry((2, c, 16, 16), (f, c, 1, 1), 1, 0, 1, 1) for c, f in ((4, 2), (8, 1)))
+    assert paths.rate_key("forward", narrow, np.dtype(np.float32)) == paths.rate_key("forward", thin, np.dtype(np.float32))
+    data = fake_profile(calibration.machine_record(1, 1))
+    data["kernels"] = {p: {"*": [[1e6, 64, 1e9]]} for p in paths.PASSES}
+    assert not calibration.measured(data, narrow) and not calibration.measured(data, thin)
+    assert calibration.top_up(MPI.COMM_SELF, data, [narrow, thin, narrow], repeats=1) == 2
+    assert calibration.measured(data, narrow) and calibration.measured(data, thin)
+    assert calibration.top_up(MPI.COMM_SELF, data, [thin, narrow], repeats=1) == 0
+    profile = MachineProfile(data)
+    for g in (narrow, thin):
+        path, rows = paths.rate_key("forward", g, np.dtype(np.float32))
+        point = next(p for p in data["kernels"]["forward"][path] if p[3] == paths.geometry_key(g))
+        assert profile.kernel_time("forward", path, point[0], rows, paths.geometry_key(g)) == \
+            pytest.approx(point[0] / point[2], rel=1e-12)

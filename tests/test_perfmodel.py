@@ -64,6 +64,24 @@ def test_kernel_rates_are_read_at_the_measured_points():
     assert 1e6 / 1e9 * 30 > between > 3e7 / 1e11
 
 
+def test_a_point_measured_on_the_very_geometry_is_its_rate():
+    """Two 1x1 layers of one path, flops and rows (128 -> 64 and 256 -> 32 channels over 8192
+    pixels) run at different rates: each is priced at the point measured on it, and a shape
+    without one between its neighbours."""
+    from cfp.kernels.conv import conv_geometry
+    from cfp.kernels.conv.paths import geometry_key, rate_key
+    narrow, thin = (conv_geometry((32, c, 16, 16), (f, c, 1, 1), 1, 0, 1, 1) for c, f in ((128, 64), (256, 32)))
+    assert rate_key("forward", narrow, "float32") == rate_key("forward", thin, "float32")
+    assert geometry_key(narrow) != geometry_key(thin)
+    data = profile_data()
+    data["kernels"]["forward"]["pointwise"] = [[1e8, 8192, 2e10, geometry_key(narrow)],
+                                               [1e8, 8192, 1e10, geometry_key(thin)], [1e9, 8192, 4e10]]
+    p = MachineProfile(data)
+    assert p.kernel_time("forward", "pointwise", 1e8, 8192, geometry_key(narrow)) == pytest.approx(1e8 / 2e10)
+    assert p.kernel_time("forward", "pointwise", 1e8, 8192, geometry_key(thin)) == pytest.approx(1e8 / 1e10)
+    assert 1e10 < 2e8 / p.kernel_time("forward", "pointwise", 2e8, 8192) < 4e10  # between the three
+
+
 @pytest.mark.parametrize("algorithm,P_n,P_c,p_f", [("x", 1, 4, None), ("y", 2, 2, None), ("w", 1, 4, 2),
                                                   ("w", 2, 4, 4), ("sample", 4, 1, None)])
 def test_model_moves_the_bytes_the_ledger_counts(algorithm, P_n, P_c, p_f):

@@ -177,6 +177,15 @@ def rate_key(pass_name, g, dtype):
     return name, rows
 
 
+def geometry_key(g):
+    """The text that names geometry g in a machine profile's measured points ('8x512x16x16
+    512x512x3x3 s1,1 p1,1,1,1 d1,1 g1 zeros'): a point measured on the very shape a layer has
+    is its rate, whatever its neighbours in flops and rows say (two shapes of one path can
+    share both and differ in rate, e.g. a 1x1 layer's 128 -> 64 and 256 -> 32 channels)."""
+    return (f"{g.N}x{g.C}x{g.H}x{g.W} {g.F}x{g.C // max(g.G, 1)}x{g.Kh}x{g.Kw} s{g.sh},{g.sw} "
+            f"p{g.pt},{g.pb},{g.pl},{g.pr} d{g.dh},{g.dw} g{g.G} {g.mode}")
+
+
 def pass_bytes(pass_name, g, dtype):
     """The workspace bytes `pass_name` asks for on geometry g (zero padding) in dtype, by the
     path it takes; None where that path does not count them."""
