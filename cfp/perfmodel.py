@@ -317,7 +317,7 @@ class MachineProfile:
                              f"it was measured before that path; calibrate again (scripts/calibrate.py)")
         exact = [rate for _, _, rate, key in points if geometry is not None and key == geometry]
         if exact:
-            return flops / exact[-1]
+            return flops / exact[0]
         nearest = []
         for f, px, rate, _ in points:
             d = (math.log(flops) - math.log(f)) ** 2
