@@ -30,11 +30,12 @@ from .io import load_json, save_json
 from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_flops, conv2d_forward, conv_geometry
 from .kernels import settings as kernel_settings
 from .kernels.conv import paths
-from .nn import BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, SoftmaxCrossEntropy
+from .nn import BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy
 from .nn.module import Parameter
 from .optim import SGD
 from .partition import block_sizes
 from .perfmodel import MachineProfile
+from .tensor import DistTensor, Layout
 
 FORMAT = 2  # the profile format this cfp writes and reads (perfmodel.MachineProfile)
 
@@ -359,10 +360,11 @@ def calibrate_layers(world, repeats):
     """{kind: [seconds, seconds per element]} of one forward and backward of each layer kind
     the cost model adds to the convolutions (perfmodel.LAYER_KINDS), on every rank of `world`
     at once, each on a grid of its own (the slowest rank's median):
-    batchnorm, relu, maxpool (2x2, per input element), add (a residual sum), loss (the global
-    pool, the classifier's flatten and the softmax cross-entropy, per logit), conv (a
-    convolution module's own time beyond its kernels: its fixed cost), and optimizer (SGD with
-    momentum, per parameter tensor and element)."""
+    batchnorm, relu, maxpool (2x2, per input element), add (a residual block's sum of its two
+    branches and of their gradients), loss (the global pool, the classifier's flatten and the
+    softmax cross-entropy, per logit), conv (a convolution module's own time beyond its
+    kernels: its fixed cost), and optimizer (SGD with momentum, per parameter tensor and
+    element); each module inside the containers a model runs it in (`through`)."""
     grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
     rng = np.random.default_rng(0)
     cold = _Cold()
@@ -371,7 +373,13 @@ def calibrate_layers(world, repeats):
         return slowest_median(world, lambda: cold(call), repeats, 1)["total"]
 
     def through(module, x):
-        return lambda: module.backward(module.forward(x))
+        """A forward and backward of `module` on x as a model runs it: inside a Sequential, on a
+        DistTensor (the containers' bookkeeping around each module is part of its cost: 15 us
+        a module here, hot, against 2 us for a bare ReLU's passes)."""
+        model = Sequential(module)
+        spec = module.input_spec or (grid, Layout(("sample", "channel", None, None)))
+        t = DistTensor(x, x.shape, spec[1], grid)
+        return lambda: model.backward(model.forward(t))
 
     points = {kind: [] for kind in ("batchnorm", "relu", "maxpool", "add", "loss")}
     with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
@@ -382,7 +390,7 @@ def calibrate_layers(world, repeats):
             points["batchnorm"].append((elements, median(through(bn, x))))
             points["relu"].append((elements, median(through(ReLU(), x))))
             points["maxpool"].append((elements, median(through(MaxPool2d(2), x))))
-            points["add"].append((elements, median(lambda: x + x)))
+            points["add"].append((elements, median(through(Residual(Sequential()), x))))
             pool, loss = GlobalAvgPool2d(), SoftmaxCrossEntropy(grid)
             labels = rng.integers(0, c, n)
 
