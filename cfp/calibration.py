@@ -354,9 +354,9 @@ def top_up(world, profile_data, geometries, repeats=3):
 
 # -- the layers between convolutions -----------------------------------------------------------
 
-# (n, c, side) of the element-wise layers' inputs: 1 to 2^19 elements, large images with few
+# (n, c, side) of the element-wise layers' inputs: 1 to 2^20 elements, large images with few
 # channels and small ones with many (a network's last stages).
-LAYER_SIZES = ((1, 1, 2), (8, 16, 8), (32, 256, 2), (32, 128, 4), (8, 64, 16), (32, 64, 16))
+LAYER_SIZES = ((1, 1, 2), (8, 16, 8), (32, 256, 2), (32, 128, 4), (8, 64, 16), (32, 64, 16), (64, 64, 16))
 PARAMETER_SIZES = (1, 4096, 1 << 16, 1 << 20)
 
 
