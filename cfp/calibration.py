@@ -150,13 +150,16 @@ MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 COLLECTIVE_NAMES = ("allgather", "reduce_scatter", "allreduce", "alltoall")
 
 
-def collective_call(name, group, m_bytes):
+def collective_call(name, group, m_bytes, grid=None):
     """A zero-argument function running collective `name` with a whole result of ~m bytes.
 
     Allgather, reduce-scatter and all-to-all move activation-like tensors (8 samples, blocks
     along the channel axis, as a layer's NCHW blocks lie); allreduce moves a flat gradient. The
     sums are donated and the gathers may alias their block, as the layers' are and may (a group
-    of one rank then copies nothing).
+    of one rank then copies nothing). The all-to-all is what a model's all-to-alls are: a
+    DistTensor redistributed from a split by samples to a split by channels (tensor.move, the
+    redistribution between layers and the halo exchange, with the packing of its pieces) on
+    `grid`, a ProcessGrid over `group`.
     """
     p, r = group.Get_size(), group.Get_rank()
     samples = 8
@@ -171,9 +174,9 @@ def collective_call(name, group, m_bytes):
     if name == "allreduce":  # a weight gradient and its bias, as one message (sync_gradients)
         flat = full.reshape(-1)
         return lambda: comm.allreduce(group, [flat[:-samples], flat[-samples:]], donate=True)
-    split = block_sizes(samples, p)  # trade the sample split for the channel split
-    x = np.ones((samples, sizes[r]), dtype=np.float32)
-    return lambda: comm.alltoall(group, x, 0, 1, split, sizes)
+    by_sample, by_channel = Layout(("sample", None)), Layout((None, "sample"))
+    x = DistTensor.from_global(full, by_sample, grid)
+    return lambda: x.redistribute(by_channel)
 
 
 def fit_alpha_beta(samples):
@@ -211,20 +214,25 @@ def calibrate_collectives(world, quick, repeats):
     cold = _Cold()
     with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
         def packing_samples():
-            return {name: [(m, slowest_median(MPI.COMM_SELF, lambda: cold(collective_call(name, MPI.COMM_SELF, m)),
-                                             repeats, 1)["total"]) for m in messages] for name in COLLECTIVE_NAMES}
+            alone = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+            out = {name: [(m, slowest_median(MPI.COMM_SELF, lambda: cold(collective_call(name, MPI.COMM_SELF, m, alone)),
+                                            repeats, 1)["total"]) for m in messages] for name in COLLECTIVE_NAMES}
+            alone.free()
+            return out
         packing = {name: fit_packing(s) for name, s in on_rank0(world, packing_samples).items()}
         for p in range(2, P + 1):
             member = world.Get_rank() < p
             group = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
             if member:
+                grid = ProcessGrid(f"sample={p}", comm=group)
                 for name in COLLECTIVE_NAMES:
                     for m in messages:
-                        call = collective_call(name, group, m)
+                        call = collective_call(name, group, m, grid)
                         seconds = slowest_median(group, lambda: cold(call), repeats, 1)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
                             else (p - 1, (p - 1) / p * m)
                         samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
+                grid.free()
                 group.Free()
             quiet_barrier(world)
     if P < 2:

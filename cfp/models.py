@@ -189,16 +189,33 @@ def _wide_layers(b, width, depth, in_channels, classes, image):
     return layers + b.head(width, classes)
 
 
+class _Recorded(Module):
+    """What the shape recorder returns for a convolution: which shape it recorded."""
+
+    def __init__(self, index):
+        self.index = index
+
+
 class _ShapeRecorder:
-    """A builder that only records the convolutions' shapes: no grid, no weights."""
+    """A builder that only records the convolutions' shapes: no grid, no weights. It also
+    records what feeds each one where that is not the layer before it (LayerShape.reads,
+    merges): the stream is the layer whose output flows on, a residual block's body's last."""
 
     def __init__(self, batch):
         self.batch, self.shapes = batch, []
+        self.stream = None  # index of the layer whose output the next layer reads
+
+    def _record(self, shape):
+        """Append `shape`, reading the stream, and make it the stream."""
+        index = len(self.shapes)
+        reads = None if self.stream in (None, index - 1) else self.shapes[self.stream].name
+        self.shapes.append(dataclasses.replace(shape, reads=reads))
+        self.stream = index
+        return _Recorded(index)
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False, groups=1, dilation=1):
-        self.shapes.append(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first,
-                                      groups=groups, dilation=dilation))
-        return Module()
+        return self._record(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first,
+                                       groups=groups, dilation=dilation))
 
     def bn(self, name, channels):
         self.shapes[-1] = dataclasses.replace(self.shapes[-1], normed=True)
@@ -218,11 +235,23 @@ class _ShapeRecorder:
 
     def residual(self, body, shortcut, name):
         self._after("add")  # on the branch recorded last: the sum has its output's size
+        convs = [m.index for m in body.modules if isinstance(m, _Recorded)]
+        first, last = convs[0], convs[-1]
+        # what the block's input is: what its body's first convolution reads
+        source = self.shapes[first].reads or (self.shapes[first - 1].name if first else None)
+        if shortcut is None:  # the identity: the block's input is added to the body's output
+            if source is not None:
+                self.shapes[last] = dataclasses.replace(self.shapes[last], merges=source)
+        else:  # a projection reads the block's input; its output is added to the body's
+            skips = [m.index for m in shortcut.modules if isinstance(m, _Recorded)]
+            self.shapes[skips[0]] = dataclasses.replace(self.shapes[skips[0]], reads=source)
+            self.shapes[skips[-1]] = dataclasses.replace(self.shapes[skips[-1]], merges=self.shapes[last].name)
+        self.stream = last
         return Module()
 
     def head(self, channels, classes):
         self._after("loss")  # the global pool of the last convolution's output, then the loss
-        self.shapes.append(LayerShape("fc", self.batch, channels, classes, 1, 1, 1))
+        self._record(LayerShape("fc", self.batch, channels, classes, 1, 1, 1))
         return []
 
 

@@ -188,6 +188,12 @@ class LayerShape:
     after: tuple = ()
     dilation: int = 1
     groups: int = 1
+    # Where a layer is not fed by the one before it in the list: the name of the layer whose
+    # output is its input (a residual block's projection reads the block's input), and the
+    # name of the layer whose output its own is added to (a residual sum of two branches that
+    # may lie on different grids: the shortcut is redistributed to the body's layout).
+    reads: str = None
+    merges: str = None
 
     @property
     def pad(self):

@@ -3,7 +3,11 @@ minimise the predicted iteration time, counting redistribution between layers of
 layouts, under a per-rank memory limit.
 
 A plan is a shortest path through the layers (dynamic programming over each layer's options,
-with a redistribution cost between consecutive choices). The memory limit is met by pricing
+with a redistribution cost between consecutive choices). A layer fed by another than the one
+before it, or whose output is added to another branch's (a residual block's projection and
+sum: LayerShape.reads, merges), is priced against that layer's choice: the program's state
+holds the choice of every layer a later one still refers to, so the plan is the best of all.
+The memory limit is met by pricing
 memory: the plan minimising time + lambda * memory, with the smallest lambda (found by bisection)
 whose plan fits.
 """
@@ -24,7 +28,7 @@ class Choice:
     algorithm: str
     p_f: int
     cost: dict  # perfmodel.layer_cost's result
-    redistribution: float = 0.0  # seconds to bring the previous layer's output into this layout
+    redistribution: float = 0.0  # seconds to bring this layer its input and its residual sum's other branch
     P_h: int = 1
     P_w: int = 1
 
@@ -75,17 +79,37 @@ def geometries(layers, ranks, profile, spatial=False):
     return [o.cost["geometry"] for L in layers for o in layer_options(L, ranks, profile, spatial=spatial)]
 
 
-def redistribution_time(previous, choice, profile):
-    """Seconds to move the previous layer's output (forward) and its gradient (backward) into
-    this layer's layout: nothing on the same grid, else an all-to-all of each rank's share of
-    the activation over all ranks."""
-    if (previous.P_n, previous.P_h, previous.P_w, previous.P_c) == (choice.P_n, choice.P_h, choice.P_w, choice.P_c):
-        return 0.0  # data parallelism runs only where P_c = 1, so one grid means one layout
+def moves(chosen, choice, itemsize):
+    """[(source choice, bytes)]: the activations a model redistributes for `choice`'s layer
+    after the choices `chosen` (in the layers' order): its input, the output of the last one
+    unless LayerShape.reads names another, where that lies on another grid; and, where its
+    output is added to another branch's (LayerShape.merges) on another grid, that branch's
+    output, brought into its layout (models.build_model's Redistribute modules, one each)."""
+    if not chosen:
+        return []
+    L = choice.layer
+    by_name = {c.layer.name: c for c in chosen} if L.reads or L.merges else {}
+    source = by_name[L.reads] if L.reads else chosen[-1]
+    out = [(source, L.N * L.C * L.H * L.W * itemsize)]  # its input, after any pooling on the way
+    if L.merges:
+        Ho, Wo = L.out_hw
+        out.append((by_name[L.merges], L.N * L.F * Ho * Wo * itemsize))
+    return [(c, volume) for c, volume in out if _grid(c) != _grid(choice)]
+
+
+def _grid(c):
+    return c.P_n, c.P_h, c.P_w, c.P_c
+
+
+def redistribution_time(chosen, choice, profile):
+    """Seconds of `moves`: each activation forward and its gradient backward, by an all-to-all
+    over all ranks that redistributes the whole activation (calibration times its all-to-alls
+    so: a tensor of m bytes redistributed from one split to another). Data parallelism runs
+    only where P_c = 1, so one grid means one layout."""
     ranks = choice.P_n * choice.P_h * choice.P_w * choice.P_c
-    Ho, Wo = previous.layer.out_hw
-    share = previous.layer.N * previous.layer.F * Ho * Wo * profile.itemsize / ranks
     intra = ranks <= profile.ranks_per_node
-    return 2 * profile.collective_time("alltoall", ranks, share, intra)
+    return sum(2 * profile.collective_time("alltoall", ranks, volume, intra)
+               for _, volume in moves(chosen, choice, profile.itemsize))
 
 
 _PASSING = ("temporary", "workspace")  # memory that is not each layer's own: see _memory
@@ -102,21 +126,40 @@ def _memory(choices):
 def _best_path(options, profile, price, count_temporary=False):
     """The choices minimising time + price * bytes, by dynamic programming. The bytes priced
     are what each layer keeps (summed over layers, as in the plan's memory), plus, with
-    count_temporary, its temporary and workspace too (upper bounds on the plan's largest)."""
+    count_temporary, its temporary and workspace too (upper bounds on the plan's largest).
+
+    The program's state after a layer is the choice of every layer a later one still refers to
+    (the one before it, and those a later layer reads or merges with: LayerShape.reads,
+    merges), so a residual block's redistributions are priced exactly and the plan is the
+    best of all."""
+    layers = [opts[0].layer for opts in options]
+    index = {L.name: i for i, L in enumerate(layers)}
+    last_use = list(range(1, len(layers) + 1))  # the last layer referring to each: the next by default
+    for k, L in enumerate(layers):
+        for name in (L.reads, L.merges):
+            if name:
+                last_use[index[name]] = max(last_use[index[name]], k)
+
     def own_cost(o):
         priced = o.cost["bytes"] - (0 if count_temporary else sum(o.cost["memory"][k] for k in _PASSING))
         return o.cost["time"] + price * priced
 
-    best = [(own_cost(o), [o]) for o in options[0]]
-    for layer_options_ in options[1:]:
-        step = []
-        for o in layer_options_:
-            own = own_cost(o)
-            total, path = min(((t + redistribution_time(p[-1], o, profile), p) for t, p in best),
-                              key=lambda tp: tp[0])
-            step.append((total + own, path + [o]))
+    # {choices of the layers still referred to: (total, option index of every layer so far)}
+    best = {(k,): (own_cost(o), (k,)) for k, o in enumerate(options[0])}
+    for i in range(1, len(options)):
+        live = [j for j in range(i + 1) if last_use[j] > i]
+        step = {}
+        for total, path in best.values():
+            chosen = [options[j][path[j]] for j in range(i)]
+            for k, o in enumerate(options[i]):
+                t = total + own_cost(o) + redistribution_time(chosen, o, profile)
+                full = path + (k,)
+                key = tuple(full[j] for j in live)
+                if key not in step or t < step[key][0]:
+                    step[key] = (t, full)
         best = step
-    return min(best, key=lambda tp: tp[0])[1]
+    _, path = min(best.values(), key=lambda tp: tp[0])
+    return [options[j][k] for j, k in enumerate(path)]
 
 
 @dataclasses.dataclass
@@ -183,8 +226,8 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
         cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers,
                           P_h, P_w)
         choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w))
-    for previous, choice in zip(choices, choices[1:]):
-        choice.redistribution = redistribution_time(previous, choice, profile)
+    for k, choice in enumerate(choices):
+        choice.redistribution = redistribution_time(choices[:k], choice, profile)
     return Plan(choices, ranks)
 
 
@@ -223,6 +266,6 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
             else:
                 low = middle
     path = [dataclasses.replace(c) for c in path]
-    for previous, choice in zip(path, path[1:]):
-        choice.redistribution = redistribution_time(previous, choice, profile)
+    for k, choice in enumerate(path):
+        choice.redistribution = redistribution_time(path[:k], choice, profile)
     return Plan(path, ranks)

@@ -181,6 +181,42 @@ def test_auto_model_builds_with_the_planners_choices():
     grid.free()
 
 
+def test_the_plan_of_residual_blocks_is_the_best_of_all_plans():
+    """The ResNet's first blocks on 2 ranks under sample and x, where a projection reads its
+    block's input and the next block reads the body's output, not the projection's, and
+    residual sums join branches that may lie on different grids (LayerShape.reads, merges):
+    the planner's plan costs what the cheapest of every combination of the layers' options
+    costs, found by trying them all. On these links (a slow reduce-scatter, a cheap
+    all-to-all) a program whose state is only the previous layer's choice misses it (40.03
+    against 39.94 ms): it keeps one path per choice of the projection and loses the body's."""
+    import itertools
+    from cfp.planner import layer_options, moves, price_plan, redistribution_time
+    data = MachineProfile.load("cpu-dev").data
+    data = dict(data, links={"intra": {"allgather": [8.9e-05, 1.8e-10], "allreduce": [1.66e-05, 2.29e-09],
+                                       "alltoall": [1.56e-05, 2.0e-12], "reduce_scatter": [1.02e-03, 6.4e-11]}})
+    profile = MachineProfile(data)
+    shapes = layer_shapes("resnet", 64, width=4, in_channels=1, classes=10, image=8)[:7]
+    assert (shapes[5].name, shapes[5].reads, shapes[5].merges) == ("layer2.proj", "layer1.conv2", "layer2.conv2")
+    assert (shapes[6].name, shapes[6].reads) == ("layer3.conv1", "layer2.conv2") and shapes[2].merges == "stem.conv"
+    algorithms = ("sample", "x")
+    options = [layer_options(L, 2, profile, algorithms) for L in shapes]
+    best = min(sum(c.cost["time"] + redistribution_time(list(combo[:k]), c, profile) for k, c in enumerate(combo))
+               for combo in itertools.product(*options))
+    planned = plan(shapes, 2, profile, algorithms=algorithms)
+    assert planned.time == pytest.approx(best, rel=1e-12)
+    assert price_plan(shapes, 2, profile, plan_entries(planned)).time == pytest.approx(best, rel=1e-12)
+    chain = [(o.cost["time"], [o]) for o in options[0]]  # the previous layer's choice as the only state
+    for opts in options[1:]:
+        chain = [min(((t + redistribution_time(p, o, profile) + o.cost["time"], p + [o]) for t, p in chain),
+                     key=lambda tp: tp[0]) for o in opts]
+    assert min(t for t, _ in chain) > best * (1 + 1e-3)
+    # a residual's own move: the stem channel-parallel, the first block data-parallel: the sum
+    # brings the stem's output (the identity shortcut) to the body's grid
+    stem = next(o for o in options[0] if o.P_c == 2)
+    body = [next(o for o in opts if o.P_n == 2) for opts in options[1:3]]
+    assert [(c.layer.name, v) for c, v in moves([stem, body[0]], body[1], 4)] == [("stem.conv", 64 * 64 * 8 * 8 * 4)]
+
+
 def test_a_layer_alone_does_not_plan():
     """Planning is build_model's (a whole model at once); a Conv2d takes a named algorithm."""
     from cfp.nn import Conv2d

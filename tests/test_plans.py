@@ -170,3 +170,28 @@ def test_bad_plans_are_refused_on_every_rank(mpi_tmp_path):
         raises_on_all_ranks(ValueError, lambda: train(config(plan=path)), match=message)
     raises_on_all_ranks(ValueError, lambda: train(config(plan=path, algorithm="auto")),
                         match="--plan and --algorithm auto both choose")
+
+
+@pytest.mark.parametrize("name", sorted(plans()))
+def test_the_planner_prices_the_redistributions_the_model_makes(name):
+    """Every activation the built model redistributes between layers (its Redistribute modules,
+    the classifier's logits aside) is one the planner prices, and no other: the inputs of
+    layers fed across grids, the projection reading its block's input, and a residual sum
+    whose branches lie on different grids (LayerShape.reads, merges)."""
+    from cfp.models import layer_shapes
+    from cfp.perfmodel import MachineProfile
+    from cfp.planner import moves, price_plan
+    base = ProcessGrid(SAMPLE)
+    model = build_model("resnet", base, width=1, dtype=np.float64, in_channels=1, classes=10,
+                        image=8, plan=plans()[name], batch=BATCH)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, 1, 8, 8))
+    model.forward(x[_rows(model)], BATCH)
+    made = sorted(int(np.prod(r.last_shape)) * 8 for r in model.redistributions() if r.name != "loss")
+    shapes = layer_shapes("resnet", BATCH, width=1, in_channels=1, classes=10, image=8)
+    priced = price_plan(shapes, SIZE, MachineProfile.load("cpu-dev"), model.layers)
+    moved = sorted(volume for k, c in enumerate(priced.choices) for _, volume in moves(priced.choices[:k], c, 8))
+    assert_all_ranks(made == moved, f"plan {name}: the model redistributes {made} bytes, the planner prices {moved}")
+    assert_all_ranks(SIZE == 1 or made, f"plan {name}: no redistribution")
+    model.free()
+    base.free()
