@@ -159,7 +159,8 @@ def collective_call(name, group, m_bytes, grid=None):
     of one rank then copies nothing). The all-to-all is what a model's all-to-alls are: a
     DistTensor redistributed from a split by samples to a split by channels (tensor.move, the
     redistribution between layers and the halo exchange, with the packing of its pieces) on
-    `grid`, a ProcessGrid over `group`.
+    `grid`, a ProcessGrid over `group`; there m is each rank's result, (p - 1) / p of which
+    arrives from the others.
     """
     p, r = group.Get_size(), group.Get_rank()
     samples = 8
@@ -174,8 +175,9 @@ def collective_call(name, group, m_bytes, grid=None):
     if name == "allreduce":  # a weight gradient and its bias, as one message (sync_gradients)
         flat = full.reshape(-1)
         return lambda: comm.allreduce(group, [flat[:-samples], flat[-samples:]], donate=True)
+    # each rank's result of m bytes, as the model prices an all-to-all (perfmodel.collective_time)
     by_sample, by_channel = Layout(("sample", None)), Layout((None, "sample"))
-    x = DistTensor.from_global(full, by_sample, grid)
+    x = DistTensor.from_global(np.ones((samples, channels * p), dtype=np.float32), by_sample, grid)
     return lambda: x.redistribute(by_channel)
 
 

@@ -103,12 +103,12 @@ def _grid(c):
 
 def redistribution_time(chosen, choice, profile):
     """Seconds of `moves`: each activation forward and its gradient backward, by an all-to-all
-    over all ranks that redistributes the whole activation (calibration times its all-to-alls
-    so: a tensor of m bytes redistributed from one split to another). Data parallelism runs
-    only where P_c = 1, so one grid means one layout."""
+    over all ranks whose result on each is its share of the activation (of which (p - 1) / p
+    arrives from the others: a split by samples traded for a split by channels). Data
+    parallelism runs only where P_c = 1, so one grid means one layout."""
     ranks = choice.P_n * choice.P_h * choice.P_w * choice.P_c
     intra = ranks <= profile.ranks_per_node
-    return sum(2 * profile.collective_time("alltoall", ranks, volume, intra)
+    return sum(2 * profile.collective_time("alltoall", ranks, volume / ranks, intra)
                for _, volume in moves(chosen, choice, profile.itemsize))
 
 
@@ -146,11 +146,12 @@ def _best_path(options, profile, price, count_temporary=False):
 
     # {choices of the layers still referred to: (total, option index of every layer so far)}
     best = {(k,): (own_cost(o), (k,)) for k, o in enumerate(options[0])}
+    live = [0]
     for i in range(1, len(options)):
-        live = [j for j in range(i + 1) if last_use[j] > i]
+        referred, live = live, [j for j in range(i + 1) if last_use[j] > i]
         step = {}
         for total, path in best.values():
-            chosen = [options[j][path[j]] for j in range(i)]
+            chosen = [options[j][path[j]] for j in referred]  # in order, the layer before i last
             for k, o in enumerate(options[i]):
                 t = total + own_cost(o) + redistribution_time(chosen, o, profile)
                 full = path + (k,)
@@ -231,6 +232,37 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
     return Plan(choices, ranks)
 
 
+def _time(path, profile):
+    return sum(c.cost["time"] + redistribution_time(path[:k], c, profile) for k, c in enumerate(path))
+
+
+def _within(options, profile, memory_limit, ranks):
+    """The fastest plan found under `memory_limit`: the plans minimising time + price * bytes
+    for prices of a byte from 1e-18 to 1e6 s (geometric bisection on the smallest price whose
+    plan fits), each with the largest temporary and workspace priced both ways (they are not
+    additive: counting them in every layer overstates them, leaving them out understates the
+    plan's memory, so neither pricing's fit is monotone in the price alone), keeping the
+    fastest of every plan tried that fits."""
+    fitting = []
+
+    def fits(price):
+        plans = [_best_path(options, profile, price, with_temp) for with_temp in (False, True)]
+        fitting.extend(p for p in plans if _memory(p) <= memory_limit)
+        return any(_memory(p) <= memory_limit for p in plans)
+    low, high = -18.0, 6.0  # log10 of the price
+    if not fits(10 ** high):
+        smallest = min((_best_path(options, profile, 10 ** high, t) for t in (False, True)), key=_memory)
+        raise ValueError(f"memory limit {memory_limit / 2 ** 20:.2f} MiB per rank is impossible: "
+                         f"the smallest plan on {ranks} ranks needs {_memory(smallest) / 2 ** 20:.2f} MiB")
+    for _ in range(30):
+        middle = (low + high) / 2
+        if fits(10 ** middle):
+            high = middle
+        else:
+            low = middle
+    return min(fitting, key=lambda p: _time(p, profile))
+
+
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,
          grid=None, optimizer_buffers=1, spatial=False):
     """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose
@@ -249,22 +281,7 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
                              f"(global batch {L.N}, grid {grid})")
     path = _best_path(options, profile, 0.0)
     if memory_limit is not None and _memory(path) > memory_limit:
-        # Memory first, time to break ties; the largest temporary and workspace are not additive,
-        # so try pricing them both ways and keep the smaller plan.
-        smallest = min((_best_path(options, profile, 1e6, with_temp) for with_temp in (False, True)),
-                       key=_memory)
-        if _memory(smallest) > memory_limit:
-            raise ValueError(f"memory limit {memory_limit / 2 ** 20:.2f} MiB per rank is impossible: "
-                             f"the smallest plan on {ranks} ranks needs {_memory(smallest) / 2 ** 20:.2f} MiB")
-        low, high = 0.0, 1e6
-        path = smallest
-        for _ in range(60):  # bisection on the price of a byte
-            middle = (low + high) / 2
-            candidate = _best_path(options, profile, middle)
-            if _memory(candidate) <= memory_limit:
-                high, path = middle, candidate
-            else:
-                low = middle
+        path = _within(options, profile, memory_limit, ranks)
     path = [dataclasses.replace(c) for c in path]
     for k, choice in enumerate(path):
         choice.redistribution = redistribution_time(path[:k], choice, profile)
