@@ -407,27 +407,32 @@ def wide_resnet50_layers(width, batch, image=224):
     """The 53 convolutions and the classifier of ResNet-50 with every channel count times
     `width`, as LayerShapes in the order the planner chains them (padding K // 2 throughout).
 
-    The planner sees a chain of layers: the projection shortcut of a stage's first block comes
-    after that block's conv3, so that a change of grid between the two is charged for moving
-    the tensor they add together. Pooling is not a layer here; it only changes the spatial size.
+    The projection shortcut of a stage's first block comes after that block's conv3, reading
+    the block's input and added to conv3's output; an identity shortcut adds the block's input
+    to conv3's (LayerShape.reads, merges, as layer_shapes records them for the small ResNet),
+    so the planner charges every redistribution a change of grid makes. Pooling is not a layer
+    here; it only changes the spatial size.
     """
     layers = [LayerShape("conv1", batch, 3, 64 * width, image, image, 7, stride=2, first=True)]
     size = (layers[0].out_hw[0] + 1) // 2  # the 3x3/2 max pool with padding 1: 112 -> 56
     channels = 64 * width
+    block_input = "conv1"  # the layer whose output is the next block's input
     for stage, (base, blocks) in enumerate(RESNET50_STAGES, start=1):
         mid, out = base * width, base * width * RESNET50_EXPANSION
         for block in range(blocks):
             name = f"layer{stage}.{block}"
             stride = 2 if stage > 1 and block == 0 else 1
-            reduce_ = LayerShape(f"{name}.conv1", batch, channels, mid, size, size, 1)
+            reads = None if layers[-1].name == block_input else block_input
+            reduce_ = LayerShape(f"{name}.conv1", batch, channels, mid, size, size, 1, reads=reads)
             spatial = LayerShape(f"{name}.conv2", batch, mid, mid, size, size, 3, stride=stride)
             after = spatial.out_hw[0]
-            expand = LayerShape(f"{name}.conv3", batch, mid, out, after, after, 1)
+            expand = LayerShape(f"{name}.conv3", batch, mid, out, after, after, 1,
+                                merges=None if block == 0 else block_input)
             layers += [reduce_, spatial, expand]
             if block == 0:
                 layers.append(LayerShape(f"{name}.downsample", batch, channels, out, size, size, 1,
-                                         stride=stride))
-            channels, size = out, after
+                                         stride=stride, reads=block_input, merges=expand.name))
+            channels, size, block_input = out, after, expand.name
     # Global average pooling leaves 1x1: the classifier is a 1x1 convolution on it.
     layers.append(LayerShape("fc", batch, channels, IMAGENET_CLASSES, 1, 1, 1))
     return layers

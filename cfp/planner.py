@@ -6,7 +6,7 @@ A plan is a shortest path through the layers (dynamic programming over each laye
 with a redistribution cost between consecutive choices). A layer fed by another than the one
 before it, or whose output is added to another branch's (a residual block's projection and
 sum: LayerShape.reads, merges), is priced against that layer's choice: the program's state
-holds the choice of every layer a later one still refers to, so the plan is the best of all.
+holds the grid of every layer a later one still refers to, so the plan is the best of all.
 The memory limit is met by pricing
 memory: the plan minimising time + lambda * memory, with the smallest lambda (found by bisection)
 whose plan fits.
@@ -128,10 +128,10 @@ def _best_path(options, profile, price, count_temporary=False):
     are what each layer keeps (summed over layers, as in the plan's memory), plus, with
     count_temporary, its temporary and workspace too (upper bounds on the plan's largest).
 
-    The program's state after a layer is the choice of every layer a later one still refers to
+    The program's state after a layer is the grid of every layer a later one still refers to
     (the one before it, and those a later layer reads or merges with: LayerShape.reads,
-    merges), so a residual block's redistributions are priced exactly and the plan is the
-    best of all."""
+    merges): what is left to pay depends on them only through where their outputs lie, so a
+    residual block's redistributions are priced exactly and the plan is the best of all."""
     layers = [opts[0].layer for opts in options]
     index = {L.name: i for i, L in enumerate(layers)}
     last_use = list(range(1, len(layers) + 1))  # the last layer referring to each: the next by default
@@ -144,8 +144,11 @@ def _best_path(options, profile, price, count_temporary=False):
         priced = o.cost["bytes"] - (0 if count_temporary else sum(o.cost["memory"][k] for k in _PASSING))
         return o.cost["time"] + price * priced
 
-    # {choices of the layers still referred to: (total, option index of every layer so far)}
-    best = {(k,): (own_cost(o), (k,)) for k, o in enumerate(options[0])}
+    # {grids of the layers still referred to: (total, option index of every layer so far)}
+    best = {}
+    for k, o in enumerate(options[0]):
+        if (_grid(o),) not in best or own_cost(o) < best[(_grid(o),)][0]:
+            best[(_grid(o),)] = (own_cost(o), (k,))
     live = [0]
     for i in range(1, len(options)):
         referred, live = live, [j for j in range(i + 1) if last_use[j] > i]
@@ -155,7 +158,7 @@ def _best_path(options, profile, price, count_temporary=False):
             for k, o in enumerate(options[i]):
                 t = total + own_cost(o) + redistribution_time(chosen, o, profile)
                 full = path + (k,)
-                key = tuple(full[j] for j in live)
+                key = tuple(_grid(options[j][full[j]]) for j in live)
                 if key not in step or t < step[key][0]:
                     step[key] = (t, full)
         best = step
