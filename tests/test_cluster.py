@@ -1,0 +1,121 @@
+"""scripts/cluster.py, the emulated cluster: its checks of bad input (no root needed), and, as
+root with ip, tc and unshare, a cluster of 2 nodes made, a 2-rank job run across them whose
+bytes crossed the links, and everything removed afterwards, also after an error or Ctrl-C."""
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SPEC = importlib.util.spec_from_file_location("cfp_cluster", os.path.join(ROOT, "scripts", "cluster.py"))
+cluster = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(cluster)
+
+NAME = "cfptest"  # not the default name: a user's own cluster is left alone
+
+
+def test_bad_input_is_refused_before_anything_is_made():
+    for rate in ("1gbit", "100mbit", "50mbps", "2.5Gbit", None):
+        cluster.check_rate(rate)
+    for rate in ("fast", "1 gbit", "10", "gbit", ""):
+        with pytest.raises(ValueError, match=f"link rate {rate!r}: expected a number and a unit"):
+            cluster.check_rate(rate)
+    for name in ("Cfp", "1cfp", "cfp-a", "toolongname"):
+        with pytest.raises(ValueError, match="cluster name"):
+            cluster.check_name(name)
+    for nodes in (0, 17, 1.5, True):
+        with pytest.raises(ValueError, match="--nodes"):
+            cluster.check_nodes(nodes)
+    with pytest.raises(ValueError, match="3 ranks do not divide among 2 nodes"):
+        cluster.ranks_per_node(3, 2)
+    assert cluster.ranks_per_node(4, 2) == 2
+    assert cluster.rate_bytes("1gbit") == 1.25e8 and cluster.rate_bytes("50mbps") == 5e7
+
+
+def test_the_launcher_reads_what_hydra_passes_as_ssh_would():
+    assert cluster.hydra_host_command(["-x", "cfp-n1", "/path/proxy", "--control-port", "cfp-n0:5"]) == \
+        ("cfp-n1", ["/path/proxy", "--control-port", "cfp-n0:5"])
+    with pytest.raises(ValueError, match="expected \\[options\\] HOST COMMAND"):
+        cluster.hydra_host_command(["-x", "cfp-n1"])
+
+
+def test_up_refuses_without_root(monkeypatch):
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="the cluster needs root"):
+        cluster.Cluster(2, name=NAME).up()
+    assert cluster.leftovers(NAME) == [] or os.geteuid() == 0
+
+
+def _can_make_clusters():
+    if os.geteuid() != 0:
+        return "not root: network namespaces need root"
+    missing = [t for t in ("ip", "tc", "unshare") if shutil.which(t) is None]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    probe = subprocess.run(["ip", "netns", "add", f"{NAME}-probe"], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "delete", f"{NAME}-probe"], capture_output=True)
+    return None if probe.returncode == 0 else f"ip netns add failed here: {probe.stderr.strip()}"
+
+
+needs_root = pytest.mark.skipif(_can_make_clusters() is not None, reason=str(_can_make_clusters()))
+
+ALLREDUCE = textwrap.dedent("""
+    import numpy as np
+    from mpi4py import MPI
+    a = np.ones(1 << 18, np.float32)  # 1 MiB
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, a)
+    assert a[0] == MPI.COMM_WORLD.Get_size()
+""")
+
+
+@pytest.fixture
+def clean():
+    cluster.down(NAME)  # what an earlier, killed run may have left
+    yield
+    left = cluster.leftovers(NAME)
+    cluster.down(NAME)
+    assert left == [], f"left behind: {left}"
+
+
+@needs_root
+def test_a_job_across_two_nodes_crosses_the_links_and_nothing_is_left(clean, tmp_path, capsys):
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    with cluster.cluster(2, "1gbit", NAME) as c:
+        assert cluster.leftovers(NAME)  # it is up
+        with pytest.raises(RuntimeError, match=f"cluster {NAME!r} is already \\(partly\\) up"):
+            cluster.Cluster(2, name=NAME).up()
+        assert cluster.leftovers(NAME)  # a refused second up removed nothing
+        env_before = dict(os.environ)
+        rc, sent = c.run(2, [sys.executable, "-m", "mpi4py", str(script)])
+        assert dict(os.environ) == env_before
+        assert rc == 0 and all(b >= 1 << 20 for b in sent.values()), sent
+    out = capsys.readouterr().out
+    assert "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=cfpnet" in out
+
+
+@needs_root
+def test_an_error_or_ctrl_c_inside_the_cluster_removes_it(clean):
+    with pytest.raises(ZeroDivisionError):
+        with cluster.cluster(1, name=NAME):
+            1 / 0
+    assert cluster.leftovers(NAME) == []
+    # Ctrl-C in a process that made a cluster: its context removes it before the process ends
+    code = textwrap.dedent(f"""
+        import importlib.util, os, signal, sys, time
+        spec = importlib.util.spec_from_file_location("c", {os.path.join(ROOT, "scripts", "cluster.py")!r})
+        c = importlib.util.module_from_spec(spec); spec.loader.exec_module(c)
+        with c.cluster(2, name={NAME!r}):
+            print("up", flush=True)
+            time.sleep(30)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert proc.returncode != 0 and cluster.leftovers(NAME) == []
