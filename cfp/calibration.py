@@ -41,7 +41,7 @@ from .tensor import DistTensor, Layout
 FORMAT = 2  # the profile format this cfp writes and reads (perfmodel.MachineProfile)
 
 # What a profile must share with this machine to describe it (the machine record's keys).
-MACHINE_KEYS = ("cpu", "cores", "blas", "numpy", "mpi", "kernels", "threads_per_rank", "ranks")
+MACHINE_KEYS = ("cpu", "cores", "blas", "numpy", "mpi", "kernels", "threads_per_rank", "ranks", "ranks_per_node")
 
 
 # -- what a profile was measured on -----------------------------------------------------------
@@ -78,13 +78,15 @@ def _blas():
         return ", ".join(f"{lib} {version}" for lib, version, _, _ in backend.blas_info()) or "unknown"
 
 
-def machine_record(ranks, threads):
-    """What a profile measured on `ranks` ranks of `threads` BLAS threads each would record
-    here (MACHINE_KEYS), plus the host's name for people to read."""
+def machine_record(ranks, threads, ranks_per_node=None):
+    """What a profile measured on `ranks` ranks of `threads` BLAS threads each, `ranks_per_node`
+    of them a node (default: all on one), would record here (MACHINE_KEYS), plus the host's
+    name for people to read."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": backend.cpu_name(), "cores": int(cores), "blas": _blas(), "numpy": np.__version__,
             "mpi": MPI.Get_library_version().splitlines()[0].strip(), "kernels": kernels_version(),
-            "threads_per_rank": int(threads), "ranks": int(ranks), "host": platform.node()}
+            "threads_per_rank": int(threads), "ranks": int(ranks),
+            "ranks_per_node": int(ranks if ranks_per_node is None else ranks_per_node), "host": platform.node()}
 
 
 def differences(recorded, here):
@@ -201,16 +203,43 @@ def fit_packing(samples):
     return max(float(np.dot(m, t) / np.dot(m, m)), 0.0)
 
 
+def node_layout(world):
+    """(ranks per node, nodes) of `world`: the ranks that share a node's memory (MPI's
+    COMM_TYPE_SHARED split: hostnames, for the MPIs cfp runs with), which the cost model takes
+    to be neighbours, as many on every node (the launchers' block placement). ValueError, the
+    same on every rank, where nodes hold different numbers of ranks or a node's are not
+    neighbours."""
+    rank = world.Get_rank()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    first, size = local.allreduce(rank, op=MPI.MIN), local.Get_size()
+    local.Free()
+    every = world.allgather((first, size))
+    per_node = every[0][1]
+    if any(s != per_node or f != r // per_node * per_node for r, (f, s) in enumerate(every)):
+        raise ValueError(f"calibration: the nodes' ranks are not {per_node} neighbours each (ranks by node: "
+                         f"{sorted({f: [r for r, (g, _) in enumerate(every) if g == f] for f, _ in every}.values())}); "
+                         f"start the ranks in blocks, as many a node (mpiexec's default placement)")
+    return per_node, world.Get_size() // per_node
+
+
 def calibrate_collectives(world, quick, repeats):
-    """({collective: [alpha, beta]}, {collective: packing s/byte}); no links on one rank.
+    """({link: {collective: [alpha, beta]}}, {collective: packing s/byte}); no links on one rank.
 
     cfp's collectives pack and unpack NCHW blocks with local copies, which cost time even on
     one rank: that packing is measured on a group of one rank (rank 0 alone), and alpha and
-    beta are fitted to what remains of the times over groups of 2..P neighbouring ranks.
+    beta are fitted to what remains of the times over groups of neighbouring ranks: those of
+    2..R ranks inside a node give the link inside a node ("intra"), those that span nodes
+    (2..P neighbours beyond R, and one rank of each of 2..K nodes) the link between nodes
+    ("inter", measured only where the ranks span several nodes; with one rank a node, the
+    "intra" link is the same numbers: no group of the model's ever uses it).
     """
-    P = world.Get_size()
+    P, rank = world.Get_size(), world.Get_rank()
+    per_node, nodes = node_layout(world)
     messages = MESSAGE_BYTES[::2] if quick else MESSAGE_BYTES
-    samples = {name: [] for name in COLLECTIVE_NAMES}
+    groups = [(list(range(p)), "intra" if p <= per_node else "inter") for p in range(2, P + 1)]
+    if nodes > 1 and per_node > 1:
+        groups += [([k * per_node for k in range(p)], "inter") for p in range(2, nodes + 1)]
+    samples = {link: {name: [] for name in COLLECTIVE_NAMES} for _, link in groups}
     # Calibration traffic stays out of any ledger; the collectives run as a training step runs
     # them (train_step checks its batch once, then trusts it: no agreement check per call).
     cold = _Cold()
@@ -222,10 +251,10 @@ def calibrate_collectives(world, quick, repeats):
             alone.free()
             return out
         packing = {name: fit_packing(s) for name, s in on_rank0(world, packing_samples).items()}
-        for p in range(2, P + 1):
-            member = world.Get_rank() < p
-            group = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
-            if member:
+        for members, link in groups:
+            p = len(members)
+            group = world.Split(0 if rank in members else MPI.UNDEFINED, rank)
+            if rank in members:
                 grid = ProcessGrid(f"sample={p}", comm=group)
                 for name in COLLECTIVE_NAMES:
                     for m in messages:
@@ -233,15 +262,21 @@ def calibrate_collectives(world, quick, repeats):
                         seconds = slowest_median(group, lambda: cold(call), repeats, 1)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
                             else (p - 1, (p - 1) / p * m)
-                        samples[name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
+                        samples[link][name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
                 grid.free()
                 group.Free()
             quiet_barrier(world)
     if P < 2:
         return {}, packing
-    fitted = np.array([fit_alpha_beta(samples[name]) if samples[name] else (0.0, 0.0) for name in COLLECTIVE_NAMES])
-    world.Bcast(fitted, root=0)  # rank 0's fit, to every rank
-    return {name: [float(a), float(b)] for name, (a, b) in zip(COLLECTIVE_NAMES, fitted)}, packing
+    links = {}
+    for link in ("intra", "inter"):
+        if link in samples:
+            fitted = np.array([fit_alpha_beta(samples[link][name]) if samples[link][name] else (0.0, 0.0)
+                               for name in COLLECTIVE_NAMES])
+            world.Bcast(fitted, root=0)  # rank 0's fit, to every rank (rank 0 is in every group)
+            links[link] = {name: [float(a), float(b)] for name, (a, b) in zip(COLLECTIVE_NAMES, fitted)}
+    links.setdefault("intra", links.get("inter"))
+    return links, packing
 
 
 def check_fits(links, packing):
@@ -452,21 +487,25 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
     start = time.time()
     backend.set_blas_threads(threads)
     links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats)
-    check_fits(links, packing)  # rank 0's fit on every rank: every rank judges alike
+    for table in links.values():
+        check_fits(table, packing)  # rank 0's fit on every rank: every rank judges alike
+    per_node, nodes = node_layout(world)
 
     kernels = calibrate_kernels(world, [_geometry(s) for s in kernel_shapes(quick)], 3 if quick else repeats,
                                 progress)
     kernels, layers = world.bcast((kernels, calibrate_layers(world, 3 if quick else repeats)), root=0)
     P = world.Get_size()
-    record = machine_record(P, threads)
+    record = machine_record(P, threads, per_node)
     host = record["host"] or "this machine"
+    where = f"{nodes} nodes of {per_node} rank(s)" if nodes > 1 else f"{P} rank(s)"
     return {
-        "format": FORMAT, "name": name or f"{host} ({P} rank{'s' if P > 1 else ''})", "itemsize": 4,
-        "ranks_per_node": P, "machine": record,
-        "source": (f"calibrated by cfp on {host} ({record['cpu']}), {P} rank(s) of {threads} BLAS thread(s), "
+        "format": FORMAT, "name": name or (f"{host} ({P} rank{'s' if P > 1 else ''})" if nodes == 1 else
+                                           f"{host} and {nodes - 1} more nodes ({per_node} ranks each)"),
+        "itemsize": 4, "ranks_per_node": per_node, "machine": record,
+        "source": (f"calibrated by cfp on {host} ({record['cpu']}), {where} of {threads} BLAS thread(s), "
                    f"{datetime.date.today().isoformat()}, {'quick' if quick else 'full'} run, "
                    f"{time.time() - start:.0f} s"),
-        "links": {"intra": links} if links else {},
+        "links": links,
         "packing": packing,
         "kernels": kernels,
         "layers": layers,
@@ -528,7 +567,7 @@ def profile_for(world, threads, layers=None, directory=None, out=None):
     them (top_up), and kept in the cache too. The same on every rank."""
     out = out or sys.stdout
     rank0 = world.Get_rank() == 0
-    record = machine_record(world.Get_size(), threads)
+    record = machine_record(world.Get_size(), threads, node_layout(world)[0])
     path = cache_path(record, directory)
 
     def say(line):
@@ -557,9 +596,10 @@ def profile_for(world, threads, layers=None, directory=None, out=None):
 def warn_if_foreign(profile, world, threads, out=None):
     """One line of warning on rank 0 when `profile` records a machine other than this one
     (differences names what differs); nothing for a profile without a record."""
+    per_node = node_layout(world)[0]  # (collective: every rank)
     if world.Get_rank() != 0:
         return
-    different = differences(profile.machine, machine_record(world.Get_size(), threads))
+    different = differences(profile.machine, machine_record(world.Get_size(), threads, per_node))
     if different:
         print(f"cfp: warning: machine profile {profile.name!r} was measured elsewhere ({'; '.join(different)}): "
               f"its predictions may not hold here; run without --profile to calibrate this machine",

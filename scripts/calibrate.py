@@ -5,10 +5,14 @@
 
 What it measures is cfp.calibration's (docs/design.md section 4): collectives (allgather,
 reduce-scatter, allreduce, all-to-all through cfp.comm on messages of 4 KiB to 16 MiB: their
-local packing on one rank, then alpha and beta over groups of 2..P neighbouring ranks, fitted by
-least squares), every kernel path of the kernel table for each pass over the shapes that move
-its rate, and the layers between convolutions, on rank 0 alone (the others sleep), at --threads
-BLAS threads. All ranks are taken to share one node (ranks_per_node = P). `--algorithm auto`
+local packing on one rank, then alpha and beta over groups of neighbouring ranks, fitted by
+least squares: those inside a node give the link inside a node, those spanning nodes the link
+between them), every kernel path of the kernel table for each pass over the shapes that move
+its rate, and the layers between convolutions, on every rank at once, at --threads BLAS
+threads. The ranks of a node are those sharing its memory (MPI's shared-memory split), R on
+each node, neighbours in rank order (mpiexec's block placement; ranks_per_node = R in the
+profile). Across nodes, e.g. on the emulated cluster: `python scripts/cluster.py run
+--ranks-per-node 2 -- python -m mpi4py scripts/calibrate.py --out cluster.json`. `--algorithm auto`
 without --profile calibrates by itself (quick) and caches the result; this script writes a
 profile to keep, share or compare.
 """
@@ -44,10 +48,11 @@ def main(argv=None):
     if world.Get_rank() == 0:
         save_json(args.out, profile)
         print(f"wrote {args.out} ({profile['source']})")
-        for name, (alpha, beta) in profile["links"].get("intra", {}).items():
-            print(f"  {name:15s} alpha {alpha * 1e6:8.2f} us   beta {beta * 1e9:7.3f} ns/byte "
-                  f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)   packing "
-                  f"{profile['packing'][name] * 1e9:.3f} ns/byte")
+        for link, table in profile["links"].items():
+            for name, (alpha, beta) in table.items():
+                print(f"  {link:5s} {name:15s} alpha {alpha * 1e6:8.2f} us   beta {beta * 1e9:7.3f} ns/byte "
+                      f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)   packing "
+                      f"{profile['packing'][name] * 1e9:.3f} ns/byte")
         for name, per_path in profile["kernels"].items():
             rates = ", ".join(f"{path} {min(p[2] for p in pts) / 1e9:.0f}-{max(p[2] for p in pts) / 1e9:.0f}"
                               for path, pts in sorted(per_path.items()))

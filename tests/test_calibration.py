@@ -264,3 +264,12 @@ def test_top_up_measures_each_geometry_once_even_where_two_share_flops_and_rows(
         point = next(p for p in data["kernels"]["forward"][path] if p[3] == paths.geometry_key(g))
         assert profile.kernel_time("forward", path, point[0], rows, paths.geometry_key(g)) == \
             pytest.approx(point[0] / point[2], rel=1e-12)
+
+
+@pytest.mark.mpi
+def test_ranks_of_one_machine_are_one_node():
+    """Under a plain mpiexec every rank shares one node's memory: one node of P ranks, and the
+    machine record says so (tests/test_cluster.py: 2 nodes of 2 on the emulated cluster)."""
+    world = MPI.COMM_WORLD
+    assert calibration.node_layout(world) == (world.Get_size(), 1)
+    assert calibration.machine_record(world.Get_size(), 1)["ranks_per_node"] == world.Get_size()
