@@ -155,7 +155,11 @@ class Cluster:
             _ip("link", "set", self.host_link(k), "master", self.bridge)
             _ip("link", "set", self.host_link(k), "up")
             if self.rate:
-                burst = max(64 << 10, int(rate_bytes(self.rate) / 250))
+                # A small bucket, as a wire has none: with 500 KB (rate / 250 at 1gbit) a step's
+                # collectives of 100-300 KB each went out at memory speed between refills (its
+                # reduce-scatters 8.8 ms a step where 1 Gbit/s needs 22); with 32 KB they take
+                # the rate (27.2 ms) and a 16 MiB allreduce still reaches it (152 ms)
+                burst = max(32 << 10, int(rate_bytes(self.rate) / 4000))
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate",
                       self.rate, "burst", str(burst), "latency", "50ms"])
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
