@@ -205,7 +205,11 @@ def run_simulation(args):
           "the optimizer are not); gradient allreduces are not overlapped with compute. Data parallelism "
           f"cannot use more ranks than samples: above {args.batch} GPUs it runs on {args.batch} and the "
           "rest idle. Allreduce MB: bytes each rank sends in the ring allreduces of its weight-gradient "
-          "shards. '(over)': the plan needs more memory than the limit.\n")
+          "shards. '(over)': the plan needs more memory than the limit. What was checked: the model's form "
+          "between nodes (each collective's alpha and beta on the link between nodes, for groups that span "
+          "nodes) on an emulated cluster of 2 nodes of one rank over 1 Gbit/s, layers and steps within 15% "
+          "(BENCHMARKS.md); not checked: groups mixing the two links, and this profile's constants, which "
+          "are public specifications, not measurements.\n")
     results = {}
     started = time.time()
     for title, layers in models.items():
