@@ -70,6 +70,10 @@ class CommRecord:
     seconds: float  # in the MPI call, after every member arrived (the transfer)
     wait_seconds: float = 0.0  # waiting for the group's last member to arrive
     pack_seconds: float = 0.0  # local copies around the MPI call (staging, packing, summing)
+    # A non-blocking collective's (Pending): time.perf_counter() when it was started and when
+    # it was waited for; `seconds` is then its starting call and `wait_seconds` its wait()
+    started: float = None
+    waited: float = None
 
 
 class CommLedger:
@@ -101,11 +105,14 @@ class CommLedger:
             self.layer, self.phase = saved
 
     def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None, wait_seconds=0.0,
-               pack_seconds=0.0):
+               pack_seconds=0.0, where=None, started=None, waited=None):
+        """Append a record, under the current layer and phase or those of `where` (a (layer,
+        phase) pair: a non-blocking collective's, tagged where it was started)."""
+        layer, phase = where or (self.layer, self.phase)
         self.records.append(
-            CommRecord(self.layer, self.phase, collective, int(group_size),
+            CommRecord(layer, phase, collective, int(group_size),
                        int(bytes_sent), int(bytes_received), float(seconds), float(wait_seconds),
-                       float(pack_seconds))
+                       float(pack_seconds), started, waited)
         )
         if self.results is not None:
             self.results.append(None if result is None else np.array(backend.to_host(result)))
@@ -355,16 +362,12 @@ def _contiguous(dtype, p):
 # allgather <-> reduce_scatter
 
 
-def allgather(comm, x, axis, sizes, may_alias=False):
-    """Concatenate the blocks of all ranks along `axis`.
-
-    x: this rank's block, x.shape[axis] == sizes[rank]. Returns the whole tensor, of extent
-    sum(sizes) along `axis`, on every rank (C-contiguous, a new array). may_alias=True: neither
-    x nor the result is written while the other is in use (a layer's input and what it keeps
-    of it), and on a group of one rank the result is x itself instead of a copy. Adjoint:
-    `reduce_scatter(comm, dy, axis, sizes)`.
-    """
-    t = _Timer(comm)
+def _allgather_setup(comm, x, axis, sizes, may_alias, t):
+    """What allgather and iallgather share: the checks, and either the one-rank result
+    (done, result) or the exchange ((send, recv) of one Alltoallw, finish, bytes sent and
+    received). Each rank's block is sent as it lies and received straight into its place in
+    the result (_block_types), by every rank (itself too): an all-to-all whose send side is
+    the same block for every destination."""
     sizes = _check_sizes(comm, sizes)
     rank, p = comm.Get_rank(), comm.Get_size()
     axis = axis % x.ndim
@@ -375,24 +378,89 @@ def allgather(comm, x, axis, sizes, may_alias=False):
         )
     t.agree(x, "allgather", free_axis=axis)
     if p == 1:
-        out = _alone(x, donate=may_alias)
-        t.record("allgather", p, 0, 0, out)
-        return out
+        return True, _alone(x, donate=may_alias)
     xp = backend.get_array_module(x)
     mine = np.ascontiguousarray(backend.to_host(x))
     counts = _block_counts(mine.shape, axis, sizes)
-    # Each rank's block is sent as it lies and received straight into its place in the result
-    # (_block_types), by every rank (itself too): an all-to-all whose send side is the same
-    # block for every destination.
     out = np.empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
     types, offsets = _block_types(out.shape, axis, sizes, out.dtype)
-    with t:
-        comm.Alltoallw([mine, ([mine.size] * p, [0] * p), _contiguous(mine.dtype, p)],
-                       [out, ([int(n > 0) for n in sizes], offsets), types])
-    result = backend.from_host(out, xp)
+    send = [mine, ([mine.size] * p, [0] * p), _contiguous(mine.dtype, p)]
+    recv = [out, ([int(n > 0) for n in sizes], offsets), types]
     item = mine.dtype.itemsize
-    t.record("allgather", p, (p - 1) * counts[rank] * item, (counts.sum() - counts[rank]) * item, out)
+    moved = ((p - 1) * counts[rank] * item, (counts.sum() - counts[rank]) * item)
+    return False, ((send, recv), lambda: (backend.from_host(out, xp), out), moved)
+
+
+def allgather(comm, x, axis, sizes, may_alias=False):
+    """Concatenate the blocks of all ranks along `axis`.
+
+    x: this rank's block, x.shape[axis] == sizes[rank]. Returns the whole tensor, of extent
+    sum(sizes) along `axis`, on every rank (C-contiguous, a new array). may_alias=True: neither
+    x nor the result is written while the other is in use (a layer's input and what it keeps
+    of it), and on a group of one rank the result is x itself instead of a copy. Adjoint:
+    `reduce_scatter(comm, dy, axis, sizes)`.
+    """
+    t = _Timer(comm)
+    done, plan = _allgather_setup(comm, x, axis, sizes, may_alias, t)
+    if done:
+        t.record("allgather", 1, 0, 0, plan)
+        return plan
+    (send, recv), finish, (sent, received) = plan
+    with t:
+        comm.Alltoallw(send, recv)
+    result, kept = finish()
+    t.record("allgather", comm.Get_size(), sent, received, kept)
     return result
+
+
+def iallgather(comm, x, axis, sizes, may_alias=False):
+    """allgather, started: a Pending whose wait() returns what allgather returns."""
+    t = _Timer(comm)
+    done, plan = _allgather_setup(comm, x, axis, sizes, may_alias, t)
+    if done:
+        return Pending(t, "allgather", 1, (0, 0), None, lambda: (plan, plan))
+    (send, recv), finish, moved = plan
+    return Pending(t, "allgather", comm.Get_size(), moved, lambda: comm.Ialltoallw(send, recv), finish)
+
+
+def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
+    """What reduce_scatter and ireduce_scatter share (as _allgather_setup). Each rank sends
+    every other rank that rank's block of its summand, read where it lies (_block_types), and
+    receives its own block from each of the others, side by side in rank order (source s in
+    slot s, or s - 1 past this rank); their sum with its own summand is the result (the direct
+    algorithm the ledger counts)."""
+    sizes = _check_sizes(comm, sizes)
+    rank, p = comm.Get_rank(), comm.Get_size()
+    axis = axis % x.ndim
+    if x.shape[axis] != sum(sizes):
+        raise ValueError(
+            f"reduce_scatter: axis {axis} has extent {x.shape[axis]}, the block sizes "
+            f"{sizes} add up to {sum(sizes)}"
+        )
+    t.agree(x, "reduce_scatter")
+    if p == 1:
+        return True, _alone(x, donate)
+    xp = backend.get_array_module(x)
+    host = np.ascontiguousarray(backend.to_host(x))
+    counts, item = _block_counts(host.shape, axis, sizes), host.dtype.itemsize
+    shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
+    received = np.empty((p - 1,) + shape, dtype=host.dtype)
+    block = received[0].nbytes
+    types, offsets = _block_types(host.shape, axis, sizes, host.dtype)
+    send = [host, ([int(d != rank and sizes[d] > 0) for d in range(p)], offsets), types]
+    recv = [received, ([0 if s == rank else int(counts[rank]) for s in range(p)],
+                       [(s - (s > rank)) * block for s in range(p)]), _contiguous(host.dtype, p)]
+
+    def finish():
+        start = int(np.sum(sizes[:rank]))
+        own = host[(slice(None),) * axis + (slice(start, start + sizes[rank]),)]
+        # With two ranks the one received block is exactly the result's memory: sum into it.
+        out = np.add(own, received[0], out=received[0] if p == 2 else None)
+        for summand in received[1:]:
+            out += summand
+        return backend.from_host(out, xp), out
+    moved = ((counts.sum() - counts[rank]) * item, (p - 1) * counts[rank] * item)
+    return False, ((send, recv), finish, moved)
 
 
 def reduce_scatter(comm, x, axis, sizes, donate=False):
@@ -404,43 +472,72 @@ def reduce_scatter(comm, x, axis, sizes, donate=False):
     instead of a copy. Adjoint: `allgather`.
     """
     t = _Timer(comm)
-    sizes = _check_sizes(comm, sizes)
-    rank, p = comm.Get_rank(), comm.Get_size()
-    axis = axis % x.ndim
-    if x.shape[axis] != sum(sizes):
-        raise ValueError(
-            f"reduce_scatter: axis {axis} has extent {x.shape[axis]}, the block sizes "
-            f"{sizes} add up to {sum(sizes)}"
-        )
-    t.agree(x, "reduce_scatter")
-    if p == 1:
-        out = _alone(x, donate)
-        t.record("reduce_scatter", p, 0, 0, out)
-        return out
-    xp = backend.get_array_module(x)
-    host = np.ascontiguousarray(backend.to_host(x))
-    counts, item = _block_counts(host.shape, axis, sizes), host.dtype.itemsize
-    # Each rank sends every other rank that rank's block of its summand, read where it lies
-    # (_block_types), and receives its own block from each of the others, side by side in rank
-    # order (source s in slot s, or s - 1 past this rank); their sum with its own summand is
-    # the result (the direct algorithm the ledger counts).
-    shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
-    received = np.empty((p - 1,) + shape, dtype=host.dtype)
-    block = received[0].nbytes
-    types, offsets = _block_types(host.shape, axis, sizes, host.dtype)
+    done, plan = _reduce_scatter_setup(comm, x, axis, sizes, donate, t)
+    if done:
+        t.record("reduce_scatter", 1, 0, 0, plan)
+        return plan
+    (send, recv), finish, (sent, received) = plan
     with t:
-        comm.Alltoallw([host, ([int(d != rank and sizes[d] > 0) for d in range(p)], offsets), types],
-                       [received, ([0 if s == rank else int(counts[rank]) for s in range(p)],
-                                   [(s - (s > rank)) * block for s in range(p)]), _contiguous(host.dtype, p)])
-    start = int(np.sum(sizes[:rank]))
-    own = host[(slice(None),) * axis + (slice(start, start + sizes[rank]),)]
-    # With two ranks the one received block is exactly the result's memory: sum into it.
-    out = np.add(own, received[0], out=received[0] if p == 2 else None)
-    for summand in received[1:]:
-        out += summand
-    result = backend.from_host(out, xp)
-    t.record("reduce_scatter", p, (counts.sum() - counts[rank]) * item, (p - 1) * counts[rank] * item, out)
+        comm.Alltoallw(send, recv)
+    result, kept = finish()
+    t.record("reduce_scatter", comm.Get_size(), sent, received, kept)
     return result
+
+
+def ireduce_scatter(comm, x, axis, sizes, donate=False):
+    """reduce_scatter, started: a Pending whose wait() returns what reduce_scatter returns
+    (x must not be written before then)."""
+    t = _Timer(comm)
+    done, plan = _reduce_scatter_setup(comm, x, axis, sizes, donate, t)
+    if done:
+        return Pending(t, "reduce_scatter", 1, (0, 0), None, lambda: (plan, plan))
+    (send, recv), finish, moved = plan
+    return Pending(t, "reduce_scatter", comm.Get_size(), moved, lambda: comm.Ialltoallw(send, recv), finish)
+
+
+class Pending:
+    """A collective started by iallreduce, iallgather, ireduce_scatter or ialltoallv and not
+    yet completed: its buffers are MPI's until wait(). test() lets MPI progress it (most
+    transports move data only inside MPI calls) and says whether it is done; wait() completes
+    it and returns what the blocking collective returns, the same numbers, and records it in
+    the ledger under the layer and phase it was started in: its bytes as the blocking call's,
+    `seconds` in the call that started it, `wait_seconds` in wait() (no barrier before it:
+    one would end the overlap), `pack_seconds` the local work before the start and after the
+    wait, `started` and `waited` the times it was started and waited for. Waiting twice
+    returns the same result."""
+
+    _UNSET = object()
+
+    def __init__(self, timer, collective, group_size, moved, start, finish):
+        ledger = get_ledger()
+        self._ledger, self._where = ledger, (ledger.layer, ledger.phase)
+        self._collective, self._group_size, self._moved, self._finish = collective, group_size, moved, finish
+        self.started = time.perf_counter()
+        self._setup = self.started - timer.started  # staging and checks before the start
+        self._agree = timer.wait_seconds  # the agreement check's wait, where inputs are checked
+        self._request = start() if start is not None else None
+        self._seconds = time.perf_counter() - self.started
+        self._result = Pending._UNSET
+
+    def test(self):
+        """Whether the collective has completed (progressing it)."""
+        return self._request is None or self._result is not Pending._UNSET or bool(self._request.Test())
+
+    def wait(self):
+        if self._result is not Pending._UNSET:
+            return self._result
+        waited = time.perf_counter()
+        if self._request is not None:
+            self._request.Wait()
+        done = time.perf_counter()
+        result, kept = self._finish()
+        pack = self._setup + time.perf_counter() - done
+        sent, received = self._moved
+        self._ledger.record(self._collective, self._group_size, sent, received, self._seconds, kept,
+                            self._agree + done - waited, pack, where=self._where, started=self.started,
+                            waited=waited)
+        self._result = result
+        return result
 
 
 def _alone(x, donate):
@@ -452,6 +549,43 @@ def _alone(x, donate):
 
 # ---------------------------------------------------------------------------------------------
 # allreduce (self-adjoint)
+
+
+def _allreduce_setup(comm, x, donate, t):
+    """What allreduce and iallreduce share (as _allgather_setup): the checks, the one-rank
+    sums, or the buffer and the splitting of the sum into the parts."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    many = isinstance(x, (list, tuple))
+    xp = backend.get_array_module(parts[0])
+    if len(parts) > 1:
+        kinds = {np.dtype(a.dtype) for a in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"allreduce: the parts of one message have dtypes {sorted(map(str, kinds))}; "
+                             f"expected one")
+    if p == 1:  # nothing to sum, nothing to concatenate
+        sums = [_alone(a, donate) for a in parts]
+        kept = None  # what a ledger that keeps results keeps: the one message, as summed
+        if get_ledger().results is not None:
+            kept = sums[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in sums])
+        return True, (sums if many else sums[0], kept)
+    one = parts[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in parts])
+    t.agree(one, "allreduce")
+    n, item = one.size, np.dtype(one.dtype).itemsize
+    host = np.ascontiguousarray(backend.to_host(one))
+    # In place where the buffer is not the caller's (a concatenation, a staged or contiguous
+    # copy) or the caller gave it up: no fresh result to fault in and no second buffer to read.
+    ours = donate or len(parts) > 1 or xp is not np or not np.may_share_memory(host, parts[0])
+    out = host if ours else np.empty_like(host)
+
+    def finish():
+        total = backend.from_host(out, xp)
+        bounds = np.cumsum([a.size for a in parts])[:-1]
+        sums = [piece.reshape(a.shape) for piece, a in zip(xp.split(total.reshape(-1), bounds), parts)]
+        return (sums if many else sums[0]), out
+    own = block_sizes(n, p)[rank]
+    moved = ((n - own) + (p - 1) * own) * item
+    return False, ((MPI.IN_PLACE if ours else host, out), finish, (moved, moved))
 
 
 def allreduce(comm, x, donate=False):
@@ -466,38 +600,30 @@ def allreduce(comm, x, donate=False):
     of parts, which is cfp's own. Adjoint: itself.
     """
     t = _Timer(comm)
-    rank, p = comm.Get_rank(), comm.Get_size()
-    parts = list(x) if isinstance(x, (list, tuple)) else [x]
-    xp = backend.get_array_module(parts[0])
-    if len(parts) > 1:
-        kinds = {np.dtype(a.dtype) for a in parts}
-        if len(kinds) > 1:
-            raise ValueError(f"allreduce: the parts of one message have dtypes {sorted(map(str, kinds))}; "
-                             f"expected one")
-    if p == 1:  # nothing to sum, nothing to concatenate
-        sums = [_alone(a, donate) for a in parts]
-        kept = None  # what a ledger that keeps results keeps: the one message, as summed
-        if get_ledger().results is not None:
-            kept = sums[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in sums])
-        t.record("allreduce", p, 0, 0, kept)
-        return sums if isinstance(x, (list, tuple)) else sums[0]
-    one = parts[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in parts])
-    t.agree(one, "allreduce")
-    n, item = one.size, np.dtype(one.dtype).itemsize
-    host = np.ascontiguousarray(backend.to_host(one))
-    # In place where the buffer is not the caller's (a concatenation, a staged or contiguous
-    # copy) or the caller gave it up: no fresh result to fault in and no second buffer to read.
-    ours = donate or len(parts) > 1 or xp is not np or not np.may_share_memory(host, parts[0])
-    out = host if ours else np.empty_like(host)
+    done, plan = _allreduce_setup(comm, x, donate, t)
+    if done:
+        result, kept = plan
+        t.record("allreduce", 1, 0, 0, kept)
+        return result
+    (send, out), finish, (sent, received) = plan
     with t:
-        comm.Allreduce(MPI.IN_PLACE if ours else host, out, op=MPI.SUM)
-    total = backend.from_host(out, xp)
-    bounds = np.cumsum([a.size for a in parts])[:-1]
-    sums = [piece.reshape(a.shape) for piece, a in zip(xp.split(total.reshape(-1), bounds), parts)]
-    own = block_sizes(n, p)[rank]
-    moved = ((n - own) + (p - 1) * own) * item
-    t.record("allreduce", p, moved, moved, out)
-    return sums if isinstance(x, (list, tuple)) else sums[0]
+        comm.Allreduce(send, out, op=MPI.SUM)
+    result, kept = finish()
+    t.record("allreduce", comm.Get_size(), sent, received, kept)
+    return result
+
+
+def iallreduce(comm, x, donate=False):
+    """allreduce, started: a Pending whose wait() returns what allreduce returns (x must not be
+    read or written before then). MPI does not promise that a non-blocking sum adds the
+    ranks' contributions in the blocking one's order: equal to rounding."""
+    t = _Timer(comm)
+    done, plan = _allreduce_setup(comm, x, donate, t)
+    if done:
+        result, kept = plan
+        return Pending(t, "allreduce", 1, (0, 0), None, lambda: (result, kept))
+    (send, out), finish, moved = plan
+    return Pending(t, "allreduce", comm.Get_size(), moved, lambda: comm.Iallreduce(send, out, op=MPI.SUM), finish)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,13 +673,8 @@ def sum_reduce(comm, x, root=0):
 # all-to-all (adjoint: the same with the axes swapped)
 
 
-def alltoallv(comm, send_chunks, recv_counts, dtype):
-    """Send `send_chunks[d]` (a 1-D host array) to rank d; return the chunk from each rank.
-
-    recv_counts[s]: the number of elements rank s sends here. The general exchange behind
-    `alltoall` and `DistTensor.redistribute`.
-    """
-    t = _Timer(comm)
+def _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t):
+    """What alltoallv and ialltoallv share (as _allgather_setup)."""
     rank, p = comm.Get_rank(), comm.Get_size()
     if len(send_chunks) != p or len(recv_counts) != p:
         raise ValueError(f"alltoallv needs one chunk and one count per rank of a group of {p}")
@@ -564,16 +685,45 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
     sendbuf = (np.concatenate(send_chunks).astype(dtype, copy=False) if p > 1
                else np.ascontiguousarray(send_chunks[0], dtype=dtype))
     recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
+
+    def finish():
+        return np.split(recvbuf, np.cumsum(recv_counts)[:-1]), None
     if p == 1:
         recvbuf[...] = sendbuf
-    else:
-        with t:
-            comm.Alltoallv([sendbuf, (send_counts, _displacements(send_counts))],
-                           [recvbuf, (recv_counts, _displacements(recv_counts))])
+        return True, finish()[0]
     item = np.dtype(dtype).itemsize
-    t.record("alltoall", p, (send_counts.sum() - send_counts[rank]) * item,
-             (recv_counts.sum() - recv_counts[rank]) * item)
-    return np.split(recvbuf, np.cumsum(recv_counts)[:-1])
+    moved = ((send_counts.sum() - send_counts[rank]) * item, (recv_counts.sum() - recv_counts[rank]) * item)
+    send = [sendbuf, (send_counts, _displacements(send_counts))]
+    recv = [recvbuf, (recv_counts, _displacements(recv_counts))]
+    return False, ((send, recv), finish, moved)
+
+
+def alltoallv(comm, send_chunks, recv_counts, dtype):
+    """Send `send_chunks[d]` (a 1-D host array) to rank d; return the chunk from each rank.
+
+    recv_counts[s]: the number of elements rank s sends here. The general exchange behind
+    `alltoall` and `DistTensor.redistribute`.
+    """
+    t = _Timer(comm)
+    done, plan = _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t)
+    if done:
+        t.record("alltoall", 1, 0, 0)
+        return plan
+    (send, recv), finish, (sent, received) = plan
+    with t:
+        comm.Alltoallv(send, recv)
+    t.record("alltoall", comm.Get_size(), sent, received)
+    return finish()[0]
+
+
+def ialltoallv(comm, send_chunks, recv_counts, dtype):
+    """alltoallv, started: a Pending whose wait() returns the chunk from each rank."""
+    t = _Timer(comm)
+    done, plan = _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t)
+    if done:
+        return Pending(t, "alltoall", 1, (0, 0), None, lambda: (plan, None))
+    (send, recv), finish, moved = plan
+    return Pending(t, "alltoall", comm.Get_size(), moved, lambda: comm.Ialltoallv(send, recv), finish)
 
 
 def _agree_counts(comm, send_counts, recv_counts, dtype):

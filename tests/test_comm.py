@@ -279,3 +279,50 @@ def test_collectives_refuse_blocks_that_do_not_fit_together():
         with C.tag(layer="conv", phase="forward"):  # a layer's collective: no extra check
             C.allreduce(WORLD, np.ones(4))
     assert [rec.collective for rec in ledger.records] == ["allgather", "allreduce"]
+
+
+def test_nonblocking_collectives_equal_the_blocking_ones(grid_and_groups):
+    """iallgather, ireduce_scatter, iallreduce and ialltoallv, all four in flight at once and
+    waited for in reverse order, return what the blocking ones return (the gathers and the
+    all-to-all exactly, the sums to rounding: MPI does not fix a non-blocking sum's order), and
+    are adjoint as theirs are. Each is recorded once, when waited for, under the layer and phase
+    it was started in, with the blocking call's bytes, started before it was waited for."""
+    rng = np.random.default_rng(3000 + WORLD.Get_rank())
+    for name, comm in grid_and_groups:
+        p, r = comm.Get_size(), comm.Get_rank()
+        extent, axis = 7, 1
+        sizes = block_sizes(extent, p)
+        full = make_shape(extent, axis)
+        local = list(full)
+        local[axis] = sizes[r]
+        x, y, z = rng.standard_normal(local), rng.standard_normal(full), rng.standard_normal((3, 5))
+        chunks = [rng.standard_normal(d + 1) for d in range(p)]  # d + 1 values to rank d
+        counts = [r + 1] * p  # and r + 1 from every rank
+        blocking = C.CommLedger()
+        with C.use_ledger(blocking):
+            expected = [C.allgather(comm, x, axis, sizes), C.reduce_scatter(comm, y, axis, sizes),
+                        C.allreduce(comm, z), C.alltoallv(comm, chunks, counts, np.float64)]
+        ledger = C.CommLedger()
+        with C.use_ledger(ledger):
+            with C.tag(layer="L", phase="backward-filter"):
+                pending = [C.iallgather(comm, x, axis, sizes), C.ireduce_scatter(comm, y, axis, sizes),
+                           C.iallreduce(comm, z), C.ialltoallv(comm, chunks, counts, np.float64)]
+            assert_all_ranks(ledger.records == [], f"{name}: recorded before any wait")
+            got = [q.wait() for q in reversed(pending)][::-1]
+            assert_all_ranks(all(q.test() for q in pending) and pending[0].wait() is got[0],
+                             f"{name}: a completed collective's test() and second wait()")
+        assert_all_ranks(np.array_equal(got[0], expected[0]), f"iallgather over {name}")
+        assert_close_all_ranks(got[1], expected[1], 1e-12, f"ireduce_scatter over {name}")
+        assert_close_all_ranks(got[2], expected[2], 1e-12, f"iallreduce over {name}")
+        assert_all_ranks(all(np.array_equal(a, b) for a, b in zip(got[3], expected[3])), f"ialltoallv over {name}")
+        records = ledger.records
+        assert_all_ranks([c.collective for c in records] == ["alltoall", "allreduce", "reduce_scatter", "allgather"]
+                         and all((c.layer, c.phase) == ("L", "backward-filter") for c in records)
+                         and all(c.started <= c.waited and c.wait_seconds >= 0 for c in records),
+                         f"{name}: the records {records}")
+        sent = {c.collective: (c.bytes_sent, c.bytes_received) for c in blocking.records}
+        assert_all_ranks(all((c.bytes_sent, c.bytes_received) == sent[c.collective] for c in records),
+                         f"{name}: bytes {records} against the blocking calls' {sent}")
+        v = rng.standard_normal(full)
+        assert_adjoint(inner(C.iallgather(comm, x, axis, sizes).wait(), v),
+                       inner(x, C.ireduce_scatter(comm, v, axis, sizes).wait()), f"iallgather over {name}")
