@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from . import backend, cli, comm
 from .algorithms import ALGORITHMS
+from .algorithms.base import overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
@@ -72,6 +73,7 @@ class TrainConfig:
     plot: str = None
     progress: bool = True
     comm_table: str = "top"  # the summary's communication table: "top" rows of most transfer time, or "full"
+    bucket_mb: float = 0  # > 0: the gradient allreduces started in buckets of this many MiB during backward
 
     def validate(self):
         """ValueError naming the bad option, or an option this combination would ignore; the
@@ -90,6 +92,7 @@ class TrainConfig:
                                     "train_samples", "max_steps", "threads"),
                     nonnegative=("warmup_steps", "seed"))
         finite_number(self.lr, "--lr", above=0)
+        finite_number(self.bucket_mb, "--bucket-mb", minimum=0)
         finite_number(self.weight_decay, "--weight-decay", minimum=0)
         if self.momentum is not None:
             finite_number(self.momentum, "--momentum", minimum=0)
@@ -210,14 +213,21 @@ def check_batch(grid, x_local, y_local):
     return shape[0]
 
 
-def train_step(model, loss_fn, optimizer, x_local, y_local):
+def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0):
     """One step on this rank's block of a global batch: forward, loss, backward (gradients
     synchronised inside the layers), update. Returns (loss, correct in the global batch).
-    The batch is checked once (check_batch); the layers then run without checks of their own."""
+    The batch is checked once (check_batch); the layers then run without checks of their own.
+    bucket_mb > 0: the weight gradients' allreduces are started in buckets of that many MiB
+    while backward runs (algorithms.base.overlapped_gradient_sync) and waited for before the
+    update; 0: each layer sums its gradients when it has them, blocking."""
     n = check_batch(model.grid, x_local, y_local)
     with comm.inputs_checked():
         loss, correct = loss_fn.forward(model.forward(x_local, n), y_local)
-        model.backward(loss_fn.backward())
+        if bucket_mb:
+            with overlapped_gradient_sync(bucket_mb * 2 ** 20):
+                model.backward(loss_fn.backward())
+        else:
+            model.backward(loss_fn.backward())
         optimizer.step()
     return loss, correct
 
@@ -401,7 +411,7 @@ class _Session:
                 continue
             ctrl_c.check(self.grid.comm)
             lr = self.optimizer.lr
-            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local)
+            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.cfg.bucket_mb)
             if not math.isfinite(loss):  # the same value on every rank: all stop here
                 self._diverged(self.step + 1, f"the loss is {loss}")
             self.schedule.step()

@@ -79,6 +79,9 @@ def parse_args(argv):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--comm-table", default=defaults.comm_table, metavar=cli.one_of(COMM_TABLES),
                    help="the summary's communication table: the rows of most transfer time, or every row")
+    p.add_argument("--bucket-mb", type=float, default=defaults.bucket_mb,
+                   help="start the weight gradients' allreduces during backward, in buckets of this many MiB "
+                        "(0, the default: each layer sums its own when it has them)")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in vars(args).items() if k in fields}

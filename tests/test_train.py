@@ -265,3 +265,18 @@ def test_flags_and_ctrl_c_are_agreed_by_every_rank():
     ctrl_c.check(WORLD)  # nobody asked: every rank goes on
     ctrl_c.requested = rank == SIZE - 1
     raises_on_all_ranks(KeyboardInterrupt, lambda: ctrl_c.check(WORLD))
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-4, 1000])
+def test_gradients_summed_in_buckets_during_backward_train_like_one_rank(bucket_mb):
+    """--bucket-mb: the weight gradients' allreduces started during backward, in buckets of a
+    layer or two (1e-4 MiB) or of the whole model (1000 MiB), waited for before the update:
+    the same losses and weights as one rank, on the channel and the sample axis."""
+    for grid, algorithm in ((f"sample={SIZE}", "sample"), (f"channel={SIZE}", "w")):
+        losses0, weights0 = serial_run(algorithm)
+        result, model = train_model(config(grid=grid, algorithm=algorithm, bucket_mb=bucket_mb))
+        losses = np.array([h["loss"] for h in result["history"]])
+        assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"bucket {bucket_mb} MiB on {grid}: losses")
+        final = weights(model)
+        for key in final:
+            assert_close_all_ranks(final[key], weights0[key], 1e-9, f"bucket {bucket_mb} MiB on {grid}: {key}")

@@ -8,6 +8,7 @@ of these are layouts (cfp/layout.py): `input_layout`, `output_layout`, `weight_l
 `bias_layout`, and every index set below is read from them.
 """
 import collections
+import contextlib
 import functools
 import types
 
@@ -358,14 +359,80 @@ class ConvAlgorithm:
 
     def sync_gradients(self, dw, db):
         """Segmented allreduce: sum dw (and db) over the P/P_c ranks holding the same shard,
-        as one message. With P_c = 1 it is the data-parallel allreduce."""
+        as one message. With P_c = 1 it is the data-parallel allreduce. Inside
+        overlapped_gradient_sync, the sum is only started (in a bucket): dw and db are returned
+        as they are and hold the sums once the context ends."""
+        parts = [dw] + ([db] if db is not None else [])
+        if _buckets:
+            _buckets[-1].add(self.gradient_comm, self.layer, parts)
+            return dw, db
         with comm.tag(layer=self.layer, phase="gradient-sync"):
-            sums = comm.allreduce(self.gradient_comm, [dw] + ([db] if db is not None else []), donate=True)
+            sums = comm.allreduce(self.gradient_comm, parts, donate=True)
         return sums[0], (sums[1] if db is not None else None)
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.layer}: C={self.C}, F={self.F}, "
                 f"kernel={self.kernel_size}, grid {self.grid.describe()})")
+
+
+_buckets = []  # the GradientBuckets of the overlapped_gradient_sync in force, innermost last
+
+
+class GradientBuckets:
+    """The weight gradients of one backward pass, summed while it runs: each layer's (dw, db)
+    joins the open bucket of its gradient group (the ranks holding the same shards, in the
+    order the layers finish), and a bucket of at least `bucket_bytes` starts its sum at once,
+    one non-blocking allreduce of the bucket's arrays as one message (comm.iallreduce, phase
+    'gradient-sync', under its layers' names), while the layers before it compute. finish()
+    starts what is left, waits for every sum and writes each into its gradient's own array,
+    so the optimizer reads the same arrays it always did, holding the same sums (to rounding:
+    MPI does not fix a sum's order, nor is a bucket's message split as each layer's was)."""
+
+    def __init__(self, bucket_bytes):
+        self.bucket_bytes = bucket_bytes
+        self._open = {}  # id(group) -> (group, [layer names], [arrays], bytes)
+        self._started = []  # (Pending, arrays)
+
+    def add(self, group, layer, arrays):
+        for pending, _ in self._started:  # most transports move data only inside MPI calls
+            pending.test()
+        held = self._open.setdefault(id(group), (group, [], [], [0]))
+        held[1].append(layer)
+        held[2].extend(arrays)
+        held[3][0] += sum(a.nbytes for a in arrays)
+        if held[3][0] >= self.bucket_bytes:
+            self._start(id(group))
+
+    def _start(self, key):
+        group, layers, arrays, _ = self._open.pop(key)
+        name = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
+        with comm.tag(layer=name, phase="gradient-sync"):
+            self._started.append((comm.iallreduce(group, arrays, donate=True), arrays))
+
+    def finish(self):
+        """Start the open buckets (in the order they were opened: the same on every rank), wait
+        for every sum, and put each into its gradient's array."""
+        for key in list(self._open):
+            self._start(key)
+        for pending, arrays in self._started:
+            for a, total in zip(arrays, pending.wait()):
+                if not backend.get_array_module(a).shares_memory(a, total):
+                    a[...] = total
+        self._started = []
+
+
+@contextlib.contextmanager
+def overlapped_gradient_sync(bucket_bytes):
+    """Within the block, the layers' gradient allreduces are started in buckets of
+    `bucket_bytes` as backward produces them (GradientBuckets), and when the block ends every
+    sum is in its gradient: what train_step does around backward with a bucket size."""
+    buckets = GradientBuckets(bucket_bytes)
+    _buckets.append(buckets)
+    try:
+        yield buckets
+        buckets.finish()
+    finally:
+        _buckets.pop()
 
 
 @functools.lru_cache(maxsize=None)
