@@ -362,10 +362,36 @@ def _contiguous(dtype, p):
 # allgather <-> reduce_scatter
 
 
+def _blocking(t, comm, collective, setup, run):
+    """A blocking collective from its setup's (done, plan): the one-rank (result, kept), or the
+    exchange (buffers, finish, (bytes sent, received)) that run(*buffers) carries out in one
+    MPI call; recorded in the ledger (kept: what a ledger keeping results keeps)."""
+    done, plan = setup
+    if done:
+        result, kept = plan
+        t.record(collective, 1, 0, 0, kept)
+        return result
+    buffers, finish, (sent, received) = plan
+    with t:
+        run(*buffers)
+    result, kept = finish()
+    t.record(collective, comm.Get_size(), sent, received, kept)
+    return result
+
+
+def _started(t, comm, collective, setup, start):
+    """The same collective started by start(*buffers) (an MPI I-call): a Pending."""
+    done, plan = setup
+    if done:
+        return Pending(t, collective, 1, (0, 0), None, lambda: plan)
+    buffers, finish, moved = plan
+    return Pending(t, collective, comm.Get_size(), moved, lambda: start(*buffers), finish)
+
+
 def _allgather_setup(comm, x, axis, sizes, may_alias, t):
     """What allgather and iallgather share: the checks, and either the one-rank result
-    (done, result) or the exchange ((send, recv) of one Alltoallw, finish, bytes sent and
-    received). Each rank's block is sent as it lies and received straight into its place in
+    (True, (result, kept)) or the exchange (False, ((send, recv) of one Alltoallw, finish,
+    (bytes sent, received))), for _blocking and _started. Each rank's block is sent as it lies and received straight into its place in
     the result (_block_types), by every rank (itself too): an all-to-all whose send side is
     the same block for every destination."""
     sizes = _check_sizes(comm, sizes)
@@ -378,7 +404,8 @@ def _allgather_setup(comm, x, axis, sizes, may_alias, t):
         )
     t.agree(x, "allgather", free_axis=axis)
     if p == 1:
-        return True, _alone(x, donate=may_alias)
+        out = _alone(x, donate=may_alias)
+        return True, (out, out)
     xp = backend.get_array_module(x)
     mine = np.ascontiguousarray(backend.to_host(x))
     counts = _block_counts(mine.shape, axis, sizes)
@@ -401,26 +428,13 @@ def allgather(comm, x, axis, sizes, may_alias=False):
     `reduce_scatter(comm, dy, axis, sizes)`.
     """
     t = _Timer(comm)
-    done, plan = _allgather_setup(comm, x, axis, sizes, may_alias, t)
-    if done:
-        t.record("allgather", 1, 0, 0, plan)
-        return plan
-    (send, recv), finish, (sent, received) = plan
-    with t:
-        comm.Alltoallw(send, recv)
-    result, kept = finish()
-    t.record("allgather", comm.Get_size(), sent, received, kept)
-    return result
+    return _blocking(t, comm, "allgather", _allgather_setup(comm, x, axis, sizes, may_alias, t), comm.Alltoallw)
 
 
 def iallgather(comm, x, axis, sizes, may_alias=False):
     """allgather, started: a Pending whose wait() returns what allgather returns."""
     t = _Timer(comm)
-    done, plan = _allgather_setup(comm, x, axis, sizes, may_alias, t)
-    if done:
-        return Pending(t, "allgather", 1, (0, 0), None, lambda: (plan, plan))
-    (send, recv), finish, moved = plan
-    return Pending(t, "allgather", comm.Get_size(), moved, lambda: comm.Ialltoallw(send, recv), finish)
+    return _started(t, comm, "allgather", _allgather_setup(comm, x, axis, sizes, may_alias, t), comm.Ialltoallw)
 
 
 def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
@@ -439,7 +453,8 @@ def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
         )
     t.agree(x, "reduce_scatter")
     if p == 1:
-        return True, _alone(x, donate)
+        out = _alone(x, donate)
+        return True, (out, out)
     xp = backend.get_array_module(x)
     host = np.ascontiguousarray(backend.to_host(x))
     counts, item = _block_counts(host.shape, axis, sizes), host.dtype.itemsize
@@ -472,27 +487,16 @@ def reduce_scatter(comm, x, axis, sizes, donate=False):
     instead of a copy. Adjoint: `allgather`.
     """
     t = _Timer(comm)
-    done, plan = _reduce_scatter_setup(comm, x, axis, sizes, donate, t)
-    if done:
-        t.record("reduce_scatter", 1, 0, 0, plan)
-        return plan
-    (send, recv), finish, (sent, received) = plan
-    with t:
-        comm.Alltoallw(send, recv)
-    result, kept = finish()
-    t.record("reduce_scatter", comm.Get_size(), sent, received, kept)
-    return result
+    return _blocking(t, comm, "reduce_scatter", _reduce_scatter_setup(comm, x, axis, sizes, donate, t),
+                     comm.Alltoallw)
 
 
 def ireduce_scatter(comm, x, axis, sizes, donate=False):
     """reduce_scatter, started: a Pending whose wait() returns what reduce_scatter returns
     (x must not be written before then)."""
     t = _Timer(comm)
-    done, plan = _reduce_scatter_setup(comm, x, axis, sizes, donate, t)
-    if done:
-        return Pending(t, "reduce_scatter", 1, (0, 0), None, lambda: (plan, plan))
-    (send, recv), finish, moved = plan
-    return Pending(t, "reduce_scatter", comm.Get_size(), moved, lambda: comm.Ialltoallw(send, recv), finish)
+    return _started(t, comm, "reduce_scatter", _reduce_scatter_setup(comm, x, axis, sizes, donate, t),
+                    comm.Ialltoallw)
 
 
 class Pending:
@@ -600,17 +604,8 @@ def allreduce(comm, x, donate=False):
     of parts, which is cfp's own. Adjoint: itself.
     """
     t = _Timer(comm)
-    done, plan = _allreduce_setup(comm, x, donate, t)
-    if done:
-        result, kept = plan
-        t.record("allreduce", 1, 0, 0, kept)
-        return result
-    (send, out), finish, (sent, received) = plan
-    with t:
-        comm.Allreduce(send, out, op=MPI.SUM)
-    result, kept = finish()
-    t.record("allreduce", comm.Get_size(), sent, received, kept)
-    return result
+    return _blocking(t, comm, "allreduce", _allreduce_setup(comm, x, donate, t),
+                     lambda send, out: comm.Allreduce(send, out, op=MPI.SUM))
 
 
 def iallreduce(comm, x, donate=False):
@@ -618,12 +613,8 @@ def iallreduce(comm, x, donate=False):
     read or written before then). MPI does not promise that a non-blocking sum adds the
     ranks' contributions in the blocking one's order: equal to rounding."""
     t = _Timer(comm)
-    done, plan = _allreduce_setup(comm, x, donate, t)
-    if done:
-        result, kept = plan
-        return Pending(t, "allreduce", 1, (0, 0), None, lambda: (result, kept))
-    (send, out), finish, moved = plan
-    return Pending(t, "allreduce", comm.Get_size(), moved, lambda: comm.Iallreduce(send, out, op=MPI.SUM), finish)
+    return _started(t, comm, "allreduce", _allreduce_setup(comm, x, donate, t),
+                    lambda send, out: comm.Iallreduce(send, out, op=MPI.SUM))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -690,7 +681,7 @@ def _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t):
         return np.split(recvbuf, np.cumsum(recv_counts)[:-1]), None
     if p == 1:
         recvbuf[...] = sendbuf
-        return True, finish()[0]
+        return True, finish()
     item = np.dtype(dtype).itemsize
     moved = ((send_counts.sum() - send_counts[rank]) * item, (recv_counts.sum() - recv_counts[rank]) * item)
     send = [sendbuf, (send_counts, _displacements(send_counts))]
@@ -705,25 +696,15 @@ def alltoallv(comm, send_chunks, recv_counts, dtype):
     `alltoall` and `DistTensor.redistribute`.
     """
     t = _Timer(comm)
-    done, plan = _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t)
-    if done:
-        t.record("alltoall", 1, 0, 0)
-        return plan
-    (send, recv), finish, (sent, received) = plan
-    with t:
-        comm.Alltoallv(send, recv)
-    t.record("alltoall", comm.Get_size(), sent, received)
-    return finish()[0]
+    return _blocking(t, comm, "alltoall", _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t),
+                     comm.Alltoallv)
 
 
 def ialltoallv(comm, send_chunks, recv_counts, dtype):
     """alltoallv, started: a Pending whose wait() returns the chunk from each rank."""
     t = _Timer(comm)
-    done, plan = _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t)
-    if done:
-        return Pending(t, "alltoall", 1, (0, 0), None, lambda: (plan, None))
-    (send, recv), finish, moved = plan
-    return Pending(t, "alltoall", comm.Get_size(), moved, lambda: comm.Ialltoallv(send, recv), finish)
+    return _started(t, comm, "alltoall", _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t),
+                    comm.Ialltoallv)
 
 
 def _agree_counts(comm, send_counts, recv_counts, dtype):
