@@ -2,7 +2,7 @@
 joined through a bridge by links whose rate `tc` can limit, and MPI jobs launched across them.
 
     python scripts/cluster.py up --nodes 2 [--rate 1gbit] [--name cfp]   # as root
-    python scripts/cluster.py run [--name cfp] --ranks-per-node 2 -- python -m mpi4py scripts/train.py ...
+    python scripts/cluster.py run [--name cfp] --ranks-per-node 2 [--placement cyclic] -- python -m mpi4py scripts/train.py ...
     python scripts/cluster.py status [--name cfp]
     python scripts/cluster.py down [--name cfp]
     python scripts/cluster.py test [--rate 1gbit] [--ranks "2 4"] [PYTEST ARGS]   # make test-cluster
@@ -43,6 +43,7 @@ import time
 IFACE = "cfpnet"  # the node-side interface, the same name in every node (FI_TCP_IFACE)
 SUBNET = "198.18.0"  # node k at SUBNET.(k+1)/24
 STATE_ROOT = "/tmp/cfp-cluster"
+PLACEMENTS = ("block", "cyclic")  # ranks to nodes: in blocks of R, or one a node in turn
 RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
 NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,25 +203,31 @@ class Cluster:
         """What makes the MPI use the links (MPICH's OFI netmod over TCP on the nodes' interface)."""
         return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}
 
-    def mpiexec_argv(self, nprocs, args, mpiexec=None):
-        """The command, run in node 0, that starts `args` on nprocs ranks, nprocs / nodes a node."""
+    def mpiexec_argv(self, nprocs, args, mpiexec=None, placement="block"):
+        """The command, run in node 0, that starts `args` on nprocs ranks, nprocs / nodes a node:
+        in blocks (ranks 0..R-1 on node 0, the launchers' default, what cfp's grids assume: a
+        channel group's neighbours share a node) or cyclic (rank r on node r mod K: neighbours
+        on different nodes, to measure a channel group across nodes)."""
         per_node = ranks_per_node(nprocs, self.nodes)
         real = mpiexec or _real_mpiexec()
-        hosts = ",".join(f"{self.node(k)}:{per_node}" for k in range(self.nodes))
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        chunk = per_node if placement == "block" else 1
+        hosts = ",".join(f"{self.node(k)}:{chunk}" for k in range(self.nodes))
         env = [f"{k}={v}" for k, v in self.network_env().items()]
         inner = shlex.join(["env", *env, real, "-launcher", "ssh", "-launcher-exec", self.launcher,
                             "-hosts", hosts, "-n", str(nprocs), *args])
         return ["ip", "netns", "exec", self.node(0), "unshare", "--uts", "sh", "-c",
                 f"hostname {self.node(0)}; cd {shlex.quote(os.getcwd())}; exec {inner}"]
 
-    def run(self, nprocs, args, out=None):
+    def run(self, nprocs, args, out=None, placement="block"):
         """Run `args` on nprocs ranks across the nodes; returns (exit status, {node: bytes sent}).
         Prints the environment that forces the network, and refuses to count a run across
         nodes whose bytes crossed no link (exit status 3)."""
         out = out or sys.stdout
-        print(f"cluster {self.name}: {nprocs} ranks on {self.nodes} nodes ({nprocs // max(self.nodes, 1)} a node), "
-              f"{' '.join(f'{k}={v}' for k, v in self.network_env().items())}", file=out, flush=True)
-        argv = self.mpiexec_argv(nprocs, args)
+        print(f"cluster {self.name}: {nprocs} ranks on {self.nodes} nodes ({nprocs // max(self.nodes, 1)} a node, "
+              f"{placement}), {' '.join(f'{k}={v}' for k, v in self.network_env().items())}", file=out, flush=True)
+        argv = self.mpiexec_argv(nprocs, args, placement=placement)
         before = self.counters()
         rc = subprocess.call(argv)
         after = self.counters()
@@ -418,6 +425,8 @@ def parse_args(argv):
                                                         "default unshaped")
         if command == "run":
             s.add_argument("--ranks-per-node", type=int, required=True, help="ranks on each node")
+            s.add_argument("--placement", default="block", choices=PLACEMENTS,
+                           help="ranks to nodes: in blocks (neighbours share a node) or cyclic")
             s.add_argument("command_args", nargs=argparse.REMAINDER, help="-- COMMAND...")
         if command == "test":
             s.add_argument("--ranks", default="2 4", help="rank counts of the MPI runs (2 nodes each)")
@@ -457,7 +466,7 @@ def main(argv=None):
                 raise ValueError("run: expected a command after --")
             if args.ranks_per_node < 1:
                 raise ValueError(f"--ranks-per-node {args.ranks_per_node}: expected at least 1")
-            return c.run(args.ranks_per_node * c.nodes, command)[0]
+            return c.run(args.ranks_per_node * c.nodes, command, placement=args.placement)[0]
         elif args.command == "test":
             args.pytest = args.pytest[1:] if args.pytest[:1] == ["--"] else args.pytest
             return cluster_test(args)

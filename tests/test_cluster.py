@@ -124,3 +124,16 @@ def test_an_error_or_ctrl_c_inside_the_cluster_removes_it(clean):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     assert proc.returncode != 0 and cluster.leftovers(NAME) == []
+
+
+def test_ranks_are_placed_in_blocks_or_in_turn():
+    """mpiexec's hosts: R ranks a node in blocks (cfp's grids' neighbours share a node), or one
+    a node in turn (cyclic: a channel group across nodes); anything else refused."""
+    c = cluster.Cluster(2, name=NAME)
+    block, cyclic = (" ".join(c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement=p)) for p in ("block", "cyclic"))
+    assert f"-hosts {NAME}-n0:2,{NAME}-n1:2 -n 4 prog" in block
+    assert f"-hosts {NAME}-n0:1,{NAME}-n1:1 -n 4 prog" in cyclic
+    with pytest.raises(ValueError, match="placement 'random': expected one of block, cyclic"):
+        c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement="random")
+    with pytest.raises(ValueError, match="3 ranks do not divide among 2 nodes"):
+        c.mpiexec_argv(3, ["prog"], mpiexec="mpiexec")
