@@ -203,18 +203,21 @@ def fit_packing(samples):
     return max(float(np.dot(m, t) / np.dot(m, m)), 0.0)
 
 
-def node_layout(world):
+def node_layout(world, strict=True):
     """(ranks per node, nodes) of `world`: the ranks that share a node's memory (MPI's
     COMM_TYPE_SHARED split: hostnames, for the MPIs cfp runs with), which the cost model takes
     to be neighbours, as many on every node (the launchers' block placement). ValueError, the
     same on every rank, where nodes hold different numbers of ranks or a node's are not
-    neighbours."""
+    neighbours. strict=False: the ranks a node, wherever they are (a run with a profile
+    measured elsewhere compares only that)."""
     rank = world.Get_rank()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
     first, size = local.allreduce(rank, op=MPI.MIN), local.Get_size()
     local.Free()
     every = world.allgather((first, size))
     per_node = every[0][1]
+    if not strict:  # what a record compares (warn_if_foreign): the ranks a node, however placed
+        return per_node, world.Get_size() // per_node
     if any(s != per_node or f != r // per_node * per_node for r, (f, s) in enumerate(every)):
         raise ValueError(f"calibration: the nodes' ranks are not {per_node} neighbours each (ranks by node: "
                          f"{sorted({f: [r for r, (g, _) in enumerate(every) if g == f] for f, _ in every}.values())}); "
@@ -596,7 +599,7 @@ def profile_for(world, threads, layers=None, directory=None, out=None):
 def warn_if_foreign(profile, world, threads, out=None):
     """One line of warning on rank 0 when `profile` records a machine other than this one
     (differences names what differs); nothing for a profile without a record."""
-    per_node = node_layout(world)[0]  # (collective: every rank)
+    per_node = node_layout(world, strict=False)[0]  # (collective: every rank)
     if world.Get_rank() != 0:
         return
     different = differences(profile.machine, machine_record(world.Get_size(), threads, per_node))
