@@ -145,7 +145,6 @@ class _Cold:
         return timed(func)
 
 
-
 # -- the collectives ---------------------------------------------------------------------------
 
 MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -225,7 +224,7 @@ def node_layout(world, strict=True):
     return per_node, world.Get_size() // per_node
 
 
-def calibrate_collectives(world, quick, repeats):
+def calibrate_collectives(world, quick, repeats, layout=None):
     """({link: {collective: [alpha, beta]}}, {collective: packing s/byte}); no links on one rank.
 
     cfp's collectives pack and unpack NCHW blocks with local copies, which cost time even on
@@ -234,10 +233,11 @@ def calibrate_collectives(world, quick, repeats):
     2..R ranks inside a node give the link inside a node ("intra"), those that span nodes
     (2..P neighbours beyond R, and one rank of each of 2..K nodes) the link between nodes
     ("inter", measured only where the ranks span several nodes; with one rank a node, the
-    "intra" link is the same numbers: no group of the model's ever uses it).
+    "intra" link is the same numbers: no group of the model's ever uses it). layout: the
+    (ranks per node, nodes) of node_layout, where the caller has it.
     """
     P, rank = world.Get_size(), world.Get_rank()
-    per_node, nodes = node_layout(world)
+    per_node, nodes = layout or node_layout(world)
     messages = MESSAGE_BYTES[::2] if quick else MESSAGE_BYTES
     groups = [(list(range(p)), "intra" if p <= per_node else "inter") for p in range(2, P + 1)]
     if nodes > 1 and per_node > 1:
@@ -489,10 +489,11 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
     progress(done, total) as the kernel shapes finish."""
     start = time.time()
     backend.set_blas_threads(threads)
-    links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats)
+    per_node, nodes = node_layout(world)
+    links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats,
+                                           (per_node, nodes))
     for table in links.values():
         check_fits(table, packing)  # rank 0's fit on every rank: every rank judges alike
-    per_node, nodes = node_layout(world)
 
     kernels = calibrate_kernels(world, [_geometry(s) for s in kernel_shapes(quick)], 3 if quick else repeats,
                                 progress)

@@ -391,9 +391,9 @@ def _started(t, comm, collective, setup, start):
 def _allgather_setup(comm, x, axis, sizes, may_alias, t):
     """What allgather and iallgather share: the checks, and either the one-rank result
     (True, (result, kept)) or the exchange (False, ((send, recv) of one Alltoallw, finish,
-    (bytes sent, received))), for _blocking and _started. Each rank's block is sent as it lies and received straight into its place in
-    the result (_block_types), by every rank (itself too): an all-to-all whose send side is
-    the same block for every destination."""
+    (bytes sent, received))), for _blocking and _started. Each rank's block is sent as it
+    lies and received straight into its place in the result (_block_types), by every rank
+    (itself too): an all-to-all whose send side is the same block for every destination."""
     sizes = _check_sizes(comm, sizes)
     rank, p = comm.Get_rank(), comm.Get_size()
     axis = axis % x.ndim

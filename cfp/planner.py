@@ -7,9 +7,8 @@ with a redistribution cost between consecutive choices). A layer fed by another 
 before it, or whose output is added to another branch's (a residual block's projection and
 sum: LayerShape.reads, merges), is priced against that layer's choice: the program's state
 holds the grid of every layer a later one still refers to, so the plan is the best of all.
-The memory limit is met by pricing
-memory: the plan minimising time + lambda * memory, with the smallest lambda (found by bisection)
-whose plan fits.
+The memory limit is met by pricing memory: the plans minimising time + lambda * memory, with
+lambda bisected towards the smallest whose plan fits, the fastest fitting one kept.
 """
 import dataclasses
 
@@ -248,18 +247,21 @@ def _within(options, profile, memory_limit, ranks):
     fastest of every plan tried that fits."""
     fitting = []
 
-    def fits(price):
-        plans = [_best_path(options, profile, price, with_temp) for with_temp in (False, True)]
-        fitting.extend(p for p in plans if _memory(p) <= memory_limit)
-        return any(_memory(p) <= memory_limit for p in plans)
+    def plans(price):
+        """Both pricings' plans at `price`, the fitting ones kept; whether any fits."""
+        both = [_best_path(options, profile, price, with_temp) for with_temp in (False, True)]
+        fit = [p for p in both if _memory(p) <= memory_limit]
+        fitting.extend(fit)
+        return both, bool(fit)
     low, high = -18.0, 6.0  # log10 of the price
-    if not fits(10 ** high):
-        smallest = min((_best_path(options, profile, 10 ** high, t) for t in (False, True)), key=_memory)
+    dearest, fits = plans(10 ** high)
+    if not fits:
+        smallest = min(_memory(p) for p in dearest)
         raise ValueError(f"memory limit {memory_limit / 2 ** 20:.2f} MiB per rank is impossible: "
-                         f"the smallest plan on {ranks} ranks needs {_memory(smallest) / 2 ** 20:.2f} MiB")
+                         f"the smallest plan on {ranks} ranks needs {smallest / 2 ** 20:.2f} MiB")
     for _ in range(30):
         middle = (low + high) / 2
-        if fits(10 ** middle):
+        if plans(10 ** middle)[1]:
             high = middle
         else:
             low = middle

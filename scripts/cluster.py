@@ -86,17 +86,6 @@ def rate_bytes(rate):
     return float(number) * scale / (8 if unit.endswith("bit") else 1)
 
 
-def hydra_host_command(argv):
-    """(host, command) from what hydra's ssh launcher passes its launcher-exec: ssh's options
-    (each starting with '-') first, then the host, then the command's words."""
-    words = list(argv)
-    while words and words[0].startswith("-"):
-        words.pop(0)
-    if len(words) < 2:
-        raise ValueError(f"launcher: expected [options] HOST COMMAND..., got {argv!r}")
-    return words[0], words[1:]
-
-
 class Cluster:
     """The namespaces, links and files of cluster `name` with `nodes` nodes."""
 

@@ -37,13 +37,6 @@ def test_bad_input_is_refused_before_anything_is_made():
     assert cluster.rate_bytes("1gbit") == 1.25e8 and cluster.rate_bytes("50mbps") == 5e7
 
 
-def test_the_launcher_reads_what_hydra_passes_as_ssh_would():
-    assert cluster.hydra_host_command(["-x", "cfp-n1", "/path/proxy", "--control-port", "cfp-n0:5"]) == \
-        ("cfp-n1", ["/path/proxy", "--control-port", "cfp-n0:5"])
-    with pytest.raises(ValueError, match="expected \\[options\\] HOST COMMAND"):
-        cluster.hydra_host_command(["-x", "cfp-n1"])
-
-
 def test_up_refuses_without_root(monkeypatch):
     monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError, match="the cluster needs root"):

@@ -390,21 +390,20 @@ class GradientBuckets:
 
     def __init__(self, bucket_bytes):
         self.bucket_bytes = bucket_bytes
-        self._open = {}  # id(group) -> (group, [layer names], [arrays], bytes)
+        self._open = {}  # id(group) -> (group, [layer names], [arrays]): the buckets not started
         self._started = []  # (Pending, arrays)
 
     def add(self, group, layer, arrays):
         for pending, _ in self._started:  # most transports move data only inside MPI calls
             pending.test()
-        held = self._open.setdefault(id(group), (group, [], [], [0]))
-        held[1].append(layer)
-        held[2].extend(arrays)
-        held[3][0] += sum(a.nbytes for a in arrays)
-        if held[3][0] >= self.bucket_bytes:
+        _, layers, held = self._open.setdefault(id(group), (group, [], []))
+        layers.append(layer)
+        held.extend(arrays)
+        if sum(a.nbytes for a in held) >= self.bucket_bytes:
             self._start(id(group))
 
     def _start(self, key):
-        group, layers, arrays, _ = self._open.pop(key)
+        group, layers, arrays = self._open.pop(key)
         name = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
         with comm.tag(layer=name, phase="gradient-sync"):
             self._started.append((comm.iallreduce(group, arrays, donate=True), arrays))
@@ -416,7 +415,7 @@ class GradientBuckets:
             self._start(key)
         for pending, arrays in self._started:
             for a, total in zip(arrays, pending.wait()):
-                if not backend.get_array_module(a).shares_memory(a, total):
+                if not backend.get_array_module(a).may_share_memory(a, total):  # (summed in place)
                     a[...] = total
         self._started = []
 
