@@ -15,12 +15,20 @@ machine's own /etc/hosts is never touched. `--rate` limits what each node sends 
 on its interface); without it the links are unshaped (memory speed).
 
 `run` starts mpiexec inside node 0 with the ranks spread R per node, MPI told to use the
-network: for MPICH (the wheel) its OFI netmod over TCP on `cfpnet` (MPIR_CVAR_CH4_NETMOD=ofi
-FI_PROVIDER=tcp FI_TCP_IFACE=cfpnet; by default its UCX netmod would move the data through
-shared memory across namespaces), launched through hydra's ssh launcher with a script that runs
-each proxy in its node's namespace. The environment is printed. After the run it reads the
-links' byte counters: a run across nodes whose bytes did not cross a link is reported as a
-failure, never counted as a network run. Ranks of one node share memory, as on a real cluster.
+network, through a script (launch.sh) that runs each node's part of the launch in its namespace
+as ssh would on a real cluster:
+- MPICH (the wheel, or a system one): its OFI netmod over TCP on `cfpnet`
+  (MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=cfpnet; by default its UCX netmod would
+  move the data through shared memory across namespaces), hydra's ssh launcher
+  (`-launcher ssh -launcher-exec launch.sh -hosts ...`).
+- Open MPI 4.x: the ob1 PML with the TCP BTL on `cfpnet` between nodes and shared memory
+  (vader) inside one (OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,vader,self
+  OMPI_MCA_btl_tcp_if_include=cfpnet OMPI_MCA_oob_tcp_if_include=cfpnet), its rsh launcher
+  (OMPI_MCA_plm_rsh_agent=launch.sh, `--host ...`), and, as root, OMPI_ALLOW_RUN_AS_ROOT.
+  Open MPI 5 (PRRTE's launcher, other parameter names) and other MPIs are refused by name.
+The environment is printed. After the run it reads the links' byte counters: a run across
+nodes whose bytes did not cross a link is reported as a failure, never counted as a network
+run. Ranks of one node share memory, as on a real cluster.
 
 `up` refuses when not root, when ip, tc or unshare are missing, or when anything of the
 cluster's name is already there (`down` removes it). `down` removes every namespace, link and
@@ -30,6 +38,7 @@ namespaces are used; nothing reaches outside the machine.
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -38,6 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import importlib.util
 import time
 
 IFACE = "cfpnet"  # the node-side interface, the same name in every node (FI_TCP_IFACE)
@@ -47,6 +57,10 @@ PLACEMENTS = ("block", "cyclic")  # ranks to nodes: in blocks of R, or one a nod
 RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
 NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# which MPI a launcher belongs to: the test harness's reading of `mpiexec --version`
+_SPEC = importlib.util.spec_from_file_location("cfp_launcher", os.path.join(ROOT, "tests", "launcher.py"))
+_launcher = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_launcher)
 
 
 def check_name(name):
@@ -161,13 +175,14 @@ class Cluster:
         self._write_scripts()
 
     def _write_scripts(self):
-        # hydra's ssh launcher runs `launch.sh [ssh options] HOST COMMAND...`: the command runs
-        # in the node's namespace under its own hostname, as ssh would run it there
+        # hydra's ssh launcher and Open MPI's rsh launcher run `launch.sh [ssh options] HOST
+        # COMMAND...`: the command (a shell line: Open MPI's sets PATH before starting orted)
+        # runs in the node's namespace under its own hostname, as ssh would run it there
         with open(self.launcher, "w") as f:
-            f.write('#!/bin/sh\n# cfp cluster: run a hydra proxy in its node (scripts/cluster.py)\n'
+            f.write('#!/bin/sh\n# cfp cluster: run a launcher\'s proxy in its node (scripts/cluster.py)\n'
                     'while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done\n'
                     'host="$1"; shift\n'
-                    'exec ip netns exec "$host" unshare --uts sh -c "hostname $host; cd $PWD; exec $*"\n')
+                    'exec ip netns exec "$host" unshare --uts sh -c "hostname $host; cd $PWD; $*"\n')
         os.chmod(self.launcher, 0o755)
         with open(self.mpiexec_wrapper, "w") as f:
             f.write(f"#!/bin/sh\n# cfp cluster {self.name}: mpiexec across its nodes (scripts/cluster.py)\n"
@@ -188,24 +203,36 @@ class Cluster:
                 out[self.node(k)] = int(f.read())
         return out
 
-    def network_env(self):
-        """What makes the MPI use the links (MPICH's OFI netmod over TCP on the nodes' interface)."""
-        return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}
+    def network_env(self, family=None):
+        """What makes the MPI of `family` (default: the mpiexec's) use the links (module docstring)."""
+        family = family or mpi_family()
+        if family == _launcher.MPICH:
+            return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}
+        env = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,vader,self", "OMPI_MCA_btl_tcp_if_include": IFACE,
+               "OMPI_MCA_oob_tcp_if_include": IFACE, "OMPI_MCA_plm_rsh_agent": self.launcher}
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        return env
 
-    def mpiexec_argv(self, nprocs, args, mpiexec=None, placement="block"):
+    def mpiexec_argv(self, nprocs, args, mpiexec=None, placement="block", family=None):
         """The command, run in node 0, that starts `args` on nprocs ranks, nprocs / nodes a node:
         in blocks (ranks 0..R-1 on node 0, the launchers' default, what cfp's grids assume: a
         channel group's neighbours share a node) or cyclic (rank r on node r mod K: neighbours
         on different nodes, to measure a channel group across nodes)."""
         per_node = ranks_per_node(nprocs, self.nodes)
         real = mpiexec or _real_mpiexec()
+        family = family or mpi_family(real)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
-        chunk = per_node if placement == "block" else 1
-        hosts = ",".join(f"{self.node(k)}:{chunk}" for k in range(self.nodes))
-        env = [f"{k}={v}" for k, v in self.network_env().items()]
-        inner = shlex.join(["env", *env, real, "-launcher", "ssh", "-launcher-exec", self.launcher,
-                            "-hosts", hosts, "-n", str(nprocs), *args])
+        env = [f"{k}={v}" for k, v in self.network_env(family).items()]
+        if family == _launcher.MPICH:
+            chunk = per_node if placement == "block" else 1
+            hosts = ",".join(f"{self.node(k)}:{chunk}" for k in range(self.nodes))
+            launch = [real, "-launcher", "ssh", "-launcher-exec", self.launcher, "-hosts", hosts]
+        else:  # Open MPI 4.x: R slots a node, filled in turn (block) or one a node in turn (cyclic)
+            hosts = ",".join(f"{self.node(k)}:{per_node}" for k in range(self.nodes))
+            launch = [real, "--host", hosts, "--map-by", "slot" if placement == "block" else "node"]
+        inner = shlex.join(["env", *env, *launch, "-n", str(nprocs), *args])
         return ["ip", "netns", "exec", self.node(0), "unshare", "--uts", "sh", "-c",
                 f"hostname {self.node(0)}; cd {shlex.quote(os.getcwd())}; exec {inner}"]
 
@@ -218,7 +245,10 @@ class Cluster:
               f"{placement}), {' '.join(f'{k}={v}' for k, v in self.network_env().items())}", file=out, flush=True)
         argv = self.mpiexec_argv(nprocs, args, placement=placement)
         before = self.counters()
-        rc = subprocess.call(argv)
+        # os.environ, not the process's C environment: a process that has initialised Open
+        # MPI as a singleton (pytest's, through mpi4py) holds its PMIx variables there, and an
+        # mpiexec that inherits them exits 1 without a word
+        rc = subprocess.call(argv, env=dict(os.environ))
         after = self.counters()
         sent = {node: after[node] - before[node] for node in after}
         print(f"cluster {self.name}: bytes sent on each node's link: "
@@ -228,6 +258,24 @@ class Cluster:
                   file=out, flush=True)
             rc = 3
         return rc, sent
+
+
+def mpi_family(mpiexec=None):
+    """'MPICH' or 'Open MPI', the family of `mpiexec` (default the one cluster runs use), or a
+    RuntimeError naming the MPI and what the cluster supports."""
+    real = mpiexec or _real_mpiexec()
+    if real is None:
+        raise RuntimeError("no mpiexec found: install an MPI (make test installs the mpich wheel)")
+    return _family(real)
+
+
+@functools.lru_cache(maxsize=None)
+def _family(real):
+    family, version = _launcher.family_of(_launcher._run([real, "--version"]))
+    if family == _launcher.MPICH or (family == _launcher.OPEN_MPI and version.split(".")[0] == "4"):
+        return family
+    raise RuntimeError(f"{real} belongs to {family} {version}: the cluster launches MPICH (hydra) and "
+                       f"Open MPI 4.x across its nodes")
 
 
 def _real_mpiexec():

@@ -94,7 +94,10 @@ def test_a_job_across_two_nodes_crosses_the_links_and_nothing_is_left(clean, tmp
                           "assert node_layout(MPI.COMM_WORLD) == (2, 2), node_layout(MPI.COMM_WORLD)\n")
         assert c.run(4, [sys.executable, "-m", "mpi4py", str(layout)])[0] == 0
     out = capsys.readouterr().out
-    assert "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=cfpnet" in out
+    forced = {cluster._launcher.MPICH: "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=cfpnet",
+              cluster._launcher.OPEN_MPI: "OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,vader,self "
+                                          "OMPI_MCA_btl_tcp_if_include=cfpnet"}[cluster.mpi_family()]
+    assert forced in out, out
 
 
 @needs_root
@@ -119,14 +122,33 @@ def test_an_error_or_ctrl_c_inside_the_cluster_removes_it(clean):
     assert proc.returncode != 0 and cluster.leftovers(NAME) == []
 
 
-def test_ranks_are_placed_in_blocks_or_in_turn():
+@pytest.mark.parametrize("family", ["MPICH", "Open MPI"])
+def test_ranks_are_placed_in_blocks_or_in_turn(family):
     """mpiexec's hosts: R ranks a node in blocks (cfp's grids' neighbours share a node), or one
-    a node in turn (cyclic: a channel group across nodes); anything else refused."""
+    a node in turn (cyclic: a channel group across nodes), in each MPI's words; anything else
+    refused."""
     c = cluster.Cluster(2, name=NAME)
-    block, cyclic = (" ".join(c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement=p)) for p in ("block", "cyclic"))
-    assert f"-hosts {NAME}-n0:2,{NAME}-n1:2 -n 4 prog" in block
-    assert f"-hosts {NAME}-n0:1,{NAME}-n1:1 -n 4 prog" in cyclic
+    block, cyclic = (" ".join(c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement=p, family=family))
+                     for p in ("block", "cyclic"))
+    if family == "MPICH":
+        assert f"-hosts {NAME}-n0:2,{NAME}-n1:2 -n 4 prog" in block and "FI_TCP_IFACE=cfpnet" in block
+        assert f"-hosts {NAME}-n0:1,{NAME}-n1:1 -n 4 prog" in cyclic
+    else:
+        assert f"--host {NAME}-n0:2,{NAME}-n1:2 --map-by slot -n 4 prog" in block
+        assert f"--host {NAME}-n0:2,{NAME}-n1:2 --map-by node -n 4 prog" in cyclic
+        assert f"OMPI_MCA_plm_rsh_agent={c.launcher}" in block and "OMPI_MCA_btl_tcp_if_include=cfpnet" in block
     with pytest.raises(ValueError, match="placement 'random': expected one of block, cyclic"):
-        c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement="random")
+        c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement="random", family=family)
     with pytest.raises(ValueError, match="3 ranks do not divide among 2 nodes"):
-        c.mpiexec_argv(3, ["prog"], mpiexec="mpiexec")
+        c.mpiexec_argv(3, ["prog"], mpiexec="mpiexec", family=family)
+
+
+def test_an_mpi_the_cluster_cannot_launch_is_refused_by_name(tmp_path):
+    for version in ("mpirun (Open MPI) 5.0.3", "Intel(R) MPI Library for Linux* OS, Version 2021.6"):
+        fake = tmp_path / "mpiexec"
+        fake.write_text(f"#!/bin/sh\necho '{version}'\n")
+        fake.chmod(0o755)
+        cluster._family.cache_clear()
+        with pytest.raises(RuntimeError, match="the cluster launches MPICH \\(hydra\\) and Open MPI 4.x"):
+            cluster.mpi_family(str(fake))
+    cluster._family.cache_clear()
