@@ -334,7 +334,9 @@ def test_ctrl_c_says_one_line_with_the_last_checkpoint_and_exits_130(tmp_path):
     cmd = mpiexec(2, sys.executable, "-m", "mpi4py", os.path.join(SCRIPTS, "train.py"),
                   "--grid", "channel=2", "--train-samples", "128", "--batch-size", "32", "--epochs", "500",
                   "--no-progress", "--checkpoint-dir", str(directory))
-    proc = subprocess.Popen(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=120), stdout=subprocess.PIPE,
+    # Open MPI's grace between its SIGTERM and SIGKILL back at its default (tests/launcher.py
+    # sets none): training needs it to say where it stopped
+    proc = subprocess.Popen(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=120, OMPI_MCA_odls_base_sigkill_timeout=1), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
