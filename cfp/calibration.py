@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from . import backend, comm
 from .benchtools import on_rank0, quiet_barrier, slowest_median, timed
-from .grid import ProcessGrid
+from .grid import ProcessGrid, node_layout  # noqa: F401 (calibration.node_layout: the nodes it measures)
 from .io import load_json, save_json
 from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_flops, conv2d_forward, conv_geometry
 from .kernels import settings as kernel_settings
@@ -200,28 +200,6 @@ def fit_packing(samples):
     m = np.array([b for b, _ in samples], dtype=np.float64)
     t = np.array([sec for _, sec in samples])
     return max(float(np.dot(m, t) / np.dot(m, m)), 0.0)
-
-
-def node_layout(world, strict=True):
-    """(ranks per node, nodes) of `world`: the ranks that share a node's memory (MPI's
-    COMM_TYPE_SHARED split: hostnames, for the MPIs cfp runs with), which the cost model takes
-    to be neighbours, as many on every node (the launchers' block placement). ValueError, the
-    same on every rank, where nodes hold different numbers of ranks or a node's are not
-    neighbours. strict=False: the ranks a node, wherever they are (a run with a profile
-    measured elsewhere compares only that)."""
-    rank = world.Get_rank()
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
-    first, size = local.allreduce(rank, op=MPI.MIN), local.Get_size()
-    local.Free()
-    every = world.allgather((first, size))
-    per_node = every[0][1]
-    if not strict:  # what a record compares (warn_if_foreign): the ranks a node, however placed
-        return per_node, world.Get_size() // per_node
-    if any(s != per_node or f != r // per_node * per_node for r, (f, s) in enumerate(every)):
-        raise ValueError(f"calibration: the nodes' ranks are not {per_node} neighbours each (ranks by node: "
-                         f"{sorted({f: [r for r, (g, _) in enumerate(every) if g == f] for f, _ in every}.values())}); "
-                         f"start the ranks in blocks, as many a node (mpiexec's default placement)")
-    return per_node, world.Get_size() // per_node
 
 
 def calibrate_collectives(world, quick, repeats, layout=None):

@@ -156,8 +156,9 @@ def grids_of(model, grid):
     """The grid, or the grids a per-layer plan uses, in order."""
     layers = getattr(model, "layers", None)
     if not layers:
-        return grid.describe()
-    grids = list(dict.fromkeys(entry["grid"] for entry in layers.values()))
+        return grid.describe() + grid.describe_placement()
+    grids = list(dict.fromkeys(entry["grid"] + (f" (node axes: {entry['node_axes']})" if entry.get("node_axes")
+                                                else "") for entry in layers.values()))
     return grids[0] if len(grids) == 1 else " then ".join(grids)
 
 

@@ -5,9 +5,15 @@
 of a collective along it) and its complement (the ranks that share that axis' coordinate: for
 example the ranks holding the same channel shard, who allreduce its weight gradient).
 
-Axes are always ordered sample, height, width, channel, with channel varying fastest, so the
-ranks of a channel group are neighbours in rank order (on one node, when ranks are packed by
-node). Axes not named in the spec have size 1.
+A grid's own ranks (`grid.comm`, `grid.rank`) are always ordered sample, height, width,
+channel, channel varying fastest: every layout, plan and message of cfp speaks of grid ranks
+and coordinates in that order. Which process of `comm` takes which grid rank is the grid's
+*placement*: by default the same order (the process of rank r in `comm` is grid rank r), so
+the ranks of a channel group are neighbours in `comm` and share a node when the launcher packs
+ranks by node. `node_axes` chooses other axes to vary fastest in `comm`'s order, and so to
+stay inside a node: `ProcessGrid("sample=2,channel=2", node_axes=("sample",))` on 2 nodes of 2
+ranks puts each sample pair on one node and each channel pair across the two (docs/design.md,
+"Rank placement"). Axes not named in the spec have size 1.
 """
 import functools
 import itertools
@@ -71,27 +77,81 @@ def _factorizations(size, naxes):
     return tuple(f for f in itertools.product(divisors, repeat=naxes) if math.prod(f) == size)
 
 
-def coords_of(rank, shape):
-    """{axis: coordinate} of `rank` on a grid of {axis: size} `shape` (row-major over AXES,
-    channel fastest): the arithmetic behind ProcessGrid.coords_of, usable without MPI."""
+def coords_of(rank, shape, order=AXES):
+    """{axis: coordinate} of `rank` on a grid of {axis: size} `shape`, row-major over `order`
+    (default AXES: channel fastest, a grid's own rank order): the arithmetic behind
+    ProcessGrid.coords_of, usable without MPI."""
     coords = {}
-    for axis in reversed(AXES):
+    for axis in reversed(order):
         rank, coords[axis] = divmod(rank, int(shape.get(axis, 1)))
-    return {axis: coords[axis] for axis in AXES}
+    return {axis: coords.get(axis, 0) for axis in AXES}
 
 
-def rank_of(coords, shape):
+def rank_of(coords, shape, order=AXES):
     """The rank at {axis: coordinate} on a grid of {axis: size} `shape` (axes left out: 0 and
-    1): the inverse of coords_of, usable without MPI."""
+    1), row-major over `order`: the inverse of coords_of, usable without MPI."""
     rank = 0
-    for axis in AXES:
+    for axis in order:
         rank = rank * int(shape.get(axis, 1)) + int(coords.get(axis, 0))
     return rank
+
+
+def placement_order(shape, node_axes=None):
+    """The split axes of a grid of {axis: size} `shape` from slowest to fastest in the order
+    of the processes of its communicator: `node_axes` fastest (each in AXES order), the others
+    before them; None: AXES order (channel fastest). ValueError when `node_axes` names an axis
+    that is not one or that the grid does not split."""
+    split = tuple(a for a in AXES if int(shape.get(a, 1)) > 1)
+    if node_axes is None:
+        return split
+    if isinstance(node_axes, str):
+        node_axes = tuple(a.strip() for a in node_axes.split(",") if a.strip())
+    if not isinstance(node_axes, (tuple, list)) or not node_axes or not all(isinstance(a, str) for a in node_axes):
+        raise ValueError(f"node axes {node_axes!r}: expected axis names, e.g. 'channel' or 'sample,height'")
+    for a in node_axes:
+        if a not in AXES:
+            raise ValueError(f"node axis {a!r}: expected one of {', '.join(AXES)}")
+        if a not in split:
+            raise ValueError(f"node axis {a!r}: grid {ProcessGrid.describe_shape(shape)} does not split it "
+                             f"(it splits {', '.join(split) or 'nothing'})")
+    if len(set(node_axes)) != len(node_axes):
+        raise ValueError(f"node axes {','.join(node_axes)}: an axis is named twice")
+    return tuple(a for a in split if a not in node_axes) + tuple(a for a in split if a in node_axes)
+
+
+def process_ranks(shape, node_axes=None):
+    """The rank in the communicator of the process holding each grid rank (index) of a grid of
+    {axis: size} `shape` placed by `node_axes` (placement_order): the identity by default."""
+    order = placement_order(shape, node_axes)
+    return tuple(rank_of(coords_of(g, shape), shape, order) for g in range(math.prod(
+        int(shape.get(a, 1)) for a in AXES)))
 
 
 def factorizations(size, naxes=2):
     """Every ordered tuple of `naxes` positive integers whose product is `size`."""
     return list(_factorizations(size, naxes))
+
+
+def node_layout(comm, strict=True):
+    """(ranks per node, nodes) of `comm`: the ranks that share a node's memory (MPI's
+    COMM_TYPE_SHARED split: hostnames, for the MPIs cfp runs with), which rank placement and
+    the cost model take to be neighbours, as many on every node (the launchers' block
+    placement). ValueError, the same on every rank, where nodes hold different numbers of ranks
+    or a node's are not neighbours. strict=False: the ranks a node, wherever they are (a run
+    with a profile measured elsewhere compares only that)."""
+    rank = comm.Get_rank()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    first, size = local.allreduce(rank, op=MPI.MIN), local.Get_size()
+    local.Free()
+    every = comm.allgather((first, size))
+    per_node = every[0][1]
+    if not strict:  # what a record compares (warn_if_foreign): the ranks a node, however placed
+        return per_node, comm.Get_size() // per_node
+    if any(s != per_node or f != r // per_node * per_node for r, (f, s) in enumerate(every)):
+        raise ValueError(f"the nodes' ranks are not {per_node} neighbours each (ranks by node: "
+                         f"{sorted({f: [r for r, (g, _) in enumerate(every) if g == f] for f, _ in every}.values())}); "
+                         f"start the ranks in blocks, as many a node (mpiexec's default placement)")
+    return per_node, comm.Get_size() // per_node
 
 
 class GridSizeError(ValueError):
@@ -111,7 +171,7 @@ class ProcessGrid:
     `complement_comm(axis)`, `coords_of(rank)`, `rank_of(coords)`.
     """
 
-    def __init__(self, spec="", comm=None):
+    def __init__(self, spec="", comm=None, node_axes=None):
         comm = MPI.COMM_WORLD if comm is None else comm
         sizes = parse_grid_spec(spec)
         self.shape = {axis: sizes.get(axis, 1) for axis in AXES}
@@ -119,8 +179,18 @@ class ProcessGrid:
         if needed != comm.Get_size():
             raise GridSizeError(f"grid {self.describe()} needs {needed} ranks, the communicator has "
                                 f"{comm.Get_size()}", needed)
-        # Every rank has checked the same thing above, so all ranks get here or none does.
-        self.comm = comm.Dup()
+        # the split axes in the order of comm's processes, slowest first (default: AXES order)
+        self.placement = placement_order(self.shape, node_axes)
+        self.node_axes = None if node_axes is None else tuple(a for a in self.placement if a in (
+            [a.strip() for a in node_axes.split(",")] if isinstance(node_axes, str) else node_axes))
+        # Every rank has checked the same things above, so all ranks get here or none does.
+        self.over = comm  # what the grid was made over: its placement speaks of comm's ranks
+        if self.placement == placement_order(self.shape):
+            self.comm = comm.Dup()
+        else:
+            self.comm = comm.Split(0, rank_of(coords_of(comm.Get_rank(), self.shape, self.placement), self.shape))
+        if self.node_axes:
+            self._check_nodes(comm)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.coords = self.coords_of(self.rank)
@@ -132,6 +202,29 @@ class ProcessGrid:
             color = self._index(others, [self.shape[a] for a in AXES if a != axis])
             self._axis_comms[axis] = self.comm.Split(color, self.coords[axis])
             self._complement_comms[axis] = self.comm.Split(self.coords[axis], self.rank)
+
+    def _check_nodes(self, comm):
+        """ValueError (on every rank alike) unless each group of ranks that differ only along
+        the node axes (neighbours in comm's order: those axes vary fastest) lies inside one node."""
+        per_node, nodes = node_layout(comm)
+        group = math.prod(self.shape[a] for a in self.node_axes)
+        if per_node % group:
+            self.comm.Free()
+            kept = ",".join(f"{a}={self.shape[a]}" for a in self.node_axes)
+            raise ValueError(f"node axes {kept}: a group of {group} ranks does not fit inside the nodes of "
+                             f"this job ({nodes} node(s) of {per_node} rank(s)); expected node axes whose "
+                             f"sizes multiply to a divisor of {per_node}")
+
+    @functools.cached_property
+    def processes(self):
+        """The rank, in the communicator the grid was made over, of the process at each grid
+        rank (process_ranks: the identity for the default placement)."""
+        return process_ranks(self.shape, self.node_axes)
+
+    def describe_placement(self):
+        """'' for the default placement, else ' (node axes: sample)'."""
+        return f" (node axes: {','.join(self.node_axes)})" if self.node_axes and \
+            self.placement != placement_order(self.shape) else ""
 
     @staticmethod
     def describe_shape(shape):
@@ -223,13 +316,16 @@ class Grids:
     def __init__(self, base, owns_base=False):
         self.base, self.owns_base, self._made = base, owns_base, {}
 
-    def get(self, spec):
+    def get(self, spec, node_axes=None):
+        """The grid of `spec` placed by `node_axes` (ProcessGrid), over the base grid's ranks
+        in the base grid's order."""
         shape = ProcessGrid.shape_of(spec)
-        if shape == self.base.shape:
+        placement = placement_order(shape, node_axes)
+        if shape == self.base.shape and placement == self.base.placement:
             return self.base
-        key = tuple(shape.values())
+        key = (tuple(shape.values()), placement)
         if key not in self._made:
-            self._made[key] = ProcessGrid(shape, comm=self.base.comm)
+            self._made[key] = ProcessGrid(shape, comm=self.base.over, node_axes=node_axes)
         return self._made[key]
 
     def __iter__(self):

@@ -301,7 +301,10 @@ def exchange_plan(global_shape, source, source_grid, target, target_grid, ranks)
     one, otherwise the copy at `d` modulo the number of copies (spreading the load); from a
     partial source it takes the piece from every summand of that copy and adds them. A target
     that is itself partial gets the tensor on its coordinate 0 along those axes and zeros on
-    the others. Pure arithmetic: DistTensor.redistribute runs it, perfmodel counts it."""
+    the others. Ranks s and d are the source grid's: where the two grids place their ranks on
+    the processes differently (ProcessGrid's node_axes), each destination's target
+    coordinates are those of the same process in the target grid. Pure arithmetic:
+    DistTensor.redistribute runs it, perfmodel counts it."""
     global_shape = tuple(int(n) for n in global_shape)
     source.check_fits(global_shape, source_grid, "redistribute source")
     target.check_fits(global_shape, target_grid, "redistribute target")
@@ -310,15 +313,26 @@ def exchange_plan(global_shape, source, source_grid, target, target_grid, ranks)
         if math.prod(shape.values()) != ranks:
             raise ValueError(f"redistribute: the {what} grid has {math.prod(shape.values())} ranks, "
                              f"the exchange {ranks}")
-    return _plan(global_shape, source, _shape_key(s_shape), target, _shape_key(t_shape), ranks)
+    return _plan(global_shape, source, _shape_key(s_shape), target, _shape_key(t_shape), ranks,
+                 _target_ranks(source_grid, target_grid, ranks))
+
+
+def _target_ranks(source_grid, target_grid, ranks):
+    """For each rank of the source grid, the same process's rank in the target grid; None where
+    both number the processes alike (grids of one placement, or shapes: no processes)."""
+    s, t = (getattr(g, "processes", None) for g in (source_grid, target_grid))
+    if s is None or t is None or s == t:
+        return None
+    target_of = {p: r for r, p in enumerate(t)}
+    return tuple(target_of[p] for p in s)
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(global_shape, source, s_key, target, t_key, ranks):
+def _plan(global_shape, source, s_key, target, t_key, ranks, target_ranks=None):
     t_shape = dict(t_key)
     wanted = []
     for d in range(ranks):
-        tc = coords_of(d, t_shape)
+        tc = coords_of(d if target_ranks is None else target_ranks[d], t_shape)
         # the other summands of a partial target are zeros: they want nothing
         wanted.append(target.indices(global_shape, t_shape, tc) if target.first_summand(t_shape, tc) else None)
     return gather_plan(global_shape, source, s_key, tuple(wanted))

@@ -27,23 +27,25 @@ def plan_choice(current, entry):
     where grid and algorithm stay)."""
     if entry is None:
         return dict(current)
-    keeps_p_f = entry.get("grid", current["grid"]) == current["grid"] and \
-        entry.get("algorithm", current["algorithm"]) == current["algorithm"]
+    keeps_grid = entry.get("grid", current["grid"]) == current["grid"]
+    keeps_p_f = keeps_grid and entry.get("algorithm", current["algorithm"]) == current["algorithm"]
     return {"grid": entry.get("grid", current["grid"]), "algorithm": entry.get("algorithm", current["algorithm"]),
-            "filter_groups": entry.get("filter_groups", current["filter_groups"] if keeps_p_f else None)}
+            "filter_groups": entry.get("filter_groups", current["filter_groups"] if keeps_p_f else None),
+            "node_axes": entry.get("node_axes", current.get("node_axes") if keeps_grid else None)}
 
 
 class _Builder:
     """Names layers, seeds their weights and puts every convolution (and the classifier) on its
     grid with its algorithm: the layer's entry of `plan` ({layer name: {"grid", "algorithm",
-    "filter_groups"}}), or, for a layer the plan does not list, those of the layer before it
+    "filter_groups", optionally "node_axes" (grid.ProcessGrid's placement)}}), or, for a layer the plan does not list, those of the layer before it
     (the first layer: `grid`, `algorithm`, `filter_groups`). Batch norm follows the convolution
     before it; ReLU and pooling take whatever comes."""
 
     def __init__(self, grids, grid, algorithm, filter_groups, seed, dtype, plan=None):
         self.grids, self.seed, self.dtype = grids, seed, dtype
         self.plan = dict(plan or {})
-        self.current = {"grid": grid.describe(), "algorithm": algorithm, "filter_groups": filter_groups}
+        self.current = {"grid": grid.describe(), "algorithm": algorithm, "filter_groups": filter_groups,
+                        "node_axes": grid.node_axes}
         self.chosen = {}  # layer name -> {"grid", "algorithm", "filter_groups"} as built
         self.last = None  # the last convolution built
 
@@ -51,7 +53,7 @@ class _Builder:
         self.current = plan_choice(self.current, self.plan.pop(name, None))
         spec = dict(self.current)
         try:
-            grid = self.grids.get(spec["grid"])
+            grid = self.grids.get(spec["grid"], spec.get("node_axes"))
         except ValueError as e:
             raise ValueError(f"layer {name}: {e}") from None
         return grid, spec
@@ -69,6 +71,8 @@ class _Builder:
                     input_whole=first, need_dx=not first, name=name, seed=self.seed, dtype=self.dtype, **kwargs)
         self.chosen[name] = {"grid": grid.describe(), "algorithm": spec["algorithm"],
                              "filter_groups": layer.filter_groups}
+        if grid.node_axes:
+            self.chosen[name]["node_axes"] = ",".join(grid.node_axes)
         self.last = layer
         return layer
 
@@ -292,7 +296,7 @@ def _after(size, kernel, stride):
     return (size + 2 * (kernel // 2) - kernel) // stride + 1
 
 
-PLAN_KEYS = ("grid", "algorithm", "filter_groups")
+PLAN_KEYS = ("grid", "algorithm", "filter_groups", "node_axes")
 
 
 def read_plan(path):
@@ -351,6 +355,15 @@ def _check_plan_entry(name, entry, ranks=None):
         if ranks is not None and needed != ranks:
             raise ValueError(f"plan entry of layer {name}: grid {entry['grid']!r} needs {needed} ranks, "
                              f"this run has {ranks}")
+    if entry.get("node_axes") is not None:
+        from .grid import placement_order
+        if "grid" not in entry:
+            raise ValueError(f"plan entry of layer {name}: node_axes places the ranks of the entry's grid; "
+                             f"give its \"grid\" too")
+        try:
+            placement_order(parse_grid_spec(entry["grid"]), entry["node_axes"])
+        except ValueError as e:
+            raise ValueError(f"plan entry of layer {name}: {e}") from None
     p_f = entry.get("filter_groups")
     if p_f is not None:
         positive_int(p_f, f"filter_groups of layer {name}")

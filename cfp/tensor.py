@@ -16,7 +16,11 @@ __all__ = ["DistTensor", "Layout", "Shard", "assemble", "check_blocks", "move"]
 
 
 def _same_ranks(grid_a, grid_b):
-    return MPI.Comm.Compare(grid_a.comm, grid_b.comm) in (MPI.IDENT, MPI.CONGRUENT)
+    """Whether two grids are over the same processes, numbered alike or (placed by other node
+    axes) not: exchange_plan translates between them."""
+    same = MPI.Comm.Compare(grid_a.comm, grid_b.comm) in (MPI.IDENT, MPI.CONGRUENT)
+    return same or (MPI.Comm.Compare(grid_a.over, grid_b.over) in (MPI.IDENT, MPI.CONGRUENT)
+                    and MPI.Comm.Compare(grid_a.comm, grid_b.comm) == MPI.SIMILAR)
 
 
 class DistTensor:

@@ -18,7 +18,7 @@ from .algorithms.base import overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
-from .grid import Grids, ProcessGrid
+from .grid import Grids, ProcessGrid, placement_order
 from .io import check_figure_path, check_writable, save_figure, save_json
 from .models import MODELS, build_model, layer_shapes, read_plan
 from .nn import SoftmaxCrossEntropy
@@ -45,6 +45,7 @@ class TrainConfig:
     width: int = 1
     depth: int = None  # wide CNN only (default WIDE_DEPTH)
     grid: str = None  # default: every rank on the sample axis (with algorithm auto: the planner's grids)
+    node_axes: str = None  # the grid's axes kept inside a node (grid.ProcessGrid's placement); default channel
     algorithm: str = "y"  # or "auto": the planner's choice per layer (on --grid when given)
     plan: str = None  # a plan file: {"layers": {name: {"grid", "algorithm", "filter_groups"}}}
     filter_groups: int = None  # algorithm w only
@@ -104,6 +105,12 @@ class TrainConfig:
             if getattr(self, field) is not None and getattr(self, needs) != value:
                 raise ValueError(f"{option(field)} applies to {option(needs)} {value} only; with "
                                  f"{option(needs)} {getattr(self, needs)} it would be ignored")
+        if self.node_axes is not None and self.grid is None and (self.algorithm == "auto" or self.plan):
+            raise ValueError("--node-axes places the ranks of --grid; without --grid the "
+                             f"{'planner' if self.algorithm == 'auto' else 'plan file'} chooses each layer's grid "
+                             f"and placement")
+        if self.node_axes is not None and self.grid is not None:  # else: sample=<ranks>, checked when made
+            placement_order(ProcessGrid.shape_of(self.grid), self.node_axes)
         if self.plan is not None and self.algorithm == "auto":
             raise ValueError("--plan and --algorithm auto both choose the layers' grids and algorithms; "
                              "give one of them")
@@ -286,7 +293,7 @@ def _build(cfg, world, x_train, dtype, classes, threads):
                       memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
     elif cfg.plan:
         config.update(plan=read_plan(cfg.plan), batch=cfg.batch_size)
-    base = ProcessGrid(cfg.grid or f"sample={world.Get_size()}", comm=world)
+    base = ProcessGrid(cfg.grid or f"sample={world.Get_size()}", comm=world, node_axes=cfg.node_axes)
     try:
         model = build_model(cfg.model, base, grids=Grids(base, owns_base=True), **config)
     except BaseException:

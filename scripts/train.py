@@ -34,6 +34,9 @@ def parse_args(argv):
     p.add_argument("--grid", default=defaults.grid,
                    help="process grid, e.g. sample=2,channel=2 (default: sample=<ranks>; with --algorithm "
                         "auto and no --grid the planner chooses a grid per layer)")
+    p.add_argument("--node-axes", default=defaults.node_axes,
+                   help="the axes of --grid whose ranks share a node, e.g. sample (default: channel, the "
+                        "ranks of a channel group neighbours); refused when they do not fit in a node")
     p.add_argument("--algorithm", default=defaults.algorithm, metavar=cli.one_of([*ALGORITHMS, "auto"]),
                    help="sample, x, y, w, or auto (the planner's choice per layer: on --grid when given)")
     p.add_argument("--plan", default=None,

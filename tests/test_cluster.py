@@ -90,7 +90,7 @@ def test_a_job_across_two_nodes_crosses_the_links_and_nothing_is_left(clean, tmp
         assert rc == 0 and all(b >= 1 << 20 for b in sent.values()), sent
         # 2 ranks a node: calibration sees 2 nodes of 2 neighbouring ranks (each rank checks)
         layout = tmp_path / "layout.py"
-        layout.write_text("from mpi4py import MPI\nfrom cfp.calibration import node_layout\n"
+        layout.write_text("from mpi4py import MPI\nfrom cfp.grid import node_layout\n"
                           "assert node_layout(MPI.COMM_WORLD) == (2, 2), node_layout(MPI.COMM_WORLD)\n")
         assert c.run(4, [sys.executable, "-m", "mpi4py", str(layout)])[0] == 0
     out = capsys.readouterr().out

@@ -118,3 +118,58 @@ def test_the_grid_owns_stationary_w_row_and_column_groups():
     with pytest.raises(ValueError, match="does not divide"):
         grid.row_and_column_comms(size + 1)
     grid.free()
+
+
+def test_placement_orders_the_processes_not_the_grid():
+    """node_axes: the named axes vary fastest in the processes' order, the grid's own ranks stay
+    channel fastest; the default, and naming channel alone, keep process r at grid rank r."""
+    from cfp.grid import placement_order, process_ranks
+    shape = {"sample": 2, "channel": 2}
+    assert placement_order(shape) == ("sample", "channel") == placement_order(shape, ("channel",))
+    assert placement_order(shape, "sample") == ("channel", "sample")
+    assert process_ranks(shape) == (0, 1, 2, 3)
+    # grid rank 1 (sample 0, channel 1) is process 2: the sample pairs (0, 1), (2, 3) of the
+    # processes are nodes of 2, channel pairs span them
+    assert process_ranks(shape, ("sample",)) == (0, 2, 1, 3)
+    three = {"sample": 2, "height": 3, "channel": 2}
+    assert placement_order(three, "sample,height") == ("channel", "sample", "height")
+    assert sorted(process_ranks(three, ("height",))) == list(range(12))
+    for bad, match in (("filter", "node axis 'filter': expected one of sample, height, width, channel"),
+                       ("width", "node axis 'width': grid sample=2,channel=2 does not split it \\(it splits "
+                                 "sample, channel\\)"),
+                       (("sample", "sample"), "an axis is named twice")):
+        with pytest.raises(ValueError, match=match):
+            placement_order(shape, bad)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spec", grid_specs(2))
+def test_a_placed_grid_has_the_same_groups_on_other_processes(spec):
+    """Every placement of a grid: the same coordinates on the processes process_ranks names,
+    each axis group the ranks of that axis (one node here: every group fits)."""
+    from cfp.grid import process_ranks
+    shape = ProcessGrid.shape_of(spec)
+    split = [a for a in AXES if shape[a] > 1]
+    for node_axes in [None] + [(a,) for a in split]:
+        grid = ProcessGrid(spec, node_axes=node_axes)
+        assert grid.processes == process_ranks(shape, node_axes)
+        assert grid.processes[grid.rank] == WORLD.Get_rank()
+        assert grid.rank_of(grid.coords) == grid.rank
+        for axis in AXES:
+            members = grid.axis_comm(axis).allgather(grid.coords)
+            assert [m[axis] for m in members] == list(range(shape[axis]))
+        grid.free()
+
+
+@pytest.mark.mpi
+def test_node_axes_that_do_not_fit_a_node_are_refused_on_every_rank(monkeypatch):
+    """Node axes whose groups would span nodes: refused, naming the nodes (here: every process
+    made its own node, as on a cluster of one rank a node)."""
+    if SIZE < 2:
+        pytest.skip("one rank is one node: every group fits")
+    import cfp.grid
+    monkeypatch.setattr(cfp.grid, "node_layout", lambda comm: (1, comm.Get_size()))
+    raises_on_all_ranks(ValueError, lambda: ProcessGrid(f"channel={SIZE}", node_axes="channel"),
+                        match=f"node axes channel={SIZE}: a group of {SIZE} ranks does not fit inside the "
+                              f"nodes of this job \\({SIZE} node\\(s\\) of 1 rank\\(s\\)\\); expected node axes "
+                              f"whose sizes multiply to a divisor of 1")

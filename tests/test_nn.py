@@ -234,7 +234,7 @@ def test_head_linear_gather_and_loss(grids, case):
         # prediction, forward and back (what Network.predicted_bytes reads)
         fc, moves = head.modules[1], [m for m in head.modules if isinstance(m, Redistribute)]
         predicted = {("fc", phase): v for phase, v in fc.predicted_bytes(8).items()}
-        predicted.update({("loss", "redistribute"): m.predicted_bytes(grid.rank, 8) for m in moves})
+        predicted.update({("loss", "redistribute"): m.predicted_bytes(8) for m in moves})
         measured = measured_bytes(ledger)
         assert_all_ranks(all(measured.get(k, (0, 0)) == v for k, v in predicted.items()),
                          f"{which}: measured {measured}, predicted {predicted}")
@@ -318,7 +318,7 @@ def test_redistribute_predicts_what_it_moves_both_ways():
     ledger = C.CommLedger()
     with C.use_ledger(ledger):
         y = step.forward(DistTensor.from_global(x, by_sample, grid))
-    forward_only = step.predicted_bytes(grid.rank, 8)
+    forward_only = step.predicted_bytes(8)
     forward_measured = ledger_bytes(ledger, "move")["redistribute"]
     assert_all_ranks(forward_only == forward_measured,
                      f"after forward only: predicted {forward_only}, measured {forward_measured}")
@@ -328,7 +328,7 @@ def test_redistribute_predicts_what_it_moves_both_ways():
     with C.use_ledger(ledger):
         dx = step.backward(y)
     measured = ledger_bytes(ledger, "move")["redistribute"]
-    predicted = step.predicted_bytes(grid.rank, 8)
+    predicted = step.predicted_bytes(8)
     assert_all_ranks(measured == predicted, f"measured {measured}, predicted {predicted}")
     if size == 2:
         expected = (288, 288) if grid.rank == 0 else (192 + 96, 96 + 192)

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.mpi
 DIVISORS = [d for d in range(1, SIZE + 1) if SIZE % d == 0]
 SAMPLE, CHANNEL = f"sample={SIZE}", f"channel={SIZE}"
 SQUARE = "sample=2,channel=2" if SIZE == 4 else CHANNEL  # a grid with both axes where there is one
+# SQUARE placed with its sample pairs as neighbours at 4 ranks; where it has one split axis that
+# axis (the default placement, named), on one rank none
+PLACED = {"node_axes": "sample" if SIZE == 4 else "channel"} if SIZE > 1 else {}
 
 
 def plans():
@@ -48,6 +51,16 @@ def plans():
             "layer2.proj": {"algorithm": "x"},
             "layer3.conv1": {"grid": SAMPLE, "algorithm": "sample"},
             "fc": {"grid": CHANNEL, "algorithm": "w", "filter_groups": DIVISORS[-1]},
+        },
+        # grids placed on the processes in other orders (node_axes: at 4 ranks the sample pairs,
+        # not the channel pairs, are neighbours), next to the default placement of one shape
+        "placed": {
+            "stem.conv": {"grid": SQUARE, "algorithm": "x", **PLACED},
+            "layer1.conv1": {"grid": SQUARE, "algorithm": "y"},
+            "layer2.conv1": {"grid": SQUARE, "algorithm": "w", **PLACED},
+            "layer2.proj": {"grid": SAMPLE, "algorithm": "sample"},
+            "layer3.conv1": {"grid": SQUARE, "algorithm": "x", **PLACED},
+            "fc": {"grid": SQUARE, "algorithm": "y"},
         },
     }
 

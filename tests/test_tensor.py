@@ -270,3 +270,27 @@ def test_partial_sums_and_partial_targets(grids):
         # Each summand equal to the tensor's block: the sum is P_c times it.
         same = DistTensor(DistTensor.from_global(g, summed.without_partial(), grid).local, SHAPE, summed, grid)
         assert_all_ranks(np.allclose(same.gather(), g * grid.axis_size("channel")), f"{spec}: P_c summands")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spec", grid_specs(2))
+def test_redistribute_between_placements(spec):
+    """A tensor moved between grids that place their ranks on other processes (node_axes):
+    every block is the global tensor's, both ways and between layouts, and gathers whole."""
+    from cfp.grid import AXES
+    shape = ProcessGrid.shape_of(spec)
+    x = np.random.default_rng(3).standard_normal((4 * SIZE, 6, 5, 4))
+    base = ProcessGrid(spec)
+    a, b = Layout(("sample", "channel", None, None)), Layout(("channel", "sample", None, None))
+
+    def block(t):
+        return x[np.ix_(*[list(ix) for ix in t.indices()])]
+    for axis in [a for a in AXES if shape[a] > 1]:
+        placed = ProcessGrid(spec, node_axes=(axis,))
+        moved = DistTensor.from_global(x, a, base).redistribute(a, placed)
+        assert_all_ranks(np.array_equal(moved.local, block(moved)), f"{spec} -> node axes {axis}")
+        back = moved.redistribute(b, base)
+        assert_all_ranks(np.array_equal(back.local, block(back)), f"node axes {axis} -> {spec}, another layout")
+        assert_all_ranks(np.array_equal(moved.gather(), x), "gather of the placed grid's tensor")
+        placed.free()
+    base.free()

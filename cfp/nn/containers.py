@@ -148,12 +148,13 @@ class Redistribute(Module):
         with comm.tag(layer=self.name, phase="redistribute"):
             return dy.redistribute(self.source[1], self.source[0])
 
-    def predicted_bytes(self, rank, itemsize):
-        """(sent, received) by `rank` in the last step's forward and backward exchanges."""
+    def predicted_bytes(self, itemsize):
+        """(sent, received) by this process in the last step's forward and backward exchanges
+        (each exchange numbers the processes as the grid it starts from)."""
         from ..perfmodel import redistribute_bytes
-        sent, received = redistribute_bytes(self.last_shape, self.source, self.target, rank, itemsize)
+        sent, received = redistribute_bytes(self.last_shape, self.source, self.target, self.source[0].rank, itemsize)
         if self.moved_back:
-            back = redistribute_bytes(self.last_shape, self.target, self.source, rank, itemsize)
+            back = redistribute_bytes(self.last_shape, self.target, self.source, self.target[0].rank, itemsize)
             sent, received = sent + back[0], received + back[1]
         return sent, received
 
@@ -225,7 +226,7 @@ class Network(Sequential):
         out = {}
         for m in walk(self):
             if isinstance(m, Redistribute) and m.last_shape is not None:
-                out[(m.name, "redistribute")] = m.predicted_bytes(self.grid.rank, itemsize)
+                out[(m.name, "redistribute")] = m.predicted_bytes(itemsize)
             elif hasattr(m, "predicted_bytes") and getattr(m, "input_shape", None) is not None \
                     and not isinstance(m, Redistribute):
                 for phase, moved in m.predicted_bytes(itemsize).items():

@@ -63,9 +63,11 @@ class Parameter:
 
 def same_place(a, b):
     """Whether two (grid, layout) specs put every element on the same ranks: equal grid shapes
-    and equal layouts once the axes of size 1 are dropped."""
+    placed alike on the processes (grid.ProcessGrid's node_axes) and equal layouts once the axes
+    of size 1 are dropped."""
     (grid_a, layout_a), (grid_b, layout_b) = a, b
-    return grid_a.shape == grid_b.shape and layout_a.on(grid_a) == layout_b.on(grid_b)
+    return grid_a.shape == grid_b.shape and layout_a.on(grid_a) == layout_b.on(grid_b) and \
+        getattr(grid_a, "processes", None) == getattr(grid_b, "processes", None)
 
 
 class Module:
