@@ -137,7 +137,8 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
 def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup):
     """{label: the slowest rank's median seconds of one training step} (forward, loss, backward,
     SGD with momentum) of model `model_name` (models.MODELS, with `arch`) built on the ranks of
-    `world` under each plan of `plans` ({label: {layer: {"grid", "algorithm", "filter_groups"}}}),
+    `world` under each plan of `plans` ({label: {layer: {"grid", "algorithm", "filter_groups",
+    "node_axes"}}}),
     on the global batch x, y (float32).
 
     Every plan's model is built first and the steps go round the plans, one step of each in
@@ -169,22 +170,35 @@ def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup):
     return {label: seconds[label] for label in plans}
 
 
-def single_grid_plans(names, ranks, algorithms=None):
+def plan_grids(entries):
+    """The grids of plan entries in the order the layers first use them, each with its
+    placement where that is not channel fastest: ['sample=2,channel=2 (node axes: sample)']."""
+    return list(dict.fromkeys(e["grid"] + (f" (node axes: {e['node_axes']})" if e.get("node_axes") else "")
+                              for e in entries.values()))
+
+
+def single_grid_plans(names, ranks, algorithms=None, profile=None):
     """{label: plan entries} of every grid of `ranks` ranks (sample x channel) with every
     algorithm (sample where P_c = 1; x, y and w for each p_f otherwise; or those of
-    `algorithms`), all layers `names` alike."""
+    `algorithms`), all layers `names` alike; with a `profile`, on every placement the planner
+    weighs for the grid on its nodes (planner.placements), else channel fastest."""
     from .grid import ProcessGrid, factorizations
+    from .planner import placements
     out = {}
     for P_n, P_c in factorizations(ranks):
-        grid = ProcessGrid.describe_shape({"sample": P_n, "channel": P_c})
+        shape = {"sample": P_n, "channel": P_c}
+        grid = ProcessGrid.describe_shape(shape)
         if P_c == 1:
             options = [("sample", None)]
         else:
             options = [("x", None), ("y", None)] + [("w", d) for d in range(1, P_c + 1) if P_c % d == 0]
-        for algorithm, p_f in options:
-            if algorithms is not None and algorithm not in algorithms:
-                continue
-            entry = {"grid": grid, "algorithm": algorithm, **({"filter_groups": p_f} if p_f else {})}
-            label = f"{grid} {algorithm}" + (f" p_f={p_f}" if p_f else "")
-            out[label] = {name: dict(entry) for name in names}
+        for node_axes in [None] if profile is None else placements(shape, profile):
+            placed = {"node_axes": ",".join(node_axes)} if node_axes else {}
+            for algorithm, p_f in options:
+                if algorithms is not None and algorithm not in algorithms:
+                    continue
+                entry = {"grid": grid, "algorithm": algorithm, **({"filter_groups": p_f} if p_f else {}), **placed}
+                label = f"{grid} {algorithm}" + (f" p_f={p_f}" if p_f else "") + \
+                    (f" [node axes: {placed['node_axes']}]" if placed else "")
+                out[label] = {name: dict(entry) for name in names}
     return out

@@ -104,8 +104,7 @@ def placement_order(shape, node_axes=None):
     split = tuple(a for a in AXES if int(shape.get(a, 1)) > 1)
     if node_axes is None:
         return split
-    if isinstance(node_axes, str):
-        node_axes = tuple(a.strip() for a in node_axes.split(",") if a.strip())
+    node_axes = _named(node_axes)
     if not isinstance(node_axes, (tuple, list)) or not node_axes or not all(isinstance(a, str) for a in node_axes):
         raise ValueError(f"node axes {node_axes!r}: expected axis names, e.g. 'channel' or 'sample,height'")
     for a in node_axes:
@@ -117,6 +116,23 @@ def placement_order(shape, node_axes=None):
     if len(set(node_axes)) != len(node_axes):
         raise ValueError(f"node axes {','.join(node_axes)}: an axis is named twice")
     return tuple(a for a in split if a not in node_axes) + tuple(a for a in split if a in node_axes)
+
+
+def _named(node_axes):
+    """('sample', 'height') from 'sample,height' (other values as given)."""
+    if isinstance(node_axes, str):
+        return tuple(a.strip() for a in node_axes.split(",") if a.strip())
+    return node_axes
+
+
+def placed_axes(shape, node_axes):
+    """The node axes of a grid of {axis: size} `shape` in the order they vary (placement_order),
+    or None where they place it as the default does (channel fastest): how a placement is
+    recorded (plans, the planner's choices)."""
+    order = placement_order(shape, node_axes)
+    if node_axes is None or order == placement_order(shape):
+        return None
+    return tuple(a for a in order if a in _named(node_axes))
 
 
 def process_ranks(shape, node_axes=None):
@@ -154,6 +170,19 @@ def node_layout(comm, strict=True):
     return per_node, comm.Get_size() // per_node
 
 
+def check_node_fit(shape, node_axes, per_node, nodes):
+    """ValueError unless the groups of ranks that differ only along `node_axes` (they vary
+    fastest: neighbours) fit inside nodes of `per_node` ranks: their sizes multiply to a
+    divisor of it."""
+    named = [a for a in placement_order(shape, node_axes) if node_axes and a in _named(node_axes)]
+    group = math.prod(int(shape[a]) for a in named)
+    if per_node % group:
+        kept = ",".join(f"{a}={shape[a]}" for a in named)
+        raise ValueError(f"node axes {kept}: a group of {group} ranks does not fit inside the nodes of this job "
+                         f"({nodes} node(s) of {per_node} rank(s)); expected node axes whose sizes multiply to a "
+                         f"divisor of {per_node}")
+
+
 class GridSizeError(ValueError):
     """A grid whose axes multiply to another number of ranks than the communicator has;
     `ranks_needed` is theirs (what a script run on one rank is told to start)."""
@@ -181,8 +210,7 @@ class ProcessGrid:
                                 f"{comm.Get_size()}", needed)
         # the split axes in the order of comm's processes, slowest first (default: AXES order)
         self.placement = placement_order(self.shape, node_axes)
-        self.node_axes = None if node_axes is None else tuple(a for a in self.placement if a in (
-            [a.strip() for a in node_axes.split(",")] if isinstance(node_axes, str) else node_axes))
+        self.node_axes = None if node_axes is None else tuple(a for a in self.placement if a in _named(node_axes))
         # Every rank has checked the same things above, so all ranks get here or none does.
         self.over = comm  # what the grid was made over: its placement speaks of comm's ranks
         if self.placement == placement_order(self.shape):
@@ -206,14 +234,11 @@ class ProcessGrid:
     def _check_nodes(self, comm):
         """ValueError (on every rank alike) unless each group of ranks that differ only along
         the node axes (neighbours in comm's order: those axes vary fastest) lies inside one node."""
-        per_node, nodes = node_layout(comm)
-        group = math.prod(self.shape[a] for a in self.node_axes)
-        if per_node % group:
+        try:
+            check_node_fit(self.shape, self.node_axes, *node_layout(comm))
+        except ValueError:
             self.comm.Free()
-            kept = ",".join(f"{a}={self.shape[a]}" for a in self.node_axes)
-            raise ValueError(f"node axes {kept}: a group of {group} ranks does not fit inside the nodes of "
-                             f"this job ({nodes} node(s) of {per_node} rank(s)); expected node axes whose "
-                             f"sizes multiply to a divisor of {per_node}")
+            raise
 
     @functools.cached_property
     def processes(self):

@@ -22,24 +22,26 @@ from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 
 
 def plan_choice(current, entry):
-    """The grid, algorithm and p_f of a layer whose plan entry is `entry` (None: not listed)
-    when the layer before runs as `current`: what the entry gives, the rest kept (p_f only
-    where grid and algorithm stay)."""
+    """The grid, algorithm, p_f and placement of a layer whose plan entry is `entry` (None: not
+    listed) when the layer before runs as `current`: what the entry gives, the rest kept (p_f
+    only where grid and algorithm stay; the placement only where the entry names no grid: an
+    entry's grid is placed by its own node_axes, channel fastest without)."""
     if entry is None:
         return dict(current)
     keeps_grid = entry.get("grid", current["grid"]) == current["grid"]
     keeps_p_f = keeps_grid and entry.get("algorithm", current["algorithm"]) == current["algorithm"]
     return {"grid": entry.get("grid", current["grid"]), "algorithm": entry.get("algorithm", current["algorithm"]),
             "filter_groups": entry.get("filter_groups", current["filter_groups"] if keeps_p_f else None),
-            "node_axes": entry.get("node_axes", current.get("node_axes") if keeps_grid else None)}
+            "node_axes": entry.get("node_axes", None if "grid" in entry else current.get("node_axes"))}
 
 
 class _Builder:
     """Names layers, seeds their weights and puts every convolution (and the classifier) on its
     grid with its algorithm: the layer's entry of `plan` ({layer name: {"grid", "algorithm",
-    "filter_groups", optionally "node_axes" (grid.ProcessGrid's placement)}}), or, for a layer the plan does not list, those of the layer before it
-    (the first layer: `grid`, `algorithm`, `filter_groups`). Batch norm follows the convolution
-    before it; ReLU and pooling take whatever comes."""
+    "filter_groups", optionally "node_axes" (grid.ProcessGrid's placement)}}), or, for a layer
+    the plan does not list, those of the layer before it (the first layer: `grid`, `algorithm`,
+    `filter_groups`; plan_choice). Batch norm follows the convolution before it; ReLU and
+    pooling take whatever comes."""
 
     def __init__(self, grids, grid, algorithm, filter_groups, seed, dtype, plan=None):
         self.grids, self.seed, self.dtype = grids, seed, dtype
@@ -393,6 +395,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
         shapes = layer_shapes(name, batch or 1, **arch)
         fixed = None if choose_grids else (grid.axis_size("sample"), grid.axis_size("channel"))
         the_plan = _planner(shapes, grid.size, profile, memory_limit=memory_limit, grid=fixed,
+                            node_axes=None if choose_grids else grid.node_axes,
                             **({} if choose_grids else {"algorithms": CHANNEL_ALGORITHMS}))
         plan = plan_entries(the_plan)
         config["algorithm"] = the_plan.choices[0].algorithm

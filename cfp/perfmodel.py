@@ -8,13 +8,14 @@ The byte convention is comm.py's: each element counted where it leaves a rank an
 arrives, never a rank's own block.
 """
 import dataclasses
+import functools
 import math
 import os
 
 from .algorithms import algorithm_class
 from .algorithms.base import HALO, HALO_ADJOINT, message_sent, run_order
 from .comm import PHASES as LEDGER_PHASES
-from .grid import AXES, coords_of, parse_grid_spec, rank_of
+from .grid import AXES, coords_of, parse_grid_spec, process_ranks, rank_of
 from .io import load_json
 from .halo import halo_plan
 from .layout import piece_size
@@ -371,13 +372,47 @@ def _shard_sizes(layer, cls, layouts, shape):
             x_rows, x_cols, y_rows, y_cols)
 
 
-def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1):
+GROUPS = ("row", "column", "gradient", "halo")  # the groups an algorithm's collectives run over
+
+
+@functools.lru_cache(maxsize=4096)
+def _inside_nodes(shape, node_axes, per_node, p_f):
+    """{group: whether each of its groups lies inside one node} on a grid of `shape` ((axis,
+    size) pairs) placed by `node_axes` (grid.process_ranks) on nodes of `per_node`
+    neighbouring ranks: stationary-w's rows (p_f consecutive channel ranks) and columns (every
+    p_f-th), the gradient group (the ranks holding the same channels: all but the channel
+    axis) and the halo group (the ranks of one image: height and width)."""
+    shape = dict(shape)
+    spans = {group: {} for group in GROUPS}
+    for g, process in enumerate(process_ranks(shape, node_axes)):
+        c = coords_of(g, shape)
+        keys = {"row": (c["sample"], c["height"], c["width"], c["channel"] // p_f),
+                "column": (c["sample"], c["height"], c["width"], c["channel"] % p_f),
+                "gradient": c["channel"], "halo": (c["sample"], c["channel"])}
+        for group, key in keys.items():
+            spans[group].setdefault(key, set()).add(process // per_node)
+    return {group: all(len(nodes) == 1 for nodes in by_key.values()) for group, by_key in spans.items()}
+
+
+def inside_nodes(shape, profile, p_f=1, node_axes=None):
+    """{group (GROUPS): whether each of its groups stays inside a node} for a grid of {axis:
+    size} `shape` placed by `node_axes` (grid.ProcessGrid) on the profile's nodes
+    (ranks_per_node neighbouring ranks each)."""
+    if isinstance(node_axes, str):
+        node_axes = tuple(a.strip() for a in node_axes.split(",") if a.strip())
+    return _inside_nodes(tuple((a, int(shape.get(a, 1))) for a in AXES), None if node_axes is None else
+                         tuple(node_axes), profile.ranks_per_node, p_f)
+
+
+def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1,
+               node_axes=None):
     """Predicted seconds (per phase, compute and communication) and bytes per rank of one
     forward and backward pass of `layer` under `algorithm` on a P_n x P_h x P_w x P_c grid
     (P_h, P_w > 1: the image split over height and width, with a halo exchange).
 
-    Ranks of a channel row are neighbours (channel varies fastest), so the row, the column and
-    the gradient group stay inside a node when the ranks they span fit in one.
+    A collective runs over the link inside a node where each of its groups lies inside one
+    (inside_nodes: the grid's placement, `node_axes`, on the profile's nodes), else over the
+    link between nodes (docs/design.md, "Rank placement").
     """
     cls = algorithm_class(algorithm, layer.groups)
     p_f = cls.filter_groups(P_c, p_f)
@@ -394,10 +429,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     H = min(layer.H, (Ho - 1) * layer.stride + extent) if P_h > 1 else layer.H
     W = min(layer.W, (Wo - 1) * layer.stride + extent) if P_w > 1 else layer.W
     x_bytes, y_bytes = n * rows * H * W * item, n * cols * Ho * Wo * item
-    per_node = profile.ranks_per_node
-    row_intra = p_f <= per_node
-    column_intra = (q - 1) * p_f + 1 <= per_node
-    grad_intra = P_n * P_h * P_w * P_c <= per_node
+    inside = inside_nodes(shape, profile, p_f, node_axes)
     flops = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all)
     local = local_geometry(layer, n, rows, cols, seen, Ho, Wo, P_h, P_w)
     keys = {pass_name: rate_key(pass_name, local, "float32") for pass_name in PASSES}
@@ -406,7 +438,8 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
                profile.kernel_time(pass_name, path, flops, path_rows, named)
                for pass_name, (path, path_rows) in keys.items()}
     comm = {phase: 0.0 for phase in PHASES}
-    groups = {"row": (p_f, row_intra), "column": (q, column_intra), "gradient": (P_n * P_h * P_w, grad_intra)}
+    groups = {"row": (p_f, inside["row"]), "column": (q, inside["column"]),
+              "gradient": (P_n * P_h * P_w, inside["gradient"])}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
     for m in cls.messages:
         if message_sent(m, layer.first, not layer.first):
@@ -415,7 +448,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     if P_h * P_w > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
         received = n * x_channels * max(0, H * W - x_rows * x_cols) * item
         p = P_h * P_w
-        halo = profile.collective_time("alltoall", p, received * p / (p - 1), grad_intra)
+        halo = profile.collective_time("alltoall", p, received * p / (p - 1), inside["halo"])
         comm["halo"] = halo * (1 if layer.first else 2)
     weights = w_count * item
     # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as the
@@ -440,7 +473,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         "workspace": max(winograd.get(p, bound) for p in passes),
     }
     layers = _layers_time(layer, profile, n * y_filters * Ho * Wo, y_filters, w_count, optimizer_buffers,
-                          P_n * P_h * P_w, grad_intra)
+                          P_n * P_h * P_w, inside["gradient"])
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),

@@ -11,8 +11,10 @@ The memory limit is met by pricing memory: the plans minimising time + lambda * 
 lambda bisected towards the smallest whose plan fits, the fastest fitting one kept.
 """
 import dataclasses
+import itertools
+import math
 
-from .grid import factorizations
+from .grid import AXES, ProcessGrid, factorizations, placed_axes, placement_order
 from .perfmodel import layer_cost
 from .report import format_table
 
@@ -30,6 +32,7 @@ class Choice:
     redistribution: float = 0.0  # seconds to bring this layer its input and its residual sum's other branch
     P_h: int = 1
     P_w: int = 1
+    node_axes: tuple = None  # the grid's placement (grid.ProcessGrid); None: channel fastest
 
     @property
     def grid(self):
@@ -38,16 +41,49 @@ class Choice:
         return f"sample={self.P_n},channel={self.P_c}"
 
     @property
+    def shape(self):
+        return {"sample": self.P_n, "height": self.P_h, "width": self.P_w, "channel": self.P_c}
+
+    @property
+    def placed(self):
+        """The grid with its placement where that is not the default: 'sample=2,channel=2
+        (node axes: sample)'."""
+        return self.grid + (f" (node axes: {','.join(self.node_axes)})" if self.node_axes else "")
+
+    @property
     def label(self):
         return self.algorithm + (f" (p_f={self.p_f})" if self.algorithm == "w" else "")
 
 
+def placements(shape, profile, node_axes=None):
+    """The placements (grid.ProcessGrid's node_axes, as grid.placed_axes records them) worth
+    pricing for a grid of {axis: size} `shape`: `node_axes`' alone where given; else None
+    (channel fastest) and, where the grid spans several of the profile's nodes and the profile
+    has a link between nodes, every other choice of axes kept inside a node whose groups fit
+    in one (their sizes multiply to a divisor of ranks_per_node), one per distinct rank order."""
+    if node_axes is not None:
+        return [placed_axes(shape, node_axes)]
+    out, seen = [None], {placement_order(shape)}
+    if math.prod(shape.values()) <= profile.ranks_per_node or "inter" not in profile.links:
+        return out
+    split = [a for a in AXES if shape.get(a, 1) > 1]
+    for k in range(1, len(split) + 1):
+        for axes in itertools.combinations(split, k):
+            order = placement_order(shape, axes)
+            if profile.ranks_per_node % math.prod(shape[a] for a in axes) == 0 and order not in seen:
+                seen.add(order)
+                out.append(axes)
+    return out
+
+
 def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORITHMS, grid=None,
-                  optimizer_buffers=1, spatial=False):
-    """Every (grid, algorithm, p_f) for `layer` on `ranks` ranks (or on the fixed `grid`
-    (P_n, P_c) or (P_n, P_h, P_w, P_c)), with its predicted cost. Data parallelism needs P_c = 1
-    (on a grid with P_c > 1 it would only replicate work). spatial: also the grids that split
-    the image over height and width (as far as the layer's output has rows and columns)."""
+                  optimizer_buffers=1, spatial=False, node_axes=None):
+    """Every (grid, placement, algorithm, p_f) for `layer` on `ranks` ranks (or on the fixed
+    `grid` (P_n, P_c) or (P_n, P_h, P_w, P_c)), with its predicted cost. Data parallelism needs
+    P_c = 1 (on a grid with P_c > 1 it would only replicate work). spatial: also the grids that
+    split the image over height and width (as far as the layer's output has rows and columns).
+    The placements are `placements`' (one unless the grid spans nodes of a two-link profile;
+    `node_axes` given: that one)."""
     if grid is not None:
         grids = [tuple(grid) if len(grid) == 4 else (grid[0], 1, 1, grid[1])]
     elif spatial:
@@ -65,9 +101,11 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
             if algorithm != "sample" and P_c == 1 and algorithm != "y":
                 continue  # with one channel rank x, y and w are the same computation: keep one
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
-            for p_f in p_fs:
-                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w)
-                out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost, P_h=P_h, P_w=P_w))
+            for p_f, placed in itertools.product(p_fs, placements(
+                    {"sample": P_n, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes)):
+                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed)
+                out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost, P_h=P_h, P_w=P_w,
+                                  node_axes=placed))
     return out
 
 
@@ -97,14 +135,15 @@ def moves(chosen, choice, itemsize):
 
 
 def _grid(c):
-    return c.P_n, c.P_h, c.P_w, c.P_c
+    """Where a choice's blocks lie: its grid and the grid's placement."""
+    return c.P_n, c.P_h, c.P_w, c.P_c, placement_order(c.shape, c.node_axes)
 
 
 def redistribution_time(chosen, choice, profile):
     """Seconds of `moves`: each activation forward and its gradient backward, by an all-to-all
     over all ranks whose result on each is its share of the activation (of which (p - 1) / p
     arrives from the others: a split by samples traded for a split by channels). Data
-    parallelism runs only where P_c = 1, so one grid means one layout."""
+    parallelism runs only where P_c = 1, so one placed grid means one layout."""
     ranks = choice.P_n * choice.P_h * choice.P_w * choice.P_c
     intra = ranks <= profile.ranks_per_node
     return sum(2 * profile.collective_time("alltoall", ranks, volume / ranks, intra)
@@ -171,7 +210,8 @@ class Plan:
     ranks: int
 
     def to_json(self):
-        """The plan file's content: {"layers": {layer name: {"grid", "algorithm", "filter_groups"}}}."""
+        """The plan file's content: {"layers": {layer name: {"grid", "algorithm", "filter_groups",
+        "node_axes"}}} (plan_entries)."""
         return {"layers": plan_entries(self)}
 
     @property
@@ -190,7 +230,7 @@ class Plan:
         for c in self.choices:
             L = c.layer
             extra = (f",g{L.groups}" if L.groups > 1 else "") + (f",d{L.dilation}" if L.dilation > 1 else "")
-            rows.append((L.name, f"{L.N},{L.C},{L.F},{L.H}x{L.W},{L.K}{extra}", c.grid, c.label,
+            rows.append((L.name, f"{L.N},{L.C},{L.F},{L.H}x{L.W},{L.K}{extra}", c.placed, c.label,
                          f"{sum(c.cost['compute'].values()) * 1e3:.2f}",
                          f"{sum(c.cost['comm'].values()) * 1e3:.2f}",
                          f"{sum(c.cost.get('layers', {}).values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
@@ -200,20 +240,23 @@ class Plan:
 
 
 def plan_entries(the_plan):
-    """{layer name: {"grid", "algorithm", "filter_groups"}} of a Plan, as models.build_model and
-    plan files take them (filter_groups only for 'w')."""
+    """{layer name: {"grid", "algorithm", "filter_groups", "node_axes"}} of a Plan, as
+    models.build_model and plan files take them (filter_groups only for 'w', node_axes only
+    for a placement other than channel fastest)."""
     out = {}
     for c in the_plan.choices:
         entry = {"grid": c.grid, "algorithm": c.algorithm}
         if c.algorithm == "w":
             entry["filter_groups"] = c.p_f
+        if c.node_axes:
+            entry["node_axes"] = ",".join(c.node_axes)
         out[c.layer.name] = entry
     return out
 
 
 def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
     """The Plan (predicted times and memory) of running `layers` as `entries` says: {layer
-    name: {"grid", "algorithm", "filter_groups"}}, every layer listed (a plan file as plan.py
+    name: {"grid", "algorithm", "filter_groups", "node_axes"}}, every layer listed (a plan file as plan.py
     writes it, or a single-grid plan), priced as the planner prices its own."""
     from .grid import parse_grid_spec
     choices = []
@@ -226,9 +269,11 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
         P_h, P_w = sizes.get("height", 1), sizes.get("width", 1)
         if P_n * P_h * P_w * P_c != ranks:
             raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a grid of {ranks} ranks")
+        node_axes = placed_axes(ProcessGrid.shape_of(entry["grid"]), entry.get("node_axes"))
         cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers,
-                          P_h, P_w)
-        choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w))
+                          P_h, P_w, node_axes)
+        choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w,
+                              node_axes=node_axes))
     for k, choice in enumerate(choices):
         choice.redistribution = redistribution_time(choices[:k], choice, profile)
     return Plan(choices, ranks)
@@ -269,17 +314,20 @@ def _within(options, profile, memory_limit, ranks):
 
 
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,
-         grid=None, optimizer_buffers=1, spatial=False):
+         grid=None, optimizer_buffers=1, spatial=False, node_axes=None):
     """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose
     predicted memory per rank is at most `memory_limit` bytes (None: no limit).
 
     grid: a fixed (P_n, P_c) or (P_n, P_h, P_w, P_c) for every layer (what a model built on one
     grid can run). spatial: also consider grids that split the image, layer by layer.
+    node_axes: every layer's placement (grid.ProcessGrid); None: each layer's chosen with its
+    grid where the grid spans the profile's nodes (placements).
     Raises ValueError when no plan fits the limit, naming the smallest memory possible.
     """
     if not layers:
         raise ValueError("plan: no layers given")
-    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers, spatial) for L in layers]
+    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers, spatial, node_axes)
+               for L in layers]
     for L, opts in zip(layers, options):
         if not opts:
             raise ValueError(f"plan: layer {L.name} has no valid option on {ranks} ranks "

@@ -105,10 +105,12 @@ class TrainConfig:
             if getattr(self, field) is not None and getattr(self, needs) != value:
                 raise ValueError(f"{option(field)} applies to {option(needs)} {value} only; with "
                                  f"{option(needs)} {getattr(self, needs)} it would be ignored")
-        if self.node_axes is not None and self.grid is None and (self.algorithm == "auto" or self.plan):
-            raise ValueError("--node-axes places the ranks of --grid; without --grid the "
-                             f"{'planner' if self.algorithm == 'auto' else 'plan file'} chooses each layer's grid "
-                             f"and placement")
+        if self.node_axes is not None and self.plan:
+            raise ValueError("--node-axes and --plan both place the layers' ranks; a plan file places each "
+                             "layer's grid by its entry's \"node_axes\"")
+        if self.node_axes is not None and self.grid is None and self.algorithm == "auto":
+            raise ValueError("--node-axes places the ranks of --grid; without --grid the planner chooses each "
+                             "layer's grid and placement")
         if self.node_axes is not None and self.grid is not None:  # else: sample=<ranks>, checked when made
             placement_order(ProcessGrid.shape_of(self.grid), self.node_axes)
         if self.plan is not None and self.algorithm == "auto":

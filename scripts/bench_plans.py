@@ -5,8 +5,10 @@ predicted side by side in one run.
         [--image 8] [--steps 10] [--warmup 3] [--profile PROFILE] [--json out.json]
 
 Plans: every grid factorization of the ranks with every algorithm (with P_c > 1: x, y and w for
-each p_f; with P_c = 1: sample), all layers alike, and the planner's own plan (each layer's
-grid and algorithm chosen freely, redistributions between them). Measured: one training step
+each p_f; with P_c = 1: sample), all layers alike, on every placement the planner weighs (where
+the grid spans nodes of a profile with a link between them: which axes stay inside a node),
+and the planner's own plan (each layer's grid, placement and algorithm chosen freely,
+redistributions between them). Measured: one training step
 (forward, loss, backward, SGD update) of float32 synthetic data, the slowest rank's time,
 median of --steps after --warmup, 1 BLAS thread per rank, the plans' steps taken in turn
 (benchtools.measure_steps). Predicted: the planner's price of
@@ -20,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import cli
-from cfp.benchtools import measure_steps, prepare, single_grid_plans
+from cfp.benchtools import measure_steps, plan_grids, prepare, single_grid_plans
 from cfp.calibration import machine_profile
 from cfp.checks import int_options
 from cfp.data import synthetic
@@ -58,15 +60,15 @@ def main(argv=None):
     shapes = layer_shapes(args.model, args.batch, **arch)
     profile = machine_profile(args.profile, world, 1, shapes)
     names = [s.name for s in shapes]
-    plans = single_grid_plans(names, P)
+    plans = single_grid_plans(names, P, profile=profile)
     planned = plan(shapes, P, profile)
     plans["planner"] = plan_entries(planned)
     x, y = synthetic(args.batch, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
     measured = measure_steps(world, args.model, plans, arch, args.batch, x, y, args.steps, args.warmup)
     rows = []
     for label, entries in plans.items():
-        grids = list(dict.fromkeys(e["grid"] for e in entries.values()))
-        rows.append({"plan": label, "grids": grids, "predicted_s": price_plan(shapes, P, profile, entries).time,
+        rows.append({"plan": label, "grids": plan_grids(entries),
+                     "predicted_s": price_plan(shapes, P, profile, entries).time,
                      "measured_s": measured[label]})
     fastest = min(r["measured_s"] for r in rows)
     predicted_best = min(rows, key=lambda r: r["predicted_s"])

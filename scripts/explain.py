@@ -6,13 +6,16 @@ collective moves between whom: a table, a picture, or a trace of a real run.
     mpiexec -n 4 python -m mpi4py scripts/explain.py ... --trace     # run it and show what happened
     python scripts/explain.py --model resnet --width 2 --batch 64 --grid sample=2,channel=2 --algorithm y
     python scripts/explain.py --model resnet --width 2 --batch 64 --plan plan.json [--plot model.png]
+    python scripts/explain.py ... --grid sample=2,channel=2 --node-axes sample --ranks-per-node 2
 
 Without --trace no MPI run is needed: the index ranges are the layouts the layer holds, the
 steps are its collectives in the order it runs them, and the bytes are perfmodel.predict_bytes.
 --trace runs the layer (float64, values from --seed) on the ranks of the MPI job and prints,
 after each step, what every rank holds (shape, and the sum of its values beside the serial
 tensors' sum at the explained indices), from the ledger and the collectives' results; it exits
-with status 1 when anything differs from the explanation.
+with status 1 when anything differs from the explanation. --ranks-per-node (--trace: the job's
+own nodes) shows which ranks share a node and which collectives' groups span nodes; --node-axes
+places the grid's ranks on the job's processes as train.py --node-axes does.
 """
 import sys
 
@@ -44,6 +47,10 @@ def parse_args(argv):
     p.add_argument("--first", action="store_true",
                    help="a network's first layer: its input whole on every channel rank, no dx")
     p.add_argument("--grid", help="process grid, e.g. sample=2,channel=2 (default: sample=1)")
+    p.add_argument("--node-axes", help="the grid axes kept inside a node, e.g. sample (default: channel fastest; "
+                   "grid.ProcessGrid's placement)")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="show which ranks share a node of this many ranks (--trace: the job's own nodes)")
     p.add_argument("--algorithm", default="y", metavar=cli.one_of(ALGORITHMS), help="the algorithm")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing the channel axis)")
     p.add_argument("--dtype", default="float64", metavar=cli.one_of(("float32", "float64")), help="the bytes' element size")
@@ -58,7 +65,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="--trace: seeds the tensors' values")
     args = p.parse_args(argv)
     int_options(args, positive=("batch", "channels", "filters", "image", "kernel", "stride", "dilation", "groups",
-                                "filter_groups", "width", "depth", "in_channels"),
+                                "filter_groups", "width", "depth", "in_channels", "ranks_per_node"),
                 nonnegative=("padding", "seed"))
     if args.dtype not in ("float32", "float64"):
         raise ValueError(f"--dtype {args.dtype!r}: expected float32 or float64")
@@ -69,6 +76,12 @@ def parse_args(argv):
             raise ValueError("--plan gives every layer its grid and algorithm; give --plan or --grid, not both")
     elif args.plan:
         raise ValueError("--plan applies to --model only")
+    if args.trace and args.ranks_per_node is not None:
+        raise ValueError("--trace runs on the nodes of its job and shows them; --ranks-per-node is for an "
+                         "explanation without a run")
+    if args.plan and args.node_axes:
+        raise ValueError("--plan places each layer's grid by its entries' node_axes; give --plan or --node-axes, "
+                         "not both")
     if args.trace and args.dtype != "float64":
         raise ValueError("--trace runs in float64 (its checksums are compared with the serial tensors')")
     return args
@@ -83,7 +96,8 @@ def main(argv=None):
     if args.model is not None:
         layers = layer_shapes(args.model, args.batch, args.width, args.depth, args.in_channels, image=args.image)
         plan = read_plan(args.plan) if args.plan else None
-        explained = explain_model(layers, args.grid, args.algorithm, args.filter_groups, plan, itemsize=itemsize)
+        explained = explain_model(layers, args.grid, args.algorithm, args.filter_groups, plan, itemsize=itemsize,
+                                  node_axes=args.node_axes, ranks_per_node=args.ranks_per_node)
         if world.Get_rank() == 0:
             print(f"# {args.model} width {args.width}, {args.image}x{args.image} images, global batch {args.batch}, "
                   f"{args.dtype}; each layer's busiest rank (one forward and backward pass)")
@@ -97,7 +111,7 @@ def main(argv=None):
                  filter_groups=args.filter_groups, stride=args.stride,
                  padding=args.kernel // 2 * args.dilation if args.padding is None else args.padding,
                  dilation=args.dilation, groups=args.groups, input_whole=args.first, need_dx=not args.first,
-                 padding_mode=args.padding_mode)
+                 padding_mode=args.padding_mode, node_axes=args.node_axes)
     if args.trace:
         trace = trace_layer(world, seed=args.seed, **layer)
         if world.Get_rank() == 0:
@@ -105,7 +119,7 @@ def main(argv=None):
         failed = world.bcast(bool(trace.mismatches) if trace is not None else None, root=0)
         status = 1 if failed else 0
     else:
-        e = explain_layer(itemsize=itemsize, **layer)
+        e = explain_layer(itemsize=itemsize, ranks_per_node=args.ranks_per_node, **layer)
         trace, status = None, 0
         if world.Get_rank() == 0:
             print(e.text())

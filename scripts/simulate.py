@@ -46,7 +46,7 @@ def allreduce_bytes(choice):
 def describe(plan):
     """'sample=64,channel=16: 40 layers; ...' and 'y 30, w 12, sample 12': the grids and
     algorithms of a plan, most used first."""
-    grids = collections.Counter(c.grid for c in plan.choices)
+    grids = collections.Counter(c.placed for c in plan.choices)
     algorithms = collections.Counter(c.label for c in plan.choices)
     return ("; ".join(f"{g}: {n}" for g, n in grids.most_common()),
             ", ".join(f"{a} {n}" for a, n in algorithms.most_common()))
@@ -65,7 +65,8 @@ def summarize(plan, memory_limit):
         "fits_memory": memory_limit is None or plan.memory <= memory_limit,
         "grids": grids,
         "algorithms": algorithms,
-        "layers": [{"name": c.layer.name, "grid": c.grid, "algorithm": c.algorithm, "p_f": c.p_f,
+        "layers": [{"name": c.layer.name, "grid": c.grid, "node_axes": c.node_axes and ",".join(c.node_axes),
+                    "algorithm": c.algorithm, "p_f": c.p_f,
                     "time_s": c.cost["time"], "redistribution_s": c.redistribution}
                    for c in plan.choices],
     }

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import cli
-from cfp.benchtools import measure_conv, measure_steps, prepare, single_grid_plans
+from cfp.benchtools import measure_conv, measure_steps, plan_grids, prepare, single_grid_plans
 from cfp.calibration import machine_profile
 from cfp.checks import finite_number, int_options
 from cfp.data import synthetic
@@ -95,7 +95,7 @@ def step_check(world, profile, args):
     for name, arch, batch in STEP_MODELS:
         arch = dict(arch, in_channels=1, classes=10, image=8)
         shapes = layer_shapes(name, batch, **arch)
-        plans = single_grid_plans([s.name for s in shapes], P, algorithms=("sample", "x", "y"))
+        plans = single_grid_plans([s.name for s in shapes], P, algorithms=("sample", "x", "y"), profile=profile)
         planned = plan(shapes, P, profile)
         plans["planner"] = plan_entries(planned)
         x, y = synthetic(batch, 1, 8, 8, 10, seed=0, dtype=np.float32)
@@ -109,7 +109,7 @@ def step_check(world, profile, args):
                      "redistribute": sum(c.redistribution for c in priced.choices)}
             rows.append({"model": f"{name} {', '.join(f'{k} {v}' for k, v in arch.items() if k in ('width', 'depth'))}"
                                   f", batch {batch}",
-                         "plan": label, "grids": list(dict.fromkeys(e["grid"] for e in entries.values())),
+                         "plan": label, "grids": plan_grids(entries),
                          "measured_s": measured, "predicted_s": priced.time, "parts_s": parts,
                          "error": priced.time / measured - 1})
     return rows
@@ -157,19 +157,20 @@ def main(argv=None):
         measured_rows = []
         # Every option the planner weighs, plus data parallelism where P_n > N (it idles ranks).
         for option in layer_options(layer, P, profile):
-            grid = ProcessGrid(f"sample={option.P_n},channel={option.P_c}")
+            grid = ProcessGrid(f"sample={option.P_n},channel={option.P_c}", node_axes=option.node_axes)
             p_f = option.p_f if option.algorithm == "w" else None
             t = measure_conv(world, grid, option.algorithm, p_f, x, w, b, dy, layer.stride, layer.pad,
                              args.repeats, args.warmup)
             grid.free()
             measured = t["forward_s"] + t["backward_s"]
-            cost = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f)
+            cost = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f,
+                              node_axes=option.node_axes)
             predicted = sum(cost["compute"].values()) + sum(cost["comm"].values())  # the convolution alone
             measured_rows.append({
                 "layer": layer.name, "shape": f"{layer.N},{layer.C},{layer.F},{layer.H}x{layer.W},{layer.K}",
-                "grid": option.grid, "algorithm": option.label, "measured_s": measured,
+                "grid": option.placed, "algorithm": option.label, "measured_s": measured,
                 "predicted_s": predicted, "error": predicted / measured - 1,
-                "planner_choice": (option.grid, option.label) == (chosen.grid, chosen.label)})
+                "planner_choice": (option.placed, option.label) == (chosen.placed, chosen.label)})
         fastest = min(r["measured_s"] for r in measured_rows)
         for r in measured_rows:
             r["measured_fastest"] = r["measured_s"] == fastest

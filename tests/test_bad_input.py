@@ -79,6 +79,11 @@ TRAIN_CASES = [
     (["--dataset", "npz:/nonexistent/data.npz"], "dataset '/nonexistent/data.npz' does not exist"),
     (["--dataset", "cifar10:/nonexistent"], "CIFAR-10 directory '/nonexistent' does not exist"),
     (["--dataset", "npz:x.npz", "--upsample", "2"], "--upsample applies to --dataset digits and synthetic only"),
+    (["--node-axes", "depth"], "node axis 'depth': expected one of sample, height, width, channel"),
+    (["--grid", "channel=2", "--node-axes", "sample"],
+     "node axis 'sample': grid channel=2 does not split it \\(it splits channel\\)"),
+    (["--grid", "channel=2", "--node-axes", "channel,channel"], "node axes channel,channel: an axis is named twice"),
+    (["--plan", "plan.json", "--node-axes", "sample"], "--node-axes and --plan both place the layers' ranks"),
     (["--augment", "--eval-only", "--resume", "--checkpoint-dir", "ckpt"],
      "--augment changes the training batches only; with --eval-only, which does not train, it would be ignored"),
 ]
@@ -87,6 +92,15 @@ TRAIN_CASES = [
 @pytest.mark.parametrize("args,message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
 def test_train_bad_option(args, message):
     fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + args, message)
+
+
+def test_node_axes_without_a_grid_for_the_planner_is_refused():
+    """--node-axes places --grid's ranks; under --algorithm auto without --grid the planner
+    places each layer's grid itself, so the option would be ignored."""
+    fails_once(2, os.path.join(SCRIPTS, "train.py"), ["--no-progress", "--epochs", "1", "--algorithm", "auto",
+                                                      "--node-axes", "sample"],
+               "--node-axes places the ranks of --grid; without --grid the planner chooses each layer's grid and "
+               "placement")
 
 
 @pytest.mark.parametrize("option,key,message", [
@@ -137,9 +151,17 @@ def test_train_bad_plan_file(tmp_path):
     too_big.write_text('{"layers": {"layer2.conv1": {"grid": "sample=3", "algorithm": "y"}}}')
     typo = tmp_path / "typo.json"
     typo.write_text('{"layers": {"layer2.conv1": {"grid": "sample=1,chanel=2", "algorithm": "y"}}}')
+    unplaced = tmp_path / "unplaced.json"
+    unplaced.write_text('{"layers": {"layer2.conv1": {"algorithm": "y", "node_axes": "sample"}}}')
+    misplaced = tmp_path / "misplaced.json"
+    misplaced.write_text('{"layers": {"layer2.conv1": {"grid": "sample=2", "algorithm": "y", "node_axes": "channel"}}}')
     for path, message in ((tmp_path / "missing.json", "plan file '.*missing.json' does not exist; make one with "
                            "scripts/plan.py, e.g. `python scripts/plan.py --model resnet .* --out .*missing.json`"),
                           (typo, "plan file '.*typo.json': plan entry of layer layer2.conv1: unknown grid axis 'chanel'"),
+                          (unplaced, "plan entry of layer layer2.conv1: node_axes places the ranks of the "
+                                     "entry's grid; give its \"grid\" too"),
+                          (misplaced, "plan entry of layer layer2.conv1: node axis 'channel': grid sample=2 does "
+                                      "not split it"),
                           (garbled, "plan file '.*garbled.json' is not valid JSON"),
                           (wrong_form, "plan file '.*form.json': expected an object"),
                           (too_big, "plan entry of layer layer2.conv1: grid 'sample=3' needs 3 ranks, this run has 2")):

@@ -159,6 +159,61 @@ def test_model_table_follows_the_plan():
         explain_model(layers, plan={"nope": {"algorithm": "x"}})
 
 
+def test_which_ranks_share_a_node_worked_out_by_hand():
+    """y on a 2 x 2 sample x channel grid on 2 nodes of 2: channel fastest (the default) puts
+    each channel pair (grid ranks 0,1 and 2,3) on a node and the gradient allreduce's sample
+    pairs (0,2 and 1,3) across; node axes 'sample' puts grid rank 1 on process 2 and the other
+    way round. The tables name each rank's process and node and each group's nodes."""
+    default = explain_layer((4, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, ranks_per_node=2)
+    placed = explain_layer((4, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, ranks_per_node=2,
+                           node_axes="sample")
+    assert default.processes == (0, 1, 2, 3) and placed.processes == (0, 2, 1, 3)
+    assert [default.node(r) for r in range(4)] == [0, 0, 1, 1] and [placed.node(r) for r in range(4)] == [0, 1, 0, 1]
+    assert default.across_nodes() == ["gradient-sync: allreduce"]
+    assert placed.across_nodes() == ["forward: allgather", "backward-data: reduce_scatter"]
+    text = placed.text()
+    assert "(4 ranks, node axes sample, 2 nodes of 2 ranks)" in text
+    assert "groups {0,1} (nodes 0,1: across) {2,3} (nodes 0,1: across)" in text
+    assert "groups {0,2} (node 0) {1,3} (node 1)" in text
+    assert "rank  process  node  coords" in text and "\n1     2        1     s0 c1" in text
+    assert "rank  node  coords" in default.text() and "process" not in default.text()
+    # the placement without nodes: which process holds each grid rank
+    assert "rank  process  coords" in explain_layer((4, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1,
+                                                    node_axes="sample").text()
+    table = model_table(explain_model(layer_shapes("resnet", 16, 1, image=8), "sample=2,channel=2", "y",
+                                      node_axes="sample", ranks_per_node=2))
+    assert "sample=2,channel=2 (node axes: sample)" in table and "across nodes" in table
+    assert "forward: allgather, backward-data: reduce_scatter" in table
+    for kwargs, message in ((dict(ranks_per_node=3), "ranks per node 3: expected a positive divisor of the grid's 4"),
+                            (dict(ranks_per_node=2, node_axes="sample,channel"),
+                             "node axes sample=2,channel=2: a group of 4 ranks does not fit inside"),
+                            (dict(node_axes="height"), "node axis 'height': grid sample=2,channel=2 does not split")):
+        with pytest.raises(ValueError, match=message):
+            explain_layer((4, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, **kwargs)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_trace_of_a_placed_grid_runs_as_explained():
+    """Every grid of this many ranks placed with each split axis kept inside a node: the run's
+    collectives, bytes and blocks are the explanation's, by grid rank, and each grid rank is
+    held by the process the explanation names (Trace.processes; at 4 ranks, sample=2,channel=2
+    with node axes sample puts grid ranks 1 and 2 on processes 2 and 1)."""
+    world = MPI.COMM_WORLD
+    moved = []
+    for g in grids(world.Get_size()):
+        for axis in [a for a in AXES if g[a] > 1]:
+            for algorithm, p_f in (("y", None), ("w", 1)):
+                trace = trace_layer(world, LAYER["x_shape"], 8, 3, algorithm, g, p_f, padding=1, seed=1,
+                                    node_axes=axis)
+                if world.Get_rank() == 0:
+                    assert trace.mismatches == [], (g, axis, algorithm, trace.mismatches)
+                    assert trace.processes == list(trace.explanation.processes)
+                    if trace.processes != list(range(world.Get_size())):
+                        moved.append((ProcessGrid.describe_shape(g), axis, tuple(trace.processes)))
+    if world.Get_rank() == 0 and world.Get_size() == 4:
+        assert ("sample=2,channel=2", "sample", (0, 2, 1, 3)) in moved, moved
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "w.png"
@@ -182,6 +237,11 @@ def _script(*args, ranks=None, timeout=60):
     (["--model", "resnet", "--trace"], "--trace runs one layer"),
     (["--grid", "height=8", "--image", "4"], "too small for the grid"),
     (["--plot", "layer.gif"], "--plot 'layer.gif': the file name's extension chooses the picture's format"),
+    (["--grid", "channel=4", "--ranks-per-node", "3"], "ranks per node 3: expected a positive divisor of the grid's 4"),
+    (["--grid", "channel=4", "--ranks-per-node", "0"], "--ranks-per-node must be a positive integer, got 0"),
+    (["--grid", "channel=4", "--node-axes", "sample"], "node axis 'sample': grid channel=4 does not split it"),
+    (["--grid", "channel=2", "--trace", "--ranks-per-node", "2"], "--trace runs on the nodes of its job"),
+    (["--model", "resnet", "--plan", "p.json", "--node-axes", "sample"], "give --plan or --node-axes, not both"),
 ])
 def test_bad_input_is_one_message(args, message):
     proc = _script(*args)

@@ -244,3 +244,66 @@ def test_the_planner_splits_large_images_of_one_sample():
     for c in spatial.choices:
         Ho, Wo = c.layer.out_hw
         assert c.P_h <= Ho and c.P_w <= Wo and c.P_n * c.P_h * c.P_w * c.P_c == 4
+
+
+def test_which_groups_stay_inside_a_node_follows_the_placement():
+    """A 2 x 2 sample x channel grid on nodes of 2 ranks: channel fastest (the default) keeps
+    each channel pair (the row of p_f = 2, the column of p_f = 1) on a node and sends the
+    gradient allreduce (the sample pair) across; node axes 'sample' the other way round. A
+    channel row of 3 of a 6-rank channel split on nodes of 4 straddles two nodes."""
+    from cfp.perfmodel import inside_nodes
+    profile = MachineProfile(profile_data(ranks_per_node=2, inter=(1.0, 1.0)))
+    shape = {"sample": 2, "channel": 2}
+    assert inside_nodes(shape, profile, 2) == {"row": True, "column": True, "gradient": False, "halo": True}
+    assert inside_nodes(shape, profile, 1) == {"row": True, "column": True, "gradient": False, "halo": True}
+    assert inside_nodes(shape, profile, 2, "sample") == {"row": False, "column": True, "gradient": True,
+                                                         "halo": True}
+    assert inside_nodes(shape, profile, 1, ("sample",)) == {"row": True, "column": False, "gradient": True,
+                                                            "halo": True}
+    four = MachineProfile(profile_data(ranks_per_node=4, inter=(1.0, 1.0)))
+    assert not inside_nodes({"channel": 6}, four, 3)["row"]
+    assert inside_nodes({"channel": 6}, four, 2)["column"] is False  # channel ranks 1, 3, 5: nodes 0 and 1
+    assert inside_nodes({"channel": 4, "height": 2}, four, 4, "height")["halo"]
+
+
+def test_a_layer_costs_its_placement():
+    """The same layer on the same 2 x 2 grid across 2 nodes of 2, the link between nodes 100 x
+    slower: y's channel collectives (its allgathers of x, reduce-scatters of dx) go over it
+    when the channel pairs are split across nodes, the weight gradient's allreduce when they
+    are not; kernels and memory do not move."""
+    profile = MachineProfile(profile_data(beta=1e-10, ranks_per_node=2, inter=(0.0, 1e-8)))
+    layer = LayerShape("c", 8, 64, 64, 16, 16, 3)
+    inside = layer_cost(layer, "y", 2, 2, profile)
+    across = layer_cost(layer, "y", 2, 2, profile, node_axes=("sample",))
+    assert inside["compute"] == across["compute"] and inside["memory"] == across["memory"]
+    channel = inside["comm"]["forward"] + inside["comm"]["backward-data"]
+    assert channel > 0 and channel == pytest.approx((across["comm"]["forward"] + across["comm"]["backward-data"]) / 100)
+    assert inside["comm"]["gradient-sync"] == pytest.approx(across["comm"]["gradient-sync"] * 100)
+    assert layer_cost(layer, "y", 2, 2, profile, node_axes="channel") == inside
+
+
+@pytest.mark.parametrize("batch, chosen", [(64, None), (2, ("sample",))])
+def test_the_planner_chooses_the_placement_with_the_grid(batch, chosen):
+    """On a fixed 2 x 2 grid across 2 nodes of 2 over a slow link between them, the planner
+    keeps inside a node the groups that move more: the channel pairs where activations are
+    large (a batch of 64: channel fastest, the default), the sample pairs that allreduce the
+    weight gradients where they are (a batch of 2, wide layers); the plan's entries carry the
+    placement, and price_plan prices them as the planner did. On one node, or with one link,
+    placement changes nothing and is not priced."""
+    from cfp.planner import layer_options, placements, price_plan
+    profile = MachineProfile(profile_data(beta=1e-10, ranks_per_node=2, inter=(0.0, 1e-8)))
+    layers = [LayerShape("a", batch, 256, 256, 8, 8, 3), LayerShape("b", batch, 256, 256, 8, 8, 3)]
+    shape = {"sample": 2, "channel": 2}
+    assert placements(shape, profile) == [None, ("sample",)]
+    assert placements(shape, profile, "sample") == [("sample",)] and placements(shape, profile, "channel") == [None]
+    assert placements(shape, MachineProfile(profile_data(ranks_per_node=4, inter=(0.0, 1e-8)))) == [None]
+    assert placements(shape, MachineProfile(profile_data(ranks_per_node=2))) == [None]
+    planned = plan(layers, 4, profile, grid=(2, 2), algorithms=("y",))
+    assert [c.node_axes for c in planned.choices] == [chosen, chosen]
+    entries = plan_entries(planned)
+    assert all(e.get("node_axes") == (chosen and "sample") for e in entries.values())
+    assert price_plan(layers, 4, profile, entries).time == pytest.approx(planned.time, rel=1e-12)
+    others = [o for o in layer_options(layers[1], 4, profile, ("y",), (2, 2)) if o.node_axes != chosen]
+    assert others and all(o.cost["time"] > planned.choices[1].cost["time"] for o in others)
+    fixed = plan(layers, 4, profile, grid=(2, 2), algorithms=("y",), node_axes="channel")
+    assert [c.node_axes for c in fixed.choices] == [None, None]

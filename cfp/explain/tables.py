@@ -17,7 +17,7 @@ import math
 from ..algorithms import algorithm_class
 from ..algorithms.base import HALO, HALO_ADJOINT, run_order
 from ..checks import int_pair
-from ..grid import AXES, ProcessGrid, coords_of, rank_of
+from ..grid import AXES, ProcessGrid, check_node_fit, coords_of, placed_axes, placement_order, process_ranks, rank_of
 from ..halo import check_image_fits, halo_plan, window_options
 from ..kernels import conv2d_output_shape, conv_options
 from ..layout import Layout, Shard
@@ -94,13 +94,48 @@ class LayerExplanation:
 
     # -- text ---------------------------------------------------------------------------------------
 
+    # -- nodes -------------------------------------------------------------------------------------
+
+    def node(self, rank):
+        """The node of grid rank `rank` (its process's rank // ranks_per_node), or None when
+        the explanation was not given the nodes."""
+        return None if self.ranks_per_node is None else self.processes[rank] // self.ranks_per_node
+
+    def group_text(self, group):
+        """'{0,1}', with the nodes its ranks are on where those are known: '{0,1} (node 0)',
+        '{0,2} (nodes 0,1: across)'."""
+        text = "{" + ",".join(map(str, group)) + "}"
+        if self.ranks_per_node is None or len(group) < 2:
+            return text
+        nodes = sorted({self.node(r) for r in group})
+        return text + (f" (node {nodes[0]})" if len(nodes) == 1 else f" (nodes {','.join(map(str, nodes))}: across)")
+
+    def across_nodes(self):
+        """The steps ([phase: collective]) some of whose groups span nodes (none where the
+        nodes are not known)."""
+        if self.ranks_per_node is None:
+            return []
+        return [f"{s.phase}: {s.message.collective}" for s in self.steps
+                if any(len({self.node(r) for r in g}) > 1 for g in s.group_sets())]
+
+    def placement_text(self):
+        """', node axes sample, 2 nodes of 2 ranks' (what the header adds: the placement where
+        not the default, the nodes where known)."""
+        text = f", node axes {','.join(self.node_axes)}" if self.node_axes else ""
+        if self.ranks_per_node is not None:
+            nodes = self.ranks // self.ranks_per_node
+            text += f", {nodes} node{'s' * (nodes > 1)} of {self.ranks_per_node} rank{'s' * (self.ranks_per_node > 1)}"
+        return text
+
+    # -- text ---------------------------------------------------------------------------------------
+
     def header(self):
         p_f = f" (p_f={self.p_f})" if self.algorithm == "w" else ""
         k = "x".join(map(str, self.kernel))
         return (f"layer: x {self.shapes['x']} -> y {self.shapes['y']}, w {self.shapes['w']}, kernel {k}, "
                 f"{self.option_text()}; algorithm {self.algorithm}{p_f} on grid "
-                f"{ProcessGrid.describe_shape(self.grid)} ({self.ranks} rank{'s' * (self.ranks > 1)}), "
-                f"{self.itemsize * 8}-bit floats")
+                f"{ProcessGrid.describe_shape(self.grid)} ({self.ranks} rank{'s' * (self.ranks > 1)}"
+                f"{self.placement_text()}), {self.itemsize * 8}-bit floats")
 
     def option_text(self):
         o = self.options
@@ -117,12 +152,20 @@ class LayerExplanation:
             text += ", no dx"
         return text
 
+    def rank_columns(self, rank=None):
+        """The first cells of a table row of grid rank `rank` (None: the header): the rank;
+        with a placement, the process (the rank in the job) holding it; with the nodes, its node."""
+        placed, nodes = self.node_axes is not None, self.ranks_per_node is not None
+        if rank is None:
+            return ["rank"] + ["process"] * placed + ["node"] * nodes
+        return [str(rank)] + [str(self.processes[rank])] * placed + [str(self.node(rank))] * nodes
+
     def holds_table(self):
-        rows = [["rank", "coords", "x", "w", "y"]]
+        rows = [self.rank_columns() + ["coords", "x", "w", "y"]]
         for r in range(self.ranks):
             held = self.holds[r]
-            rows.append([str(r), coords_text(self.coords[r], self.grid), indices_text("x", held["x"]),
-                         indices_text("w", held["w"][:2]), indices_text("y", held["y"])])
+            rows.append(self.rank_columns(r) + [coords_text(self.coords[r], self.grid), indices_text("x", held["x"]),
+                                                indices_text("w", held["w"][:2]), indices_text("y", held["y"])])
         return format_table(rows)
 
     def steps_text(self):
@@ -130,7 +173,7 @@ class LayerExplanation:
         if not self.steps:
             lines.append("(no collective: every rank computes alone)")
         for k, step in enumerate(self.steps, 1):
-            groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in step.group_sets())
+            groups = " ".join(self.group_text(g) for g in step.group_sets())
             lines.append(f"{k}. {step.title()}: groups {groups}")
             rows = [["rank", "sends", "receives", "then holds"]]
             for r in range(self.ranks):
@@ -151,7 +194,8 @@ class LayerExplanation:
     def text(self):
         return "\n".join([
             self.header(), "",
-            "Who holds what: global index ranges start:stop (a+b: a union of blocks),",
+            "Who holds what: global index ranges start:stop (a+b: a union of blocks),"
+            + (" by grid rank (the process of the job holding it: the placement)," if self.node_axes else ""),
             f"  x[{DIMS['x']}], w[{DIMS['w']}], y[{DIMS['y']}]; dx, dw, dy as x, w, y",
             self.holds_table(), "",
             "The steps of one forward and backward pass, in the order the layer runs them",
@@ -199,13 +243,16 @@ def indices_text(name, ix):
 
 def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
                   padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, itemsize=8,
-                  padding_mode="zeros"):
+                  padding_mode="zeros", node_axes=None, ranks_per_node=None):
     """A LayerExplanation of the convolution of a global x of x_shape (N, C, H, W) into
     out_channels filters under `algorithm` ('sample', 'x', 'y', 'w') on `grid` (a spec such as
     'sample=2,channel=2' or {axis: size}), with nn.Conv2d's options, for every rank. (The
     padding mode moves nothing more unless the grid splits the image: then the halo also
-    brings the rows the padded border copies.)"""
+    brings the rows the padded border copies.) `node_axes`: the grid's placement
+    (grid.ProcessGrid), which process holds each grid rank; `ranks_per_node`: the job's nodes
+    (neighbouring processes, as many each), to show which ranks share one."""
     sizes = ProcessGrid.shape_of(grid)
+    processes, node_axes = _placement(sizes, node_axes, ranks_per_node)
     x_shape = tuple(int(n) for n in x_shape)
     kernel = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
     options = conv_options(stride, padding, dilation, groups, padding_mode)
@@ -237,11 +284,27 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
     e = LayerExplanation(algorithm=algorithm, grid=sizes, ranks=ranks, coords=coords, p_f=p_f, kernel=kernel,
                          options=options, bias=bool(bias), input_whole=input_whole, need_dx=need_dx,
                          itemsize=itemsize, shapes={"x": x_shape, "w": w_shape, "y": tuple(y_shape)},
-                         layouts=layouts, holds=holds, halo=halo, steps=[])
+                         layouts=layouts, holds=holds, halo=halo, steps=[], node_axes=node_axes,
+                         processes=processes, ranks_per_node=ranks_per_node)
     for k, m in enumerate(order):
         e.steps.append(Step(m, [_group(e, m, r) for r in range(ranks)], [moved[r][k][1] for r in range(ranks)],
                             [moved[r][k][2] for r in range(ranks)], [_result(e, m, r) for r in range(ranks)]))
     return e
+
+
+def _placement(sizes, node_axes, ranks_per_node):
+    """(the process of each grid rank, the node axes as the grid orders them or None), after
+    checking them as a run would be: ValueError naming the value otherwise."""
+    ranks = math.prod(sizes.values())
+    placement_order(sizes, node_axes)  # names each bad axis
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or ranks % ranks_per_node:
+            raise ValueError(f"ranks per node {ranks_per_node!r}: expected a positive divisor of the grid's "
+                             f"{ranks} ranks")
+        check_node_fit(sizes, node_axes, ranks_per_node, ranks // ranks_per_node)
+    placed = placed_axes(sizes, node_axes)
+    return process_ranks(sizes, node_axes), placed
 
 
 def _group(e, m, r):
@@ -284,15 +347,18 @@ def _result(e, m, r):
 # A whole model
 
 
-def explain_model(layers, grid=None, algorithm="y", filter_groups=None, plan=None, itemsize=4):
-    """[(LayerShape, {"grid", "algorithm", "filter_groups"}, LayerExplanation)] for the
-    convolutions of a model (models.layer_shapes), each on `grid` with `algorithm`, or as
-    `plan` ({layer name: entry}, as train.py --plan reads it: a layer it does not list keeps
-    the choice of the layer before, models.plan_choice). The first layer takes its input whole
-    and computes no dx; a 1x1 image (the classifier) is not split over height and width, the
-    spatial ranks holding copies, as the model's Linear layer does."""
+def explain_model(layers, grid=None, algorithm="y", filter_groups=None, plan=None, itemsize=4, node_axes=None,
+                  ranks_per_node=None):
+    """[(LayerShape, {"grid", "algorithm", "filter_groups", "node_axes"}, LayerExplanation)] for
+    the convolutions of a model (models.layer_shapes), each on `grid` (placed by `node_axes`)
+    with `algorithm`, or as `plan` ({layer name: entry}, as train.py --plan reads it: a layer
+    it does not list keeps the choice of the layer before, models.plan_choice), on nodes of
+    `ranks_per_node` ranks where given. The first layer takes its input whole and computes no
+    dx; a 1x1 image (the classifier) is not split over height and width, the spatial ranks
+    holding copies, as the model's Linear layer does."""
     from ..models import check_plan, plan_choice
-    current = {"grid": grid or "sample=1", "algorithm": algorithm, "filter_groups": filter_groups}
+    current = {"grid": grid or "sample=1", "algorithm": algorithm, "filter_groups": filter_groups,
+               "node_axes": node_axes}
     if plan is not None:
         ranks = math.prod(ProcessGrid.shape_of(current["grid"]).values()) if grid else None
         first = plan.get(layers[0].name, {}).get("grid")
@@ -307,7 +373,8 @@ def explain_model(layers, grid=None, algorithm="y", filter_groups=None, plan=Non
         e = explain_layer((layer.N, layer.C, layer.H, layer.W), layer.F, layer.K, current["algorithm"], spec,
                           current["filter_groups"] if current["algorithm"] == "w" else None, stride=layer.stride,
                           padding=layer.pad, dilation=layer.dilation, groups=layer.groups, input_whole=layer.first,
-                          need_dx=not layer.first, itemsize=itemsize)
+                          need_dx=not layer.first, itemsize=itemsize, node_axes=current["node_axes"],
+                          ranks_per_node=ranks_per_node)
         out.append((layer, dict(current), e))
     return out
 
@@ -322,15 +389,20 @@ def _busiest(e):
 def model_table(explained):
     """One line per layer: its shapes, grid and algorithm, the layouts of x, w and y, and the
     busiest rank's bytes moved and memory."""
-    rows = [["layer", "x -> y", "grid", "algorithm", "x layout", "w layout", "y layout", "moved/rank", "memory/rank"]]
+    nodes = any(e.ranks_per_node is not None for _, _, e in explained)
+    rows = [["layer", "x -> y", "grid", "algorithm", "x layout", "w layout", "y layout", "moved/rank", "memory/rank"]
+            + ["across nodes"] * nodes]
     for layer, choice, e in explained:
         moved, memory = _busiest(e)
         alg = choice["algorithm"] + (f" p_f={e.p_f}" if choice["algorithm"] == "w" else "")
-        grid = ProcessGrid.describe_shape(e.grid)
+        grid = ProcessGrid.describe_shape(e.grid) + (f" (node axes: {','.join(e.node_axes)})" if e.node_axes else "")
         rows.append([layer.name, f"{'x'.join(map(str, e.shapes['x'][1:]))} -> {'x'.join(map(str, e.shapes['y'][1:]))}",
                      grid, alg, layout_text(e.layouts["x"], e.grid), layout_text(e.layouts["w"], e.grid),
-                     layout_text(e.layouts["y"], e.grid), format_bytes(moved), format_bytes(memory)])
-    return format_table(rows) + "\n" + MODEL_NOTE
+                     layout_text(e.layouts["y"], e.grid), format_bytes(moved), format_bytes(memory)]
+                    + [", ".join(e.across_nodes()) or "-"] * nodes)
+    note = ("\n(across nodes: the collectives some of whose groups span nodes, over the link between them)"
+            if nodes else "")
+    return format_table(rows) + "\n" + MODEL_NOTE + note
 
 
 MODEL_NOTE = ("(convolutions only: the redistributions between layers of different grids or layouts, batch "

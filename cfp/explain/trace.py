@@ -28,8 +28,9 @@ def checksum(a):
 class Trace:
     """What every rank of a run held after each step (trace_layer), with the explanation."""
 
-    def __init__(self, explanation, start, steps, mismatches):
+    def __init__(self, explanation, start, steps, mismatches, processes):
         self.explanation = explanation
+        self.processes = processes  # per grid rank: the process (rank of the job) that ran it
         self.start = start  # per rank: {tensor: (shape, checksum, serial checksum)}
         self.steps = steps  # per step, per rank: dict of the ledger record and the result
         self.mismatches = mismatches  # what differs from the explanation or the serial tensors
@@ -38,9 +39,9 @@ class Trace:
         e = self.explanation
         lines = [e.header(), "", "What each rank holds at the start: its blocks (shape, checksum = sum of the values;",
                  "the serial tensors' checksum at the explained indices beside it)"]
-        rows = [["rank", "x block", "w shard", "dy block"]]
+        rows = [e.rank_columns() + ["x block", "w shard", "dy block"]]
         for r in range(e.ranks):
-            rows.append([str(r)] + [_held_text(self.start[r][t]) for t in ("x", "w", "dy")])
+            rows.append(e.rank_columns(r) + [_held_text(self.start[r][t]) for t in ("x", "w", "dy")])
         lines.append(format_table(rows))
         lines += ["", "After each step, from the ledger and what the collective returned"]
         for k, (step, done) in enumerate(zip(e.steps, self.steps), 1):
@@ -74,19 +75,23 @@ def _close(a, b):
 
 def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
                 padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, seed=0,
-                padding_mode="zeros"):
+                padding_mode="zeros", node_axes=None):
     """Run one float64 forward and backward pass of the layer explain_layer describes on the
-    ranks of `comm` (the grid's size), with values drawn from `seed` (uniform in [0, 1), the
-    same global tensors on every rank), and return, on rank 0, a Trace: what each rank held
-    after each collective (the ledger's record and a copy of its result) beside the
-    explanation and the serial tensors; None on the other ranks. Collective over comm."""
+    ranks of `comm` (the grid's size, placed by `node_axes`, on the job's nodes), with values
+    drawn from `seed` (uniform in [0, 1), the same global tensors on every rank), and return,
+    on rank 0, a Trace: what each rank held after each collective (the ledger's record and a
+    copy of its result) beside the explanation and the serial tensors; None on the other
+    ranks. Collective over comm."""
     from ..algorithms import make_conv
     from ..comm import CommLedger, use_ledger
     from ..kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
     from ..tensor import DistTensor
+    from ..grid import node_layout
+    per_node, _ = node_layout(comm)
     e = explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups, stride, padding,
-                      dilation, groups, bias, input_whole, need_dx, itemsize=8, padding_mode=padding_mode)
-    g = ProcessGrid(grid, comm)
+                      dilation, groups, bias, input_whole, need_dx, itemsize=8, padding_mode=padding_mode,
+                      node_axes=node_axes, ranks_per_node=per_node)
+    g = ProcessGrid(grid, comm, node_axes=node_axes)
     try:
         options = dict(e.options)
         conv = make_conv(algorithm, g, e.shapes["x"][1], out_channels, e.kernel, filter_groups=filter_groups,
@@ -108,6 +113,7 @@ def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filte
                           for t, a, full, k in (("x", x_local, x, "x"), ("w", w_local, w, "w"),
                                                 ("dy", dy_local, dy, "y"))},
                 "shards": (list(conv.w_filters), list(conv.w_channels), list(conv.b_filters)),
+                "process": comm.Get_rank(),
                 "steps": []}
         for record, result, step in zip(ledger.records, ledger.results, e.steps + [None] * len(ledger.records)):
             tensor, ix = (step.result[g.rank][1], step.result[g.rank][2]) if step else (None, None)
@@ -121,12 +127,14 @@ def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filte
                                   "shape": tuple(result.shape) if result is not None else (),
                                   "checksum": checksum(result) if result is not None else float("nan"),
                                   "serial": expected})
+        # by grid rank, as the explanation counts them (grid rank 0, at coordinates 0, is process 0)
+        every = g.comm.gather(mine, root=0)
     finally:
         g.free()
-    every = comm.gather(mine, root=0)
     if comm.Get_rank() != 0:
         return None
-    return Trace(e, [m["start"] for m in every], _by_step(every, e), _mismatches(e, every, bias))
+    return Trace(e, [m["start"] for m in every], _by_step(every, e), _mismatches(e, every, bias),
+                 [m["process"] for m in every])
 
 
 def _by_step(every, e):
@@ -142,6 +150,8 @@ def _mismatches(e, every, bias):
     for r, mine in enumerate(every):
         held = e.holds[r]
         filters, channels, bias_filters = mine["shards"]
+        if mine["process"] != e.processes[r]:
+            out.append(f"rank {r}: held by process {mine['process']}, explained on process {e.processes[r]}")
         if (filters, channels) != (list(held["w"][0]), list(held["w"][1])) or bias_filters != list(held["b"][0]):
             out.append(f"rank {r}: the layer's weight shard is not the explained w{held['w'][:2]}")
         for t, (shape, value, serial) in mine["start"].items():
