@@ -137,6 +137,7 @@ def test_ranks_are_placed_in_blocks_or_in_turn(family):
         assert f"--host {NAME}-n0:2,{NAME}-n1:2 --map-by slot -n 4 prog" in block
         assert f"--host {NAME}-n0:2,{NAME}-n1:2 --map-by node -n 4 prog" in cyclic
         assert f"OMPI_MCA_plm_rsh_agent={c.launcher}" in block and "OMPI_MCA_btl_tcp_if_include=cfpnet" in block
+        assert "OMPI_MCA_mpi_yield_when_idle=1" in block  # the nodes share the cores
     with pytest.raises(ValueError, match="placement 'random': expected one of block, cyclic"):
         c.mpiexec_argv(4, ["prog"], mpiexec="mpiexec", placement="random", family=family)
     with pytest.raises(ValueError, match="3 ranks do not divide among 2 nodes"):
