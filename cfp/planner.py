@@ -11,6 +11,7 @@ The memory limit is met by pricing memory: the plans minimising time + lambda * 
 lambda bisected towards the smallest whose plan fits, the fastest fitting one kept.
 """
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -43,6 +44,12 @@ class Choice:
     @property
     def shape(self):
         return {"sample": self.P_n, "height": self.P_h, "width": self.P_w, "channel": self.P_c}
+
+    @functools.cached_property
+    def where(self):
+        """Where the choice's blocks lie: its grid and the grid's placement (what redistribution
+        compares; computed once, the planner asks for it on every transition)."""
+        return self.P_n, self.P_h, self.P_w, self.P_c, placement_order(self.shape, self.node_axes)
 
     @property
     def placed(self):
@@ -135,8 +142,7 @@ def moves(chosen, choice, itemsize):
 
 
 def _grid(c):
-    """Where a choice's blocks lie: its grid and the grid's placement."""
-    return c.P_n, c.P_h, c.P_w, c.P_c, placement_order(c.shape, c.node_axes)
+    return c.where
 
 
 def redistribution_time(chosen, choice, profile):

@@ -209,8 +209,10 @@ def run_simulation(args):
           "shards. '(over)': the plan needs more memory than the limit. What was checked: the model's form "
           "between nodes (each collective's alpha and beta on the link between nodes, for groups that span "
           "nodes) on an emulated cluster of 2 nodes of one rank over 1 Gbit/s, layers and steps within 15% "
-          "(BENCHMARKS.md); not checked: groups mixing the two links, and this profile's constants, which "
-          "are public specifications, not measurements.\n")
+          "(BENCHMARKS.md); on 2 nodes of 2 ranks, which of a grid's groups cross nodes under each placement "
+          "(the planner's placement measured fastest, its order of the placements right) but not the "
+          "magnitudes there (the oversubscribed steps measured 1.5-1.9x the predictions); not checked: "
+          "this profile's constants, which are public specifications, not measurements.\n")
     results = {}
     started = time.time()
     for title, layers in models.items():
