@@ -50,7 +50,8 @@ def parse_args(argv):
     p.add_argument("--node-axes", help="the grid axes kept inside a node, e.g. sample (default: channel fastest; "
                    "grid.ProcessGrid's placement)")
     p.add_argument("--ranks-per-node", type=int,
-                   help="show which ranks share a node of this many ranks (--trace: the job's own nodes)")
+                   help="show which ranks share a node of this many ranks (--trace: the job's own nodes, where "
+                        "it has several)")
     p.add_argument("--algorithm", default="y", metavar=cli.one_of(ALGORITHMS), help="the algorithm")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing the channel axis)")
     p.add_argument("--dtype", default="float64", metavar=cli.one_of(("float32", "float64")), help="the bytes' element size")

@@ -84,11 +84,14 @@ def test_im2col_workspace_is_capped_at_4_mib():
     assert cost["memory"]["workspace"] == 3 * 64 * 64 * 9 * 4 + 4194304
 
 
-@pytest.mark.parametrize("ranks_per_node,row_factor,column_factor", [(1, 10, 10), (2, 1, 10), (3, 1, 1)])
+@pytest.mark.parametrize("ranks_per_node,row_factor,column_factor", [(1, 10, 10), (2, 1, 10), (3, 10, 10),
+                                                                    (4, 1, 1)])
 def test_row_and_column_groups_inside_or_between_nodes(ranks_per_node, row_factor, column_factor):
-    """Stationary-w on channel=4 with p_f = 2: a row is ranks {0, 1} (inside a node of 2), a
-    column {0, 2} (it spans 3 ranks, inside a node of 3). Between nodes a byte costs 10 s,
-    inside 1 s; predict_bytes gives the bytes (held to the ledger elsewhere)."""
+    """Stationary-w on channel=4 with p_f = 2: the rows are ranks {0, 1} and {2, 3} (inside
+    nodes of 2), the columns {0, 2} and {1, 3} (inside a node of 4). Nodes of 3 hold ranks
+    {0, 1, 2} and {3}: the row {2, 3} and the column {1, 3} straddle them, and a collective
+    lasts as long as its slowest group. Between nodes a byte costs 10 s, inside 1 s;
+    predict_bytes gives the bytes (held to the ledger elsewhere)."""
     layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
     sent = predict_bytes("w", (8, 16, 6, 6), (32, 16, 3, 3), {"sample": 1, "channel": 4},
                          {"sample": 0, "channel": 0}, 1, 1, filter_groups=2, bias=False, itemsize=4)

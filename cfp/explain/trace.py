@@ -77,20 +77,20 @@ def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filte
                 padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, seed=0,
                 padding_mode="zeros", node_axes=None):
     """Run one float64 forward and backward pass of the layer explain_layer describes on the
-    ranks of `comm` (the grid's size, placed by `node_axes`, on the job's nodes), with values
-    drawn from `seed` (uniform in [0, 1), the same global tensors on every rank), and return,
-    on rank 0, a Trace: what each rank held after each collective (the ledger's record and a
-    copy of its result) beside the explanation and the serial tensors; None on the other
-    ranks. Collective over comm."""
+    ranks of `comm` (the grid's size, placed by `node_axes`, its nodes shown where the job has
+    several), with values drawn from `seed` (uniform in [0, 1), the same global tensors on
+    every rank), and return, on rank 0, a Trace: what each rank held after each collective (the
+    ledger's record and a copy of its result) beside the explanation and the serial tensors;
+    None on the other ranks. Collective over comm."""
     from ..algorithms import make_conv
     from ..comm import CommLedger, use_ledger
     from ..kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
-    from ..tensor import DistTensor
     from ..grid import node_layout
-    per_node, _ = node_layout(comm)
+    from ..tensor import DistTensor
+    per_node, nodes = node_layout(comm)
     e = explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups, stride, padding,
                       dilation, groups, bias, input_whole, need_dx, itemsize=8, padding_mode=padding_mode,
-                      node_axes=node_axes, ranks_per_node=per_node)
+                      node_axes=node_axes, ranks_per_node=per_node if nodes > 1 else None)  # one node: no news
     g = ProcessGrid(grid, comm, node_axes=node_axes)
     try:
         options = dict(e.options)
