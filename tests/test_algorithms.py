@@ -63,12 +63,12 @@ def serial(x, w, b, dy, stride, pad):
             conv2d_backward_filter(x, dy, w.shape, stride, pad), conv2d_backward_bias(dy))
 
 
-def run_distributed(grid, algorithm, p_f, shape, bias=True, first=False, dtype=np.float64):
+def run_distributed(grid, algorithm, p_f, shape, bias=True, first=False, dtype=np.float64, chunks=1):
     """Distribute the global problem, run forward and backward, and gather the results."""
     N, Cin, F, H, W, K, stride, pad = shape
     x, w, b, dy = random_problem(shape, dtype)
     conv = make_conv(algorithm, grid, Cin, F, K, filter_groups=p_f, stride=stride, padding=pad,
-                     bias=bias, input_whole=first, need_dx=not first, layer="conv")
+                     bias=bias, input_whole=first, need_dx=not first, layer="conv", chunks=chunks)
     in_layout = WHOLE if conv.input_whole else SPLIT
     out_layout = WHOLE if algorithm == "sample" else SPLIT
     ledger = C.CommLedger()
@@ -111,6 +111,50 @@ def test_matches_serial_and_predicted_bytes(grids, config, shape):
                               filter_groups=p_f, itemsize=8)
     measured = ledger_bytes(ledger, layer="conv")
     assert_all_ranks(measured == predicted, f"{ids(config)}: ledger {measured} != predicted {predicted}")
+
+
+# 6 samples: every sample block of a grid of up to 4 ranks holds at least 1 and 2 chunks fit
+# wherever it holds 2 or more (the test asks for no more chunks than the smallest block holds)
+CHUNKED = (6, 5, 7, 6, 5, 3, 1, 1)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("first", [False, True], ids=["inner", "first"])
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] != "sample"], ids=ids)
+def test_pipelined_chunks_match_serial_and_predicted_bytes(grids, config, first, chunks):
+    """chunks=k: the block's samples in k chunks, each chunk's collectives non-blocking while
+    the next computes: the serial numbers and, in all, the bytes of the one-chunk pass."""
+    spec, algorithm, p_f = config
+    grid = grids[spec]
+    k = min(chunks, CHUNKED[0] // grid.axis_size("sample"))
+    conv, ledger, got, (x, w, b, dy) = run_distributed(grid, algorithm, p_f, CHUNKED, first=first, chunks=k)
+    y, dx, dw, db = serial(x, w, b, dy, CHUNKED[6], CHUNKED[7])
+    for name, expected in (("y", y), ("dx", None if first else dx), ("dw", dw), ("db", db)):
+        if expected is None:
+            assert_all_ranks(got[name] is None, f"{ids(config)} {name}: expected none")
+        else:
+            assert_close_all_ranks(got[name], expected, 1e-10, f"{ids(config)} chunks={k} {name}")
+    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, 1, 1, filter_groups=p_f,
+                              input_whole=first, need_dx=not first, itemsize=8)
+    measured = ledger_bytes(ledger, layer="conv")
+    assert_all_ranks(measured == predicted, f"{ids(config)} chunks={k}: ledger {measured} != predicted {predicted}")
+    calls = sum(1 for r in ledger.records if r.layer == "conv" and r.phase != "gradient-sync")
+    if P_c_of(grid) > 1 and k > 1:  # one call per chunk and message: the pass was pipelined
+        assert_all_ranks(calls % k == 0 and (first or calls >= k), f"{ids(config)}: {calls} layer calls for {k} chunks")
+
+
+def P_c_of(grid):
+    return grid.axis_size("channel")
+
+
+def test_chunks_more_than_the_samples_held_refused(grids):
+    """One sample per rank and chunks=2: one message on every rank, before any message moves."""
+    grid = grids[grid_specs()[-1]]
+    conv = make_conv("w", grid, 4, 4, 3, padding=1, layer="conv", chunks=2)
+    x_local = DistTensor.from_global(np.zeros((grid.axis_size("sample"), 4, 5, 5)), SPLIT, grid).local
+    w, b = conv.shard_weight(np.zeros((4, 4, 3, 3))), conv.shard_bias(np.zeros(4))
+    raises_on_all_ranks(ValueError, lambda: conv.forward(x_local, w, b),
+                        "conv: chunks=2 is more than the 1 sample")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)

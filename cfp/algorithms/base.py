@@ -81,8 +81,11 @@ class ConvAlgorithm:
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,
-                 dilation=1, groups=1, padding_mode="zeros", split_image=True):
+                 dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1):
         self.grid = grid
+        # k: forward and backward run the block in k chunks of samples, the collectives of one
+        # chunk in flight while the next computes (pipelined); 1 is one blocking call each
+        self.chunks = positive_int(chunks, "chunks")
         self.C = positive_int(in_channels, "in_channels")
         self.F = positive_int(out_channels, "out_channels")
         self.kernel_size = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
@@ -335,6 +338,65 @@ class ConvAlgorithm:
     def conv_args(self):
         """The kernels' keyword arguments: stride, padding, dilation, groups, padding_mode."""
         return dict(self.options)
+
+    def pipelined(self, block, compute, gather=None, scatter=None):
+        """One pass of a layer in self.chunks chunks of the block's samples: each chunk's
+        channels gathered (gather = (group, sizes): an allgather along axis 1, may_alias), then
+        compute(samples, gathered chunk) (a slice of the block's samples and the gathered
+        chunk; it may return None: nothing to scatter), then the result reduce-scattered along
+        axis 1 (scatter = (group, sizes), donated). A third entry of gather or scatter names the
+        ledger phase of its messages (else the phase in force). With k chunks, chunk i + 1's gather is
+        started before chunk i computes and chunk i's reduce-scatter runs while chunk i + 1
+        computes (non-blocking collectives, each one's bytes a k-th of the whole); with one
+        chunk, the blocking calls. Returns (the gathered block, the results along axis 0)."""
+        n, k = block.shape[0], self.chunks
+        gather_phase = gather[2] if gather is not None and len(gather) > 2 else None
+        scatter_phase = scatter[2] if scatter is not None and len(scatter) > 2 else None
+        if k > max(n, 1):
+            raise ValueError(f"{self.layer}: chunks={k} is more than the {n} sample(s) this rank's block holds; "
+                             f"expected chunks <= the samples per rank")
+        if k == 1:
+            if gather is None:
+                g = block
+            else:
+                with comm.tag(phase=gather_phase):
+                    g = comm.allgather(gather[0], block, 1, gather[1], may_alias=True)
+            r = compute(slice(0, n), g)
+            if scatter is not None and r is not None:
+                with comm.tag(phase=scatter_phase):
+                    r = comm.reduce_scatter(scatter[0], r, 1, scatter[1], donate=True)
+            return g, r
+        starts = [0]
+        for size in block_sizes(n, k):
+            starts.append(starts[-1] + size)
+        samples = [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+        def start_gather(s):
+            if gather is None:
+                return None
+            with comm.tag(phase=gather_phase):
+                return comm.iallgather(gather[0], block[s], 1, gather[1], may_alias=True)
+
+        gathered, results, in_flight = [], [], []
+        next_gather = start_gather(samples[0])
+        for i, s in enumerate(samples):
+            g = block[s] if gather is None else next_gather.wait()
+            if i + 1 < k:
+                next_gather = start_gather(samples[i + 1])
+            for pending in in_flight:  # most transports move data only inside MPI calls
+                pending.test()
+            r = compute(s, g)
+            gathered.append(g)
+            if scatter is not None and r is not None:
+                with comm.tag(phase=scatter_phase):
+                    in_flight.append(comm.ireduce_scatter(scatter[0], r, 1, scatter[1], donate=True))
+            else:
+                results.append(r)
+        if in_flight:
+            results = [pending.wait() for pending in in_flight]
+        xp = backend.get_array_module(block)
+        return (xp.concatenate(gathered, axis=0) if gather is not None else block,
+                None if results[0] is None else xp.concatenate(results, axis=0))
 
     # -- shards of global tensors ------------------------------------------------------------
 

@@ -47,11 +47,10 @@ class StationaryW(ConvAlgorithm):
         x = self.halo(x)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.input_whole:  # the first layer: take the row's channels, no message
-                x_row = x[:, self.w_channels]
-            else:
-                x_row = comm.allgather(self.row_comm, x, 1, self.row_channel_sizes, may_alias=True)
-            partial_y = self.local_forward(x_row, w)
-            y = comm.reduce_scatter(self.column_comm, partial_y, 1, self.column_filter_sizes, donate=True)
+                x = x[:, self.w_channels]
+            x_row, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w),
+                                      gather=None if self.input_whole else (self.row_comm, self.row_channel_sizes),
+                                      scatter=(self.column_comm, self.column_filter_sizes))
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
         self._saved = (x_row, w)
@@ -60,13 +59,16 @@ class StationaryW(ConvAlgorithm):
     def backward(self, dy):
         x_row, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
+        dw = []
+
+        def chunk(s, dy_column):  # dw summed over the chunks, then the chunk's partial dx
+            dw.append(self.local_backward_filter(x_row[s], dy_column, w.shape))
+            if len(dw) > 1:
+                dw[0] += dw.pop()
+            return self.local_backward_data(dy_column, w, x_row[s].shape) if self.need_dx else None
+
         with comm.tag(layer=self.layer, phase="backward-filter"):
-            dy_column = comm.allgather(self.column_comm, dy, 1, self.column_filter_sizes, may_alias=True)
-            dw = self.local_backward_filter(x_row, dy_column, w.shape)
-        dx = None
-        if self.need_dx:
-            with comm.tag(layer=self.layer, phase="backward-data"):
-                partial_dx = self.local_backward_data(dy_column, w, x_row.shape)
-                dx = comm.reduce_scatter(self.row_comm, partial_dx, 1, self.row_channel_sizes, donate=True)
-        dw, db = self.sync_gradients(dw, db)
+            _, dx = self.pipelined(dy, chunk, gather=(self.column_comm, self.column_filter_sizes),
+                                   scatter=(self.row_comm, self.row_channel_sizes, "backward-data"))
+        dw, db = self.sync_gradients(dw[0], db)
         return self.halo_adjoint(dx), dw, db

@@ -32,9 +32,8 @@ class StationaryX(ConvAlgorithm):
         if self.input_whole:  # the first layer: take this rank's channels, no message
             x = x[:, self.w_channels]
         with comm.tag(layer=self.layer, phase="forward"):
-            partial_y = self.local_forward(x, w)
-            y = comm.reduce_scatter(self.channel_comm, partial_y, 1, channel_block_sizes(self.F, self.grid),
-                                    donate=True)
+            _, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w),
+                                  scatter=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
         self._saved = (x, w)
@@ -43,13 +42,15 @@ class StationaryX(ConvAlgorithm):
     def backward(self, dy):
         x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
+        dw = []
+
+        def chunk(s, dy_all_filters):  # dw summed over the chunks; dx needs no message
+            dw.append(self.local_backward_filter(x[s], dy_all_filters, w.shape))
+            if len(dw) > 1:
+                dw[0] += dw.pop()
+            return self.local_backward_data(dy_all_filters, w, x[s].shape) if self.need_dx else None
+
         with comm.tag(layer=self.layer, phase="backward-filter"):
-            dy_all_filters = comm.allgather(self.channel_comm, dy, 1, channel_block_sizes(self.F, self.grid),
-                                            may_alias=True)
-            dw = self.local_backward_filter(x, dy_all_filters, w.shape)
-        dx = None
-        if self.need_dx:
-            with comm.tag(layer=self.layer, phase="backward-data"):
-                dx = self.local_backward_data(dy_all_filters, w, x.shape)
-        dw, db = self.sync_gradients(dw, db)
+            _, dx = self.pipelined(dy, chunk, gather=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
+        dw, db = self.sync_gradients(dw[0], db)
         return self.halo_adjoint(dx), dw, db

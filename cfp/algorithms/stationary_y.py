@@ -30,12 +30,10 @@ class StationaryY(ConvAlgorithm):
         self.check_input(x, w, b, input_shape)
         x = self.halo(x)
         with comm.tag(layer=self.layer, phase="forward"):
-            if self.input_whole:  # the first layer: every rank already has all channels
-                x_all_channels = x
-            else:
-                x_all_channels = comm.allgather(self.channel_comm, x, 1, channel_block_sizes(self.C, self.grid),
-                                                 may_alias=True)
-            y = self.local_forward(x_all_channels, w, b if self.bias else None)
+            # (the first layer's input holds all channels on every rank: nothing to gather)
+            gather = None if self.input_whole else (self.channel_comm, channel_block_sizes(self.C, self.grid))
+            x_all_channels, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w, b if self.bias else None),
+                                               gather=gather)
         self._saved = (x_all_channels, w)
         return y
 
@@ -47,8 +45,7 @@ class StationaryY(ConvAlgorithm):
         dx = None
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
-                partial_dx = self.local_backward_data(dy, w, x_all_channels.shape)
-                dx = comm.reduce_scatter(self.channel_comm, partial_dx, 1, channel_block_sizes(self.C, self.grid),
-                                         donate=True)
+                _, dx = self.pipelined(dy, lambda s, dy_s: self.local_backward_data(dy_s, w, x_all_channels[s].shape),
+                                       scatter=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
         dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db

@@ -29,17 +29,20 @@ class Conv2d(Module):
     input_whole: the input holds all C channels on every channel rank (the network's first
     layer, fed the images). need_dx: whether backward computes the input's gradient (not for
     the first layer). input_spec and output_spec are the algorithm's layouts on `grid`.
+    chunks: the layer's collectives pipelined over that many chunks of samples
+    (ConvAlgorithm.pipelined; 1: blocking).
     """
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  algorithm="y", filter_groups=None, input_whole=False, need_dx=True, name="conv", seed=0,
-                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros", split_image=True):
+                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1):
         self.name, self.grid = name, grid
         self.algorithm = algorithm
         self.conv = make_conv(algorithm, grid, in_channels, out_channels, kernel_size,
                               filter_groups=filter_groups, stride=stride, padding=padding, bias=bias,
                               input_whole=input_whole, need_dx=need_dx, layer=name, dilation=dilation,
-                              groups=groups, padding_mode=padding_mode, split_image=split_image)
+                              groups=groups, padding_mode=padding_mode, split_image=split_image,
+                              chunks=chunks)
         kh, kw = self.conv.kernel_size
         fan_in = in_channels // self.conv.groups * kh * kw
         rng = _init_rng(seed, name)
