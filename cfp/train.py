@@ -21,7 +21,8 @@ from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
 from .grid import Grids, ProcessGrid, placement_order
 from .io import check_figure_path, check_writable, save_figure, save_json
 from .models import MODELS, build_model, layer_shapes, read_plan
-from .nn import SoftmaxCrossEntropy
+from .nn import Conv2d, SoftmaxCrossEntropy
+from .nn.containers import walk
 from .calibration import machine_profile
 from .optim import SGD, Adam, AdamW, CosineLR, LinearWarmup, StepLR
 from .tensor import Layout, check_blocks
@@ -75,6 +76,7 @@ class TrainConfig:
     progress: bool = True
     comm_table: str = "top"  # the summary's communication table: "top" rows of most transfer time, or "full"
     bucket_mb: float = 0  # > 0: the gradient allreduces started in buckets of this many MiB during backward
+    chunks: int = 1  # > 1: each x/y/w layer's collectives pipelined over this many chunks of samples (training steps)
 
     def validate(self):
         """ValueError naming the bad option, or an option this combination would ignore; the
@@ -90,7 +92,7 @@ class TrainConfig:
                 raise ValueError(f"unknown {field} {getattr(self, field)!r}; expected one of "
                                  f"{', '.join(allowed)}")
         int_options(self, positive=("width", "epochs", "batch_size", "upsample", "depth", "filter_groups",
-                                    "train_samples", "max_steps", "threads"),
+                                    "train_samples", "max_steps", "threads", "chunks"),
                     nonnegative=("warmup_steps", "seed"))
         finite_number(self.lr, "--lr", above=0)
         finite_number(self.bucket_mb, "--bucket-mb", minimum=0)
@@ -222,14 +224,46 @@ def check_batch(grid, x_local, y_local):
     return shape[0]
 
 
-def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0):
+def pipelined_layers(model):
+    """The convolutions (and linear layers) of `model` whose collectives --chunks pipelines:
+    stationary-x, -y and -w (ConvAlgorithm.pipelined)."""
+    return [m for m in walk(model) if isinstance(m, Conv2d) and m.algorithm in ("x", "y", "w")]
+
+
+def check_chunks(model, chunks, batch_size):
+    """ValueError unless every pipelined layer's ranks hold at least `chunks` samples of a
+    batch of `batch_size` (its smallest sample block): the same on every rank, as the batch
+    size and the grids are."""
+    for layer in pipelined_layers(model):
+        held = batch_size // layer.grid.axis_size("sample")
+        if chunks > held:
+            raise ValueError(f"--chunks {chunks} is more than the {held} sample(s) a rank of layer {layer.name} "
+                             f"holds (batch {batch_size} over sample={layer.grid.axis_size('sample')}); "
+                             f"expected --chunks <= {held}")
+
+
+def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=1):
     """One step on this rank's block of a global batch: forward, loss, backward (gradients
     synchronised inside the layers), update. Returns (loss, correct in the global batch).
     The batch is checked once (check_batch); the layers then run without checks of their own.
     bucket_mb > 0: the weight gradients' allreduces are started in buckets of that many MiB
     while backward runs (algorithms.base.overlapped_gradient_sync) and waited for before the
-    update; 0: each layer sums its gradients when it has them, blocking."""
+    update; 0: each layer sums its gradients when it has them, blocking. chunks > 1: the
+    stationary-x/-y/-w layers run their passes over that many chunks of samples, each chunk's
+    collectives in flight while the next computes (ConvAlgorithm.pipelined; check_chunks
+    first), and are left at one chunk (evaluation's batches may be smaller)."""
     n = check_batch(model.grid, x_local, y_local)
+    layers = pipelined_layers(model) if chunks > 1 else []
+    for layer in layers:
+        layer.conv.chunks = chunks
+    try:
+        return _step(model, loss_fn, optimizer, x_local, y_local, n, bucket_mb)
+    finally:
+        for layer in layers:
+            layer.conv.chunks = 1
+
+
+def _step(model, loss_fn, optimizer, x_local, y_local, n, bucket_mb):
     with comm.inputs_checked():
         loss, correct = loss_fn.forward(model.forward(x_local, n), y_local)
         if bucket_mb:
@@ -358,6 +392,7 @@ class _Session:
                                     drop_last=True, augment=cfg.augment)
         if len(self.loader) == 0:
             raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
+        check_chunks(model, cfg.chunks, cfg.batch_size)
         self.loss_fn = SoftmaxCrossEntropy(self.grid)
         self.optimizer = _optimizer(cfg, model.parameters())
         total_steps = cfg.epochs * len(self.loader)  # the schedule's length, also when stopped early
@@ -420,7 +455,8 @@ class _Session:
                 continue
             ctrl_c.check(self.grid.comm)
             lr = self.optimizer.lr
-            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.cfg.bucket_mb)
+            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.cfg.bucket_mb,
+                                       self.cfg.chunks)
             if not math.isfinite(loss):  # the same value on every rank: all stop here
                 self._diverged(self.step + 1, f"the loss is {loss}")
             self.schedule.step()

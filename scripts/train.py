@@ -85,6 +85,9 @@ def parse_args(argv):
     p.add_argument("--bucket-mb", type=float, default=defaults.bucket_mb,
                    help="start the weight gradients' allreduces during backward, in buckets of this many MiB "
                         "(0, the default: each layer sums its own when it has them)")
+    p.add_argument("--chunks", type=int, default=defaults.chunks,
+                   help="pipeline each x/y/w layer's collectives over this many chunks of a rank's samples "
+                        "(1, the default: blocking; measured slower on 2 cores, docs/design.md)")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in vars(args).items() if k in fields}

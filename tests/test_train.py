@@ -280,3 +280,36 @@ def test_gradients_summed_in_buckets_during_backward_train_like_one_rank(bucket_
         final = weights(model)
         for key in final:
             assert_close_all_ranks(final[key], weights0[key], 1e-9, f"bucket {bucket_mb} MiB on {grid}: {key}")
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_pipelined_chunks_train_like_one_rank(chunks, monkeypatch):
+    """--chunks: each x/y/w layer's collectives pipelined over chunks of its samples in the
+    training steps: 20 float64 steps with the losses and weights of one rank, together with
+    gradient buckets (the whole of issue 34's overlap so far), on x, y and w (p_f = 2 where
+    the channel axis has 2 ranks), the channel axis and a mixed sample x channel grid."""
+    runs = [(f"channel={SIZE}", "x"), (f"channel={SIZE}", "y"), (f"channel={SIZE}", "w")]
+    if SIZE == 4:
+        runs.append(("sample=2,channel=2", "w"))
+    from cfp import comm
+    started = []
+    for name in ("iallgather", "ireduce_scatter"):  # the chunks' collectives, counted
+        real = getattr(comm, name)
+        monkeypatch.setattr(comm, name, lambda *a, real=real, **k: started.append(1) or real(*a, **k))
+    for grid, algorithm in runs:
+        losses0, weights0 = serial_run(algorithm)
+        started.clear()
+        result, model = train_model(config(grid=grid, algorithm=algorithm, chunks=chunks, bucket_mb=1e-4))
+        assert_all_ranks(len(started) >= STEPS * chunks, f"chunks {chunks} on {grid}: {len(started)} chunk calls")
+        losses = np.array([h["loss"] for h in result["history"]])
+        assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"chunks {chunks} on {grid} {algorithm}: losses")
+        final = weights(model)
+        for key in final:
+            assert_close_all_ranks(final[key], weights0[key], 1e-9, f"chunks {chunks} on {grid}: {key}")
+
+
+def test_chunks_more_than_a_rank_holds_refused():
+    """--chunks above the samples a rank of a pipelined layer holds: one message on every rank."""
+    raises_on_all_ranks(ValueError, lambda: train_model(config(grid=f"channel={SIZE}", algorithm="y",
+                                                               chunks=BATCH + 1)),
+                        f"--chunks {BATCH + 1} is more than the {BATCH} sample")
