@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from . import backend, cli, comm
 from .algorithms import ALGORITHMS
-from .algorithms.base import overlapped_gradient_sync
+from .algorithms.base import GRADIENT_SYNC, overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
 from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
@@ -226,8 +226,9 @@ def check_batch(grid, x_local, y_local):
 
 def pipelined_layers(model):
     """The convolutions (and linear layers) of `model` whose collectives --chunks pipelines:
-    stationary-x, -y and -w (ConvAlgorithm.pipelined)."""
-    return [m for m in walk(model) if isinstance(m, Conv2d) and m.algorithm in ("x", "y", "w")]
+    those whose algorithm sends messages of its own besides the gradient sum (stationary-x,
+    -y and -w; ConvAlgorithm.pipelined), not sample-parallel or grouped ones."""
+    return [m for m in walk(model) if isinstance(m, Conv2d) and set(m.conv.messages) - {GRADIENT_SYNC}]
 
 
 def check_chunks(model, chunks, batch_size):

@@ -14,7 +14,7 @@ from cfp.models import build_model
 from cfp.perfmodel import ledger_bytes
 from cfp.train import train, train_model, train_step
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, raises_on_all_ranks
-from test_train import BATCH, config, serial_run, weights
+from test_train import BATCH, assert_trains_like, config, serial_run
 
 pytestmark = pytest.mark.mpi
 
@@ -75,32 +75,24 @@ def write_plan(tmp, name, layers):
 
 @pytest.mark.parametrize("name", sorted(plans()))
 def test_mixed_plan_trains_like_one_rank(mpi_tmp_path, name):
-    losses0, weights0 = serial_run("y")
+    one_rank = serial_run("y")
     path = write_plan(mpi_tmp_path, name, plans()[name])
     result, model = train_model(config(plan=path))
     grids = {e["grid"] for e in model.layers.values()}
     if SIZE > 1:
         assert len(grids) > 1 and model.redistributions(), f"{name}: the plan does not change grid"
-    losses = np.array([h["loss"] for h in result["history"]])
-    assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"plan {name}: losses")
-    final = weights(model)
-    for key in final:
-        assert_close_all_ranks(final[key], weights0[key], 1e-9, f"plan {name}: {key}")
+    assert_trains_like(result, model, one_rank, f"plan {name}")
 
 
 def test_the_planners_own_plan_trains_like_one_rank():
     """--algorithm auto without --grid: the planner picks grid and algorithm per layer."""
-    losses0, weights0 = serial_run("y")
+    one_rank = serial_run("y")
     result, model = train_model(config(algorithm="auto", grid=None, profile="cpu-dev"))
     planned = model.plan
     assert [c.layer.name for c in planned.choices] == list(model.layers)
     assert all(ProcessGrid.shape_of(e["grid"]) == ProcessGrid.shape_of(c.grid) and e["algorithm"] == c.algorithm
                for e, c in zip(model.layers.values(), planned.choices))
-    assert_close_all_ranks(np.array([h["loss"] for h in result["history"]]), np.array(losses0), 1e-9,
-                           "the planner's plan: losses")
-    final = weights(model)
-    for key in final:
-        assert_close_all_ranks(final[key], weights0[key], 1e-9, f"the planner's plan: {key}")
+    assert_trains_like(result, model, one_rank, "the planner's plan")
 
 
 @pytest.mark.parametrize("name", sorted(plans()))

@@ -46,6 +46,17 @@ def serial_run(algorithm):
     return _serial[algorithm]
 
 
+def assert_trains_like(result, model, one_rank, what):
+    """A run's losses (train_model's result) and final weights (of its model, then freed) equal
+    one rank's (serial_run's), to 1e-9, on every rank."""
+    losses0, weights0 = one_rank
+    losses = np.array([h["loss"] for h in result["history"]])
+    assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"{what}: losses")
+    final = weights(model)
+    for key in final:
+        assert_close_all_ranks(final[key], weights0[key], 1e-9, f"{what}: {key}")
+
+
 CASES = [(spec, alg) for spec in grid_specs() for alg in ("sample", "x", "y", "w")]
 
 
@@ -273,13 +284,8 @@ def test_gradients_summed_in_buckets_during_backward_train_like_one_rank(bucket_
     layer or two (1e-4 MiB) or of the whole model (1000 MiB), waited for before the update:
     the same losses and weights as one rank, on the channel and the sample axis."""
     for grid, algorithm in ((f"sample={SIZE}", "sample"), (f"channel={SIZE}", "w")):
-        losses0, weights0 = serial_run(algorithm)
         result, model = train_model(config(grid=grid, algorithm=algorithm, bucket_mb=bucket_mb))
-        losses = np.array([h["loss"] for h in result["history"]])
-        assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"bucket {bucket_mb} MiB on {grid}: losses")
-        final = weights(model)
-        for key in final:
-            assert_close_all_ranks(final[key], weights0[key], 1e-9, f"bucket {bucket_mb} MiB on {grid}: {key}")
+        assert_trains_like(result, model, serial_run(algorithm), f"bucket {bucket_mb} MiB on {grid}")
 
 
 @pytest.mark.parametrize("chunks", [2, 3])
@@ -297,15 +303,11 @@ def test_pipelined_chunks_train_like_one_rank(chunks, monkeypatch):
         real = getattr(comm, name)
         monkeypatch.setattr(comm, name, lambda *a, real=real, **k: started.append(1) or real(*a, **k))
     for grid, algorithm in runs:
-        losses0, weights0 = serial_run(algorithm)
+        one_rank = serial_run(algorithm)
         started.clear()
         result, model = train_model(config(grid=grid, algorithm=algorithm, chunks=chunks, bucket_mb=1e-4))
         assert_all_ranks(len(started) >= STEPS * chunks, f"chunks {chunks} on {grid}: {len(started)} chunk calls")
-        losses = np.array([h["loss"] for h in result["history"]])
-        assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"chunks {chunks} on {grid} {algorithm}: losses")
-        final = weights(model)
-        for key in final:
-            assert_close_all_ranks(final[key], weights0[key], 1e-9, f"chunks {chunks} on {grid}: {key}")
+        assert_trains_like(result, model, one_rank, f"chunks {chunks} on {grid} {algorithm}")
 
 
 def test_chunks_more_than_a_rank_holds_refused():

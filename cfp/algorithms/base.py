@@ -18,7 +18,7 @@ from ..halo import Halo, window_options
 from ..kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv2d_output_shape,
                        conv_options)
 from ..layout import activation_layout
-from ..partition import block_sizes
+from ..partition import block_range, block_sizes
 from ..tensor import DistTensor, Layout, check_blocks
 
 
@@ -366,10 +366,7 @@ class ConvAlgorithm:
                 with comm.tag(phase=scatter_phase):
                     r = comm.reduce_scatter(scatter[0], r, 1, scatter[1], donate=True)
             return g, r
-        starts = [0]
-        for size in block_sizes(n, k):
-            starts.append(starts[-1] + size)
-        samples = [slice(a, b) for a, b in zip(starts, starts[1:])]
+        samples = [slice(*block_range(n, k, i)) for i in range(k)]
 
         def start_gather(s):
             if gather is None:
@@ -386,7 +383,8 @@ class ConvAlgorithm:
             for pending in in_flight:  # most transports move data only inside MPI calls
                 pending.test()
             r = compute(s, g)
-            gathered.append(g)
+            if gather is not None:
+                gathered.append(g)
             if scatter is not None and r is not None:
                 with comm.tag(phase=scatter_phase):
                     in_flight.append(comm.ireduce_scatter(scatter[0], r, 1, scatter[1], donate=True))
@@ -395,8 +393,30 @@ class ConvAlgorithm:
         if in_flight:
             results = [pending.wait() for pending in in_flight]
         xp = backend.get_array_module(block)
-        return (xp.concatenate(gathered, axis=0) if gather is not None else block,
+        return (xp.concatenate(gathered, axis=0) if gathered else block,
                 None if results[0] is None else xp.concatenate(results, axis=0))
+
+    def pipelined_backward(self, x, w, dy, gather, scatter=None):
+        """(dx, dw) of stationary-x and -w, whose backward gathers dy (gather, phase
+        backward-filter) and computes both from it: per chunk of samples, that chunk's dw
+        (summed over the chunks) and partial dx, the latter reduce-scattered (scatter, phase
+        backward-data; stationary-w) or kept as it is (stationary-x); dx is None when the layer
+        needs none. x is what forward kept."""
+        dw = None
+
+        def chunk(s, dy_s):
+            nonlocal dw
+            part = self.local_backward_filter(x[s], dy_s, w.shape)
+            if dw is None:
+                dw = part
+            else:
+                dw += part
+            return self.local_backward_data(dy_s, w, x[s].shape) if self.need_dx else None
+
+        with comm.tag(layer=self.layer, phase="backward-filter"):
+            _, dx = self.pipelined(dy, chunk, gather=gather,
+                                   scatter=None if scatter is None else (*scatter, "backward-data"))
+        return dx, dw
 
     # -- shards of global tensors ------------------------------------------------------------
 

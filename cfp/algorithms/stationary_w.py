@@ -59,16 +59,7 @@ class StationaryW(ConvAlgorithm):
     def backward(self, dy):
         x_row, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
-        dw = []
-
-        def chunk(s, dy_column):  # dw summed over the chunks, then the chunk's partial dx
-            dw.append(self.local_backward_filter(x_row[s], dy_column, w.shape))
-            if len(dw) > 1:
-                dw[0] += dw.pop()
-            return self.local_backward_data(dy_column, w, x_row[s].shape) if self.need_dx else None
-
-        with comm.tag(layer=self.layer, phase="backward-filter"):
-            _, dx = self.pipelined(dy, chunk, gather=(self.column_comm, self.column_filter_sizes),
-                                   scatter=(self.row_comm, self.row_channel_sizes, "backward-data"))
-        dw, db = self.sync_gradients(dw[0], db)
+        dx, dw = self.pipelined_backward(x_row, w, dy, gather=(self.column_comm, self.column_filter_sizes),
+                                         scatter=(self.row_comm, self.row_channel_sizes))
+        dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db

@@ -42,15 +42,7 @@ class StationaryX(ConvAlgorithm):
     def backward(self, dy):
         x, w = self.saved_for(dy)
         db = conv2d_backward_bias(dy) if self.bias else None
-        dw = []
-
-        def chunk(s, dy_all_filters):  # dw summed over the chunks; dx needs no message
-            dw.append(self.local_backward_filter(x[s], dy_all_filters, w.shape))
-            if len(dw) > 1:
-                dw[0] += dw.pop()
-            return self.local_backward_data(dy_all_filters, w, x[s].shape) if self.need_dx else None
-
-        with comm.tag(layer=self.layer, phase="backward-filter"):
-            _, dx = self.pipelined(dy, chunk, gather=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
-        dw, db = self.sync_gradients(dw[0], db)
+        # dy gathered over all filters; dx then needs no message
+        dx, dw = self.pipelined_backward(x, w, dy, gather=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
+        dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db
