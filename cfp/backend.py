@@ -3,6 +3,7 @@
 Everything above this module asks `get_array_module(x)` for the `xp` of an array instead of
 importing numpy or cupy directly, so one code path serves the CPU and the GPU.
 """
+import functools
 import os
 
 import numpy as np
@@ -50,6 +51,99 @@ def from_host(x, xp):
     if xp is np:
         return x
     return xp.asarray(x)
+
+
+def take(x, axis, indices):
+    """x's entries at the global `indices` (a sorted list or range) along `axis`, as a fresh
+    C-contiguous array: one slice copied where they are consecutive (every layout cfp makes),
+    else a gather by an index array made once per array module (cached: no host-to-device copy
+    of the indices each step)."""
+    xp = get_array_module(x)
+    indices = list(indices)
+    at = [slice(None)] * x.ndim
+    if indices and indices[-1] - indices[0] + 1 == len(indices):
+        at[axis] = slice(indices[0], indices[-1] + 1)
+    else:
+        at[axis] = index_array(np.asarray(indices, dtype=np.intp), xp)
+    return xp.ascontiguousarray(x[tuple(at)])
+
+
+def index_array(indices, xp):
+    """The host index array `indices` (or a key of several: np.ix_'s) as arrays of module `xp`,
+    made once per content and module (a small cache), so that a layer indexing device arrays
+    the same way each step copies its indices to the device once."""
+    if xp is np:
+        return indices
+    if isinstance(indices, tuple):
+        return tuple(index_array(a, xp) if isinstance(a, np.ndarray) else a for a in indices)
+    a = np.asarray(indices)
+    return _index_array(a.tobytes(), a.shape, a.dtype.str, xp)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_array(data, shape, dtype, xp):
+    return xp.asarray(np.frombuffer(data, dtype=dtype).reshape(shape))
+
+
+DEVICES = ("cpu", "gpu")
+
+
+def array_module(device):
+    """The array module of `device`: numpy for 'cpu', cupy for 'gpu'. ValueError naming the
+    missing piece where CuPy is not installed or sees no GPU (the same on every rank of a node
+    alike; train.py checks it on every rank before any work)."""
+    if device == "cpu":
+        return np
+    if device != "gpu":
+        raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
+    if _cupy is None:
+        raise ValueError("--device gpu needs CuPy, which does not import here (install the wheel for this "
+                         "machine's CUDA, e.g. pip install cupy-cuda12x); --device cpu runs on NumPy")
+    try:
+        count = _cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # CUDARuntimeError: no driver, or no device
+        raise ValueError(f"--device gpu: CuPy finds no usable GPU here ({error}); --device cpu runs on "
+                         f"NumPy") from None
+    if count < 1:
+        raise ValueError("--device gpu: CuPy sees no GPU here; --device cpu runs on NumPy")
+    return _cupy
+
+
+# What launchers tell each process about its place among the job's processes on its node
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank(comm=None):
+    """This process's index among the job's processes on its node: the launcher's where it
+    says, otherwise its rank among the ranks of `comm` (default COMM_WORLD) sharing the node."""
+    for name in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def use_device(device, comm=None):
+    """Make this rank's device current and return (xp, where): for 'gpu' the GPU of index
+    node-local rank % GPUs on the node (one GPU per rank where there are enough; ranks share
+    one otherwise), `where` a dict {"device", "index", "count", "name"}; for 'cpu' numpy and
+    {"device": "cpu"}."""
+    xp = array_module(device)
+    if xp is np:
+        return np, {"device": "cpu"}
+    count = xp.cuda.runtime.getDeviceCount()
+    index = local_rank(comm) % count
+    xp.cuda.Device(index).use()
+    name = xp.cuda.runtime.getDeviceProperties(index).get("name", b"")
+    import socket
+    return xp, {"device": "gpu", "index": index, "count": count, "host": socket.gethostname(),
+                "name": name.decode() if isinstance(name, bytes) else str(name)}
 
 
 # What launchers tell each process about the job's processes on its node (MPICH's Hydra, Open

@@ -74,6 +74,10 @@ class CommRecord:
     # it was waited for; `seconds` is then its starting call and `wait_seconds` its wait()
     started: float = None
     waited: float = None
+    # bytes copied between device and host around the call (device arrays on an MPI that
+    # cannot read them: backend.to_host / from_host of the MPI buffers only); 0 on NumPy
+    staged_to_host: int = 0
+    staged_to_device: int = 0
 
 
 class CommLedger:
@@ -105,14 +109,14 @@ class CommLedger:
             self.layer, self.phase = saved
 
     def record(self, collective, group_size, bytes_sent, bytes_received, seconds, result=None, wait_seconds=0.0,
-               pack_seconds=0.0, where=None, started=None, waited=None):
+               pack_seconds=0.0, where=None, started=None, waited=None, staged=(0, 0)):
         """Append a record, under the current layer and phase or those of `where` (a (layer,
         phase) pair: a non-blocking collective's, tagged where it was started)."""
         layer, phase = where or (self.layer, self.phase)
         self.records.append(
             CommRecord(layer, phase, collective, int(group_size),
                        int(bytes_sent), int(bytes_received), float(seconds), float(wait_seconds),
-                       float(pack_seconds), started, waited)
+                       float(pack_seconds), started, waited, int(staged[0]), int(staged[1]))
         )
         if self.results is not None:
             self.results.append(None if result is None else np.array(backend.to_host(result)))
@@ -134,13 +138,16 @@ class CommLedger:
         for r in self.records:
             key = tuple(getattr(r, field) for field in by)
             t = out.setdefault(key, {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0,
-                                     "wait_seconds": 0.0, "pack_seconds": 0.0})
+                                     "wait_seconds": 0.0, "pack_seconds": 0.0, "staged_to_host": 0,
+                                     "staged_to_device": 0})
             t["calls"] += 1
             t["bytes_sent"] += r.bytes_sent
             t["bytes_received"] += r.bytes_received
             t["seconds"] += r.seconds
             t["wait_seconds"] += r.wait_seconds
             t["pack_seconds"] += r.pack_seconds
+            t["staged_to_host"] += r.staged_to_host
+            t["staged_to_device"] += r.staged_to_device
         return out
 
     def summary(self, by=("layer", "phase", "collective"), top=None):
@@ -300,6 +307,19 @@ class _Timer:
         self.started = time.perf_counter()
         self.wait_seconds = 0.0
         self.seconds = 0.0
+        self.staged = [0, 0]  # bytes to the host, to the device
+
+    def to_host(self, x):
+        """x as a NumPy array MPI can read: a device array copied to the host (counted)."""
+        if backend.is_device_array(x):
+            self.staged[0] += x.nbytes
+        return backend.to_host(x)
+
+    def from_host(self, x, xp):
+        """The NumPy array x (what MPI wrote) as an array of `xp` (a device copy, counted)."""
+        if xp is not np:
+            self.staged[1] += x.nbytes
+        return backend.from_host(x, xp)
 
     def agree(self, x, collective, free_axis=None):
         self.wait_seconds += _agree(self.comm, x, collective, free_axis)
@@ -319,7 +339,7 @@ class _Timer:
         """The call's record in the active ledger."""
         pack = max(time.perf_counter() - self.started - self.wait_seconds - self.seconds, 0.0)
         get_ledger().record(collective, group_size, bytes_sent, bytes_received, self.seconds, result,
-                            self.wait_seconds, pack)
+                            self.wait_seconds, pack, staged=self.staged)
 
 
 _BLOCK_TYPES = collections.OrderedDict()  # (shape, axis, sizes, dtype) -> (types, offsets)
@@ -407,7 +427,7 @@ def _allgather_setup(comm, x, axis, sizes, may_alias, t):
         out = _alone(x, donate=may_alias)
         return True, (out, out)
     xp = backend.get_array_module(x)
-    mine = np.ascontiguousarray(backend.to_host(x))
+    mine = np.ascontiguousarray(t.to_host(x))
     counts = _block_counts(mine.shape, axis, sizes)
     out = np.empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
     types, offsets = _block_types(out.shape, axis, sizes, out.dtype)
@@ -415,7 +435,7 @@ def _allgather_setup(comm, x, axis, sizes, may_alias, t):
     recv = [out, ([int(n > 0) for n in sizes], offsets), types]
     item = mine.dtype.itemsize
     moved = ((p - 1) * counts[rank] * item, (counts.sum() - counts[rank]) * item)
-    return False, ((send, recv), lambda: (backend.from_host(out, xp), out), moved)
+    return False, ((send, recv), lambda: (t.from_host(out, xp), out), moved)
 
 
 def allgather(comm, x, axis, sizes, may_alias=False):
@@ -456,7 +476,7 @@ def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
         out = _alone(x, donate)
         return True, (out, out)
     xp = backend.get_array_module(x)
-    host = np.ascontiguousarray(backend.to_host(x))
+    host = np.ascontiguousarray(t.to_host(x))
     counts, item = _block_counts(host.shape, axis, sizes), host.dtype.itemsize
     shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
     received = np.empty((p - 1,) + shape, dtype=host.dtype)
@@ -473,7 +493,7 @@ def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
         out = np.add(own, received[0], out=received[0] if p == 2 else None)
         for summand in received[1:]:
             out += summand
-        return backend.from_host(out, xp), out
+        return t.from_host(out, xp), out
     moved = ((counts.sum() - counts[rank]) * item, (p - 1) * counts[rank] * item)
     return False, ((send, recv), finish, moved)
 
@@ -514,7 +534,7 @@ class Pending:
 
     def __init__(self, timer, collective, group_size, moved, start, finish):
         ledger = get_ledger()
-        self._ledger, self._where = ledger, (ledger.layer, ledger.phase)
+        self._ledger, self._where, self._timer = ledger, (ledger.layer, ledger.phase), timer
         self._collective, self._group_size, self._moved, self._finish = collective, group_size, moved, finish
         self.started = time.perf_counter()
         self._setup = self.started - timer.started  # staging and checks before the start
@@ -539,7 +559,7 @@ class Pending:
         sent, received = self._moved
         self._ledger.record(self._collective, self._group_size, sent, received, self._seconds, kept,
                             self._agree + done - waited, pack, where=self._where, started=self.started,
-                            waited=waited)
+                            waited=waited, staged=self._timer.staged)
         self._result = result
         return result
 
@@ -576,15 +596,15 @@ def _allreduce_setup(comm, x, donate, t):
     one = parts[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in parts])
     t.agree(one, "allreduce")
     n, item = one.size, np.dtype(one.dtype).itemsize
-    host = np.ascontiguousarray(backend.to_host(one))
+    host = np.ascontiguousarray(t.to_host(one))
     # In place where the buffer is not the caller's (a concatenation, a staged or contiguous
     # copy) or the caller gave it up: no fresh result to fault in and no second buffer to read.
     ours = donate or len(parts) > 1 or xp is not np or not np.may_share_memory(host, parts[0])
     out = host if ours else np.empty_like(host)
 
     def finish():
-        total = backend.from_host(out, xp)
-        bounds = np.cumsum([a.size for a in parts])[:-1]
+        total = t.from_host(out, xp)
+        bounds = np.cumsum([a.size for a in parts])[:-1].tolist()  # host integers, for any xp
         sums = [piece.reshape(a.shape) for piece, a in zip(xp.split(total.reshape(-1), bounds), parts)]
         return (sums if many else sums[0]), out
     own = block_sizes(n, p)[rank]
@@ -628,11 +648,11 @@ def broadcast(comm, x, root=0):
     rank, p = comm.Get_rank(), comm.Get_size()
     t.agree(x, "broadcast")
     xp = backend.get_array_module(x)
-    out = np.array(backend.to_host(x), order="C", copy=True)
+    out = np.array(t.to_host(x), order="C", copy=True)
     if p > 1:
         with t:
             comm.Bcast(out, root=root)
-    result = backend.from_host(out, xp)
+    result = t.from_host(out, xp)
     m = out.nbytes
     sent, received = ((p - 1) * m, 0) if rank == root else (0, m)
     t.record("broadcast", p, sent, received)
@@ -646,14 +666,14 @@ def sum_reduce(comm, x, root=0):
     rank, p = comm.Get_rank(), comm.Get_size()
     t.agree(x, "sum_reduce")
     xp = backend.get_array_module(x)
-    host = np.ascontiguousarray(backend.to_host(x))
+    host = np.ascontiguousarray(t.to_host(x))
     out = np.zeros_like(host)
     if p == 1:
         out[...] = host
     else:
         with t:
             comm.Reduce(host, out if rank == root else None, op=MPI.SUM, root=root)
-    result = backend.from_host(out, xp)
+    result = t.from_host(out, xp)
     m = host.nbytes
     sent, received = (0, (p - 1) * m) if rank == root else (m, 0)
     t.record("sum_reduce", p, sent, received)
@@ -673,15 +693,15 @@ def _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t):
     recv_counts = np.array(recv_counts, dtype=np.int64)
     if p > 1 and checking():
         t.wait_seconds += _agree_counts(comm, send_counts, recv_counts, dtype)
-    sendbuf = (np.concatenate(send_chunks).astype(dtype, copy=False) if p > 1
-               else np.ascontiguousarray(send_chunks[0], dtype=dtype))
+    xp = backend.get_array_module(*send_chunks)
+    bounds = np.cumsum(recv_counts)[:-1].tolist()
+    if p == 1:
+        return True, (xp.split(xp.ascontiguousarray(send_chunks[0], dtype=dtype), bounds), None)
+    sendbuf = t.to_host(xp.concatenate(send_chunks).astype(dtype, copy=False))
     recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
 
     def finish():
-        return np.split(recvbuf, np.cumsum(recv_counts)[:-1]), None
-    if p == 1:
-        recvbuf[...] = sendbuf
-        return True, finish()
+        return xp.split(t.from_host(recvbuf, xp), bounds), None
     item = np.dtype(dtype).itemsize
     moved = ((send_counts.sum() - send_counts[rank]) * item, (recv_counts.sum() - recv_counts[rank]) * item)
     send = [sendbuf, (send_counts, _displacements(send_counts))]
@@ -690,7 +710,9 @@ def _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t):
 
 
 def alltoallv(comm, send_chunks, recv_counts, dtype):
-    """Send `send_chunks[d]` (a 1-D host array) to rank d; return the chunk from each rank.
+    """Send `send_chunks[d]` (a 1-D array) to rank d; return the chunk from each rank (arrays of
+    the chunks' module: device chunks are packed on the device and only the packed send and
+    receive buffers are staged).
 
     recv_counts[s]: the number of elements rank s sends here. The general exchange behind
     `alltoall` and `DistTensor.redistribute`.
@@ -751,13 +773,13 @@ def alltoall(comm, x, split_axis, concat_axis, split_sizes, concat_sizes):
     # received chunk is a contiguous (own split block, source's concat block, rest) array.
     rest = [a for a in range(x.ndim) if a not in (split_axis, concat_axis)]
     order = [split_axis, concat_axis] + rest
-    packed = np.ascontiguousarray(backend.to_host(x).transpose(order))
+    packed = xp.ascontiguousarray(x.transpose(order))
     tail = packed.shape[2:]
-    inner = int(np.prod(tail, dtype=np.int64))
-    bounds = np.cumsum(split_sizes)[:-1]
-    send_chunks = [block.reshape(-1) for block in np.split(packed, bounds, axis=0)]
+    inner = math.prod(tail)
+    bounds = np.cumsum(split_sizes)[:-1].tolist()
+    send_chunks = [block.reshape(-1) for block in xp.split(packed, bounds, axis=0)]
     recv_counts = [split_sizes[rank] * c * inner for c in concat_sizes]
     chunks = alltoallv(comm, send_chunks, recv_counts, packed.dtype)
     blocks = [c.reshape((split_sizes[rank], n) + tail) for c, n in zip(chunks, concat_sizes)]
-    out = np.concatenate(blocks, axis=1)
-    return backend.from_host(np.transpose(out, np.argsort(order)), xp)
+    out = xp.concatenate(blocks, axis=1)
+    return xp.transpose(out, np.argsort(order).tolist())

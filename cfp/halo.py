@@ -121,9 +121,9 @@ class Halo:
         padding is zeros (the kernel's own) or this block meets no border."""
         xp = backend.get_array_module(x)
         if self.rows_at is not None:
-            x = x[:, :, xp.asarray(self.rows_at)]
+            x = x[:, :, backend.index_array(np.asarray(self.rows_at), xp)]
         if self.cols_at is not None:
-            x = x[:, :, :, xp.asarray(self.cols_at)]
+            x = x[:, :, :, backend.index_array(np.asarray(self.cols_at), xp)]
         return x
 
     def padded_shape(self, shape):

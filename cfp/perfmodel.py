@@ -506,10 +506,11 @@ def _layers_time(layer, profile, elements, channels, w_count, optimizer_buffers,
     item = profile.itemsize
     tensors, parameters = 1, w_count
     if layer.normed:
-        # forward: the sums with the count, then the squares; backward: the two gradient sums
+        # forward: the sums, then the squares; backward: the two gradient sums (the count is
+        # the shapes')
         out["batchnorm"] = profile.layer_time("batchnorm", elements) + sum(
             profile.collective_time("allreduce", sharing, m * item, intra)
-            for m in (channels + 1, channels, 2 * channels))
+            for m in (channels, channels, 2 * channels))
         tensors, parameters = tensors + 2, parameters + 2 * channels
     out["optimizer"] = profile.layer_time("optimizer", parameters, tensors) * (1 + optimizer_buffers) / 2
     return out

@@ -147,36 +147,36 @@ def move(local, held, pieces, wanted, comm):
     onto, and where a kept piece is all of `wanted` the others are added onto its copy."""
     p, me = comm.Get_size(), comm.Get_rank()
     xp = backend.get_array_module(local)
-    host = backend.to_host(local)
     send = [[] for _ in range(p)]
     arriving = [[] for _ in range(p)]
     kept = []
 
     def mine(piece):
-        return host[selector([positions(ix, m) for ix, m in zip(piece, held)])]
+        return local[backend.index_array(selector([positions(ix, m) for ix, m in zip(piece, held)]), xp)]
     for s, d, piece in pieces:
         if s == d == me:
             kept.append(piece)
             continue
         if s == me:
-            send[d].append(np.ascontiguousarray(mine(piece)).reshape(-1))
+            send[d].append(xp.ascontiguousarray(mine(piece)).reshape(-1))
         if d == me:
             arriving[s].append(piece)
-    send = [np.concatenate(chunks) if chunks else np.empty(0, dtype=host.dtype) for chunks in send]
+    # packed where the block lives (on a device: only the pieces sent are staged, comm.alltoallv)
+    send = [xp.concatenate(chunks) if chunks else xp.empty(0, dtype=local.dtype) for chunks in send]
     counts = [sum(piece_size(piece) for piece in arriving[s]) for s in range(p)]
-    chunks = collectives.alltoallv(comm, send, counts, host.dtype)
+    chunks = collectives.alltoallv(comm, send, counts, local.dtype)
     exact = tiles(kept + [piece for s in range(p) for piece in arriving[s]], wanted)
     shape = tuple(len(ix) for ix in wanted)
     # A kept piece that is all of `wanted` (the adjoint of a halo exchange: the rank's own rows,
     # onto which the neighbours' halo rows are added) starts the result as its copy.
     whole = next((k for k, piece in enumerate(kept) if piece_size(piece) == piece_size(wanted)), None)
     if whole is not None and not exact:
-        out = np.array(mine(kept.pop(whole)), order="C")
+        out = xp.array(mine(kept.pop(whole)), order="C")
     else:
-        out = (np.empty if exact else np.zeros)(shape, dtype=host.dtype)
+        out = (xp.empty if exact else xp.zeros)(shape, dtype=local.dtype)
 
     def land(piece, values):
-        where = selector([positions(ix, w) for ix, w in zip(piece, wanted)])
+        where = backend.index_array(selector([positions(ix, w) for ix, w in zip(piece, wanted)]), xp)
         if exact:
             out[where] = values
         else:
@@ -190,7 +190,7 @@ def move(local, held, pieces, wanted, comm):
             land(piece, chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece)))
             offset += size
     collectives.get_ledger().keep_result(out)
-    return backend.from_host(out, xp)
+    return out
 
 
 def check_blocks(local, layout, grid, what):

@@ -77,13 +77,15 @@ class TrainConfig:
     comm_table: str = "top"  # the summary's communication table: "top" rows of most transfer time, or "full"
     bucket_mb: float = 0  # > 0: the gradient allreduces started in buckets of this many MiB during backward
     chunks: int = 1  # > 1: each x/y/w layer's collectives pipelined over this many chunks of samples (training steps)
+    device: str = "cpu"  # "gpu": the model and each batch on this rank's GPU (CuPy; backend.use_device)
 
     def validate(self):
         """ValueError naming the bad option, or an option this combination would ignore; the
         same on every rank (no MPI involved)."""
         for field, allowed in (("model", MODELS), ("algorithm", tuple(ALGORITHMS) + ("auto",)),
                                ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
-                               ("dataset", DATASETS), ("dtype", DTYPES), ("comm_table", COMM_TABLES)):
+                               ("dataset", DATASETS), ("dtype", DTYPES), ("comm_table", COMM_TABLES),
+                               ("device", backend.DEVICES)):
             value = getattr(self, field)
             if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10") \
                     and len(value.split(":", 1)) == 2 and value.split(":", 1)[1]:
@@ -215,6 +217,33 @@ def _schedule(cfg, optimizer, total_steps):
     return LinearWarmup(optimizer, cfg.warmup_steps, after=after)
 
 
+def use_device(device, world):
+    """(xp, where) of backend.use_device on every rank of `world`, or the same ValueError on
+    every rank (the first rank's that lacks CuPy or a GPU, naming it) before any work."""
+    try:
+        backend.array_module(device)
+        problem = None
+    except ValueError as error:
+        problem = str(error)
+    problems = world.allgather(problem)
+    bad = [r for r, p in enumerate(problems) if p]
+    if bad:
+        ranks = "every rank" if len(bad) == world.Get_size() else f"rank(s) {', '.join(map(str, bad))}"
+        raise ValueError(f"{problems[bad[0]]} (on {ranks})")
+    return backend.use_device(device, world)
+
+
+def describe_devices(where):
+    """One line for the summary: which rank computed on which device, from every rank's
+    backend.use_device `where` (rank order), and whether ranks share a GPU."""
+    if all(w["device"] == "cpu" for w in where):
+        return f"cpu (NumPy) on all {len(where)} rank(s)"
+    parts = [f"rank {r}: gpu {w['index']} ({w['name']})" if w["device"] == "gpu" else f"rank {r}: cpu"
+             for r, w in enumerate(where)]
+    shared = len(where) > len({(w.get("index"), w.get("host")) for w in where})
+    return "; ".join(parts) + ("; ranks share a GPU" if shared else "")
+
+
 def check_batch(grid, x_local, y_local):
     """That the ranks' blocks of a batch form one global batch (split by sample, whole over
     the other axes; tensor.check_blocks), before the layers trust it. Returns the global
@@ -282,10 +311,11 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
     model.eval()
     total_loss = correct = 0.0
     grid, layout = model.input_spec
+    xp = backend.get_array_module(*(p.data for p in model.parameters()))
     for start in range(0, len(x), batch_size):
         n_global = min(batch_size, len(x) - start)
         (rows, *_) = layout.indices((n_global, 1, 1, 1), grid, grid.coords)
-        x_local, y_local = x[start + rows.start:start + rows.stop], y[start + rows.start:start + rows.stop]
+        x_local, y_local = (backend.from_host(a[start + rows.start:start + rows.stop], xp) for a in (x, y))
         check_batch(grid, x_local, y_local)
         with comm.inputs_checked():
             loss, right = loss_fn.forward(model.forward(x_local, n_global), y_local)
@@ -297,7 +327,7 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
 
 def _weights_finite(grid, model):
     """True on every rank when no rank's shards hold NaN or infinity (collective)."""
-    return cli.on_every_rank(grid.comm, all(bool(np.isfinite(backend.to_host(p.data)).all())
+    return cli.on_every_rank(grid.comm, all(bool(backend.get_array_module(p.data).isfinite(p.data).all())
                                             for p in model.parameters()))
 
 
@@ -355,11 +385,13 @@ def train_model(cfg, world=None):
     world = MPI.COMM_WORLD if world is None else world
     alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
+    xp, where = use_device(cfg.device, world)
     dtype = np.dtype(cfg.dtype)
     *data, classes, read = _dataset(cfg, dtype)  # every rank reads the same files: a bad one fails alike
     model, profile_name = _build(cfg, world, data[0], dtype, classes, threads)
     try:
-        session = _Session(cfg, model, data)
+        model.to(xp)
+        session = _Session(cfg, model, data, xp, world.allgather(where))
         if session.rank0:
             print(read, flush=True)
         if session.rank0 and (cfg.algorithm == "auto" or cfg.plan):
@@ -384,8 +416,8 @@ class _Session:
     """One training run's state: the loader, loss, optimizer and schedule of a model, and where
     training stands (`step` updates done; the next batch is `skip` of epoch `first_epoch`)."""
 
-    def __init__(self, cfg, model, data):
-        self.cfg, self.model = cfg, model
+    def __init__(self, cfg, model, data, xp=np, devices=()):
+        self.cfg, self.model, self.xp, self.devices = cfg, model, xp, list(devices)
         x_train, y_train, self.x_test, self.y_test = data
         self.grid = model.grid  # where the data enters and the loss is computed
         self.rank0 = self.grid.rank == 0
@@ -455,6 +487,8 @@ class _Session:
             if batch <= self.skip:  # resuming inside this epoch: these batches were done
                 continue
             ctrl_c.check(self.grid.comm)
+            # the batch to the model's device: one copy of each rank's block per step
+            x_local, y_local = backend.from_host(x_local, self.xp), backend.from_host(y_local, self.xp)
             lr = self.optimizer.lr
             loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.cfg.bucket_mb,
                                        self.cfg.chunks)
@@ -512,6 +546,7 @@ class _Session:
         summary = {
             "grid": grids_of(model, grid), "ranks": grid.size,
             "algorithm": f"per layer from {cfg.plan}" if cfg.plan else cfg.algorithm, "threads_per_rank": threads,
+            "devices": describe_devices(self.devices) if self.devices else "cpu",
             "layers": model.layers,
             "steps": self.step, "steps_this_session": self.step - self.first_step, "seconds": seconds,
             "images_per_second": self.images / seconds if seconds > 0 else 0.0,
@@ -562,6 +597,7 @@ def _print_summary(summary, ledger, comm_table="top", wrote=()):
     print(ledger.summary(by=("layer", "phase", "collective"), top=None if full else COMM_TABLE_ROWS))
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
           f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
+    print(f"devices: {summary['devices']}")
     if wrote:
         print("wrote " + ", ".join(wrote))
     this_session = summary["steps_this_session"]

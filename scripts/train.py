@@ -15,7 +15,7 @@ import dataclasses
 import sys
 
 import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
-from cfp import cli
+from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
 from cfp.models import MODELS
 from cfp.train import (COMM_TABLES, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
@@ -88,6 +88,8 @@ def parse_args(argv):
     p.add_argument("--chunks", type=int, default=defaults.chunks,
                    help="pipeline each x/y/w layer's collectives over this many chunks of a rank's samples "
                         "(1, the default: blocking; measured slower on 2 cores, docs/design.md)")
+    p.add_argument("--device", default=defaults.device, metavar=cli.one_of(backend.DEVICES),
+                   help="cpu (NumPy) or gpu (CuPy: one GPU per rank, node-local rank modulo the GPUs)")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in vars(args).items() if k in fields}

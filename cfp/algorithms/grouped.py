@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from .. import comm
+from .. import backend, comm
 from ..kernels import conv2d_backward_bias
 from ..layout import Shard
 from ..tensor import Layout
@@ -61,12 +61,12 @@ class GroupedChannels(ConvAlgorithm):
         self.check_input(x, w, b, input_shape)
         x = self.halo(x)
         if self.input_whole:  # the first layer: take this rank's groups' channels, no message
-            x = x[:, self.group_channels]
+            x = backend.take(x, 1, self.group_channels)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.own_groups:
                 y = self.local_forward(x, w, b if self.bias else None)
             else:  # more channel ranks than groups: this one holds none
-                y = np.zeros(self._output_shape, x.dtype)
+                y = backend.get_array_module(x).zeros(self._output_shape, x.dtype)
         self._saved = (x, w)
         return y
 
@@ -77,7 +77,8 @@ class GroupedChannels(ConvAlgorithm):
             dw = self.local_backward_filter(x, dy, w.shape)
             dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None
         else:
-            dw, dx = np.zeros(w.shape, dy.dtype), (np.zeros(x.shape, dy.dtype) if self.need_dx else None)
+            xp = backend.get_array_module(dy)
+            dw, dx = xp.zeros(w.shape, dy.dtype), (xp.zeros(x.shape, dy.dtype) if self.need_dx else None)
         dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db
 

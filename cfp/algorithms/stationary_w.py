@@ -8,7 +8,7 @@ backward-data:    local partial dx, reduce-scatter within the row
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F / p_f, C / q, Kh, Kw): the filters of the
 column's F blocks and the channels of the row's C blocks (partition.union_of_blocks).
 """
-from .. import comm
+from .. import backend, comm
 from ..kernels import conv2d_backward_bias
 from ..layout import Layout, Shard
 from ..partition import block_size, check_filter_groups, default_filter_groups, gather_group, scatter_group
@@ -47,7 +47,7 @@ class StationaryW(ConvAlgorithm):
         x = self.halo(x)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.input_whole:  # the first layer: take the row's channels, no message
-                x = x[:, self.w_channels]
+                x = backend.take(x, 1, self.w_channels)
             x_row, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w),
                                       gather=None if self.input_whole else (self.row_comm, self.row_channel_sizes),
                                       scatter=(self.column_comm, self.column_filter_sizes))

@@ -5,7 +5,7 @@ backward-filter:  allgather dy over P_c, local dw
 backward-data:    local dx with the gathered dy, no communication
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
-from .. import comm
+from .. import backend, comm
 from ..kernels import conv2d_backward_bias
 from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
@@ -30,7 +30,7 @@ class StationaryX(ConvAlgorithm):
         self.check_input(x, w, b, input_shape)
         x = self.halo(x)
         if self.input_whole:  # the first layer: take this rank's channels, no message
-            x = x[:, self.w_channels]
+            x = backend.take(x, 1, self.w_channels)
         with comm.tag(layer=self.layer, phase="forward"):
             _, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w),
                                   scatter=(self.channel_comm, channel_block_sizes(self.F, self.grid)))

@@ -190,10 +190,10 @@ class BatchNorm2d(Module):
     # elements per channel (4 on the last stages of a ResNet at 8x8 input: 0.54 against 0.2 ms
     # for a 32x256x2x2 forward and backward).
 
-    def _channel_sums(self, *terms, count=None):
+    def _channel_sums(self, *terms):
         """Per-channel sums over the ranks holding these channels of each term: an (n, C_c * H *
         W) row array, or a pair (a, b) of them for the sums of a * b (by einsum, without making
-        the product); with `count`, also the sum of the counts, in the same message."""
+        the product)."""
         first = terms[0][0] if isinstance(terms[0], tuple) else terms[0]
         xp = backend.get_array_module(first)
         c, p = self._channels, self._positions
@@ -203,11 +203,23 @@ class BatchNorm2d(Module):
                 return xp.einsum("nk,nk->k", *term).reshape(c, p).sum(axis=1)
             return term.sum(axis=0).reshape(c, p).sum(axis=1)
         parts = [per_channel(t) for t in terms]
-        if count is not None:
-            parts.append(xp.asarray([count], dtype=first.dtype))
         dtype = xp.result_type(*parts)  # one message of one dtype (a float32 block in float64 terms)
-        sums = comm.allreduce(self.stats_comm, [a.astype(dtype, copy=False) for a in parts], donate=True)
-        return sums if count is None else (sums[:-1], int(sums[-1][0]))
+        return comm.allreduce(self.stats_comm, [a.astype(dtype, copy=False) for a in parts], donate=True)
+
+    def _positions_in_batch(self, local_shape):
+        """The positions per channel in the global batch (N H W), from the shapes alone: the
+        global input shape where the container set it; else (a layer run on its own) the local
+        blocks' counts summed once per local shape over the ranks holding these channels, as
+        Python integers (never a value read back from the device, never a message per step)."""
+        if self.input_shape is not None:
+            N, _, H, W = self.input_shape
+            return N * H * W
+        n, _, h, w = local_shape
+        cached = getattr(self, "_counts", {})
+        if local_shape not in cached:
+            cached[local_shape] = self.stats_comm.allreduce(n * h * w)
+            self._counts = cached
+        return cached[local_shape]
 
     def _row(self, per_channel):
         """A per-channel vector (C_c,) as one (1, C_c * H * W) row."""
@@ -219,8 +231,8 @@ class BatchNorm2d(Module):
         rows = x.reshape(n, c * h * w)
         with comm.tag(layer=self.name, phase="forward"):
             if self.training:
-                # total: the positions per channel in the global batch
-                (sums,), total = self._channel_sums(rows, count=n * h * w)
+                total = self._positions_in_batch(tuple(x.shape))
+                (sums,) = self._channel_sums(rows)
                 mean = sums / total
                 centred = rows - self._row(mean)
                 (squares,) = self._channel_sums((centred, centred))

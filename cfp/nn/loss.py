@@ -24,8 +24,10 @@ class SoftmaxCrossEntropy:
         shifted = logits - logits.max(axis=1, keepdims=True) if n else logits
         log_z = xp.log(xp.exp(shifted).sum(axis=1))
         picked = shifted[xp.arange(n), labels] if n else xp.zeros(0, logits.dtype)
-        local = xp.asarray([(log_z - picked).sum(), (shifted.argmax(axis=1) == labels).sum() if n else 0,
-                            n], dtype=np.float64)
+        local = xp.zeros(3, np.float64)  # filled on the array's device: nothing crosses to the host here
+        if n:
+            local[0], local[1] = (log_z - picked).sum(), (shifted.argmax(axis=1) == labels).sum()
+        local[2] = n
         with comm.tag(layer=self.name, phase="forward"):
             total_loss, correct, count = (float(v) for v in backend.to_host(comm.allreduce(self.comm, local)))
         self._saved = (shifted, log_z, labels, count)  # count: a Python float, so float32 stays float32

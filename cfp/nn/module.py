@@ -139,6 +139,17 @@ class Module:
     def eval(self):
         return self.train(False)
 
+    def to(self, xp):
+        """Move every parameter and buffer of this module to array module `xp` (numpy or
+        cupy; backend.use_device): one copy each, made once; gradients are dropped. Optimizer
+        state is made later, beside the parameters it belongs to."""
+        from .. import backend
+        for p in self.parameters() + list(self.buffers().values()):
+            if backend.get_array_module(p.data) is not xp:
+                p.data = backend.from_host(backend.to_host(p.data), xp)
+            p.grad = None
+        return self
+
     def zero_grad(self):
         for p in self.parameters():
             p.grad = None

@@ -5,7 +5,7 @@ Zero padding is each kernel path's own; the halo of a split image uses these map
 """
 import numpy as np
 
-from cfp.backend import get_array_module
+from cfp.backend import get_array_module, index_array
 from cfp.kernels.conv.geometry import padded_geometry
 
 def pad_index(extent, before, after, mode):
@@ -25,8 +25,8 @@ def pad_index(extent, before, after, mode):
 def pad_input(x, g, xp):
     """x padded by the geometry's padding in its (non-zero) mode, and the geometry of a
     convolution without padding over it."""
-    rows = xp.asarray(pad_index(g.H, g.pt, g.pb, g.mode))
-    cols = xp.asarray(pad_index(g.W, g.pl, g.pr, g.mode))
+    rows = index_array(pad_index(g.H, g.pt, g.pb, g.mode), xp)
+    cols = index_array(pad_index(g.W, g.pl, g.pr, g.mode), xp)
     padded = xp.ascontiguousarray(x[:, :, rows][:, :, :, cols])
     return padded, padded_geometry(g)
 

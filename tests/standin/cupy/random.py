@@ -1,0 +1,8 @@
+"""cupy.random of the stand-in: NumPy's on stand-in arrays (cfp draws on the host)."""
+import numpy as _np
+
+from . import _function
+
+
+def __getattr__(name):
+    return _function(name, getattr(_np.random, name))
