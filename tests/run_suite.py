@@ -40,15 +40,45 @@ def mpiexec(nprocs, *args):
     return launcher().argv(nprocs, *args)
 
 
-def single_thread_env(**extra):
+def single_thread_env(device=None, **extra):
     """The environment of a test's child processes: one BLAS thread per rank, cfp importable,
-    and what the launcher's MPI needs for these runs (launcher.launch_env)."""
+    and what the launcher's MPI needs for these runs (launcher.launch_env). device: the device
+    tests' runs ("gpu": a real CuPy that sees a GPU; "stand-in": tests/standin's CuPy first on
+    the path, so that cfp's own `import cupy` finds it)."""
     env = launch_env()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = "1"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if device is not None:
+        env["CFP_DEVICE_TESTS"] = device
+        if device == "stand-in":
+            env["PYTHONPATH"] = STANDIN + os.pathsep + env["PYTHONPATH"]
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+# The device tests (tests/test_device.py): cfp on CuPy arrays, run in runs of their own (conftest.py
+# leaves them out of the others), on a real GPU where CuPy sees one, else on the stand-in.
+DEVICE_TESTS = os.path.join("tests", "test_device.py")
+STANDIN = os.path.join(ROOT, "tests", "standin")
+
+
+def device_kind():
+    """"gpu" where a real CuPy imports and sees a GPU here, else "stand-in"."""
+    probe = "import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)"
+    try:
+        rc = subprocess.call([sys.executable, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        rc = 1
+    return "gpu" if rc == 0 else "stand-in"
+
+
+def split_paths(pytest_args):
+    """(the test paths among pytest's arguments, the rest): a path is an argument that names an
+    existing file or directory (before any ::test id)."""
+    paths = [a for a in pytest_args if not a.startswith("-") and os.path.exists(os.path.join(ROOT, a.split("::")[0]))]
+    return paths, [a for a in pytest_args if a not in paths]
 
 
 def junit_counts(path):
@@ -107,30 +137,32 @@ def worker(logdir, pytest_args):
     return rc
 
 
-def run_serial(pytest_args, timeout):
-    print("=" * 30 + " serial tests " + "=" * 30, flush=True)
-    logdir = os.path.join(LOGS, "serial")
+def run_serial(pytest_args, timeout, device=None):
+    what = "" if device is None else f" ({device})"
+    print("=" * 30 + f" serial tests{what} " + "=" * 30, flush=True)
+    logdir = os.path.join(LOGS, "serial" if device is None else "serial-device")
     os.makedirs(logdir, exist_ok=True)
     junit = os.path.join(logdir, "rank0.xml")
     start = time.time()
     rc = subprocess.call(
         [sys.executable, "-m", "pytest", "-m", "not mpi", f"--timeout={timeout}",
          f"--junitxml={junit}", *pytest_args],
-        cwd=ROOT, env=single_thread_env(),
+        cwd=ROOT, env=single_thread_env(device),
     )
-    return {"label": "serial", "rc": rc, "counts": junit_counts(junit),
+    return {"label": "serial" + what, "rc": rc, "counts": junit_counts(junit),
             "wall": time.time() - start, "failed_ranks": [0] if rc not in (0, NO_TESTS_COLLECTED) else []}
 
 
-def run_mpi(nprocs, pytest_args, timeout, job_timeout):
-    print("=" * 28 + f" MPI tests, {nprocs} rank{'s' if nprocs > 1 else ''} " + "=" * 28, flush=True)
-    logdir = os.path.join(LOGS, f"np{nprocs}")
+def run_mpi(nprocs, pytest_args, timeout, job_timeout, device=None):
+    what = "" if device is None else f" ({device})"
+    print("=" * 28 + f" MPI tests, {nprocs} rank{'s' if nprocs > 1 else ''}{what} " + "=" * 28, flush=True)
+    logdir = os.path.join(LOGS, f"np{nprocs}" + ("" if device is None else "-device"))
     shutil.rmtree(logdir, ignore_errors=True)
     os.makedirs(logdir)
     cmd = mpiexec(nprocs, sys.executable, "-m", "mpi4py", os.path.abspath(__file__),
                   "--worker", logdir, "--", f"--timeout={timeout}", *pytest_args)
     start = time.time()
-    rc = subprocess.call(cmd, cwd=ROOT, env=single_thread_env(MPIEXEC_TIMEOUT=job_timeout))
+    rc = subprocess.call(cmd, cwd=ROOT, env=single_thread_env(device, MPIEXEC_TIMEOUT=job_timeout))
     wall = time.time() - start
     failed = []
     for r in range(nprocs):
@@ -147,27 +179,27 @@ def run_mpi(nprocs, pytest_args, timeout, job_timeout):
             with open(log) as f:
                 tail = f.read()[-6000:]
             print(f"----- rank {r} of {nprocs} failed; the end of its log ({log}) -----\n{tail}")
-    return {"label": f"{nprocs} rank{'s' if nprocs > 1 else ''}", "rc": rc,
+    return {"label": f"{nprocs} rank{'s' if nprocs > 1 else ''}{what}", "rc": rc,
             "counts": junit_counts(os.path.join(logdir, "rank0.xml")), "wall": wall,
             "failed_ranks": failed}
 
 
 def summarize(results):
     print("\n" + "=" * 27 + " summary per rank count " + "=" * 27)
-    header = f"{'run':<10}{'passed':>8}{'failed':>8}{'errors':>8}{'skipped':>9}{'seconds':>9}  status"
+    header = f"{'run':<20}{'passed':>8}{'failed':>8}{'errors':>8}{'skipped':>9}{'seconds':>9}  status"
     print(header)
     all_ok, selected = True, False
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for res in results:
         c = res["counts"]
         if c is not None and c["tests"] == 0 and res["rc"] in (0, NO_TESTS_COLLECTED) and not res["failed_ranks"]:
-            print(f"{res['label']:<10}{0:>8}{0:>8}{0:>8}{0:>9}{res['wall']:>9.1f}  no tests selected")
+            print(f"{res['label']:<20}{0:>8}{0:>8}{0:>8}{0:>9}{res['wall']:>9.1f}  no tests selected")
             continue
         selected = True
         if c is None:
             status = f"no report (exit status {res['rc']})"
             ok = False
-            print(f"{res['label']:<10}{'-':>8}{'-':>8}{'-':>8}{'-':>9}{res['wall']:>9.1f}  {status}")
+            print(f"{res['label']:<20}{'-':>8}{'-':>8}{'-':>8}{'-':>9}{res['wall']:>9.1f}  {status}")
         else:
             passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
             ok = res["rc"] == 0 and not res["failed_ranks"] and passed > 0
@@ -182,7 +214,7 @@ def summarize(results):
             total["passed"] += passed
             total["failed"] += c["failures"] + c["errors"]
             total["skipped"] += c["skipped"]
-            print(f"{res['label']:<10}{passed:>8}{c['failures']:>8}{c['errors']:>8}"
+            print(f"{res['label']:<20}{passed:>8}{c['failures']:>8}{c['errors']:>8}"
                   f"{c['skipped']:>9}{res['wall']:>9.1f}  {status}")
         all_ok &= ok
     print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
@@ -240,11 +272,24 @@ def main():
             sys.exit(f"run_suite.py: error: {problem}")
         print(launcher().describe(), flush=True)
     compile_package()
+    # the device tests run where no path is given or where theirs is; the others unless only it is
+    paths, options = split_paths(extra)
+    device_paths = [a for a in paths if os.path.normpath(a.split("::")[0]) == DEVICE_TESTS]
+    device_extra = (options + (device_paths or [DEVICE_TESTS])) if device_paths or not paths else None
+    if paths and len(device_paths) == len(paths):
+        extra = None
+    device = device_kind() if device_extra is not None else None
+    if device is not None:
+        print(f"device tests on {'a GPU (CuPy)' if device == 'gpu' else 'the CuPy stand-in (tests/standin)'}",
+              flush=True)
     results = []
-    if not args.no_serial:
-        results.append(run_serial(extra, args.timeout))
-    for n in args.ranks:
-        results.append(run_mpi(n, extra, args.timeout, args.job_timeout))
+    for run_extra, kind in ((extra, None), (device_extra, device)):
+        if run_extra is None:
+            continue
+        if not args.no_serial:
+            results.append(run_serial(run_extra, args.timeout, kind))
+        for n in args.ranks:
+            results.append(run_mpi(n, run_extra, args.timeout, args.job_timeout, kind))
     sys.exit(0 if summarize(results) else 1)
 
 

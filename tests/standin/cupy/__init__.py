@@ -137,7 +137,7 @@ def _unary(name):
 
 
 # NumPy ndarray members CuPy's arrays lack, or that would hand out host memory
-_HIDDEN = {"tobytes", "tofile", "dump", "dumps", "ctypes", "data", "__array_interface__", "__array_struct__",
+_HIDDEN = {"__dlpack__", "__dlpack_device__", "tobytes", "tofile", "dump", "dumps", "ctypes", "data", "__array_interface__", "__array_struct__",
            "tostring", "getfield", "setfield", "byteswap", "newbyteorder", "itemset", "resize"}
 
 
