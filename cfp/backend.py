@@ -132,8 +132,22 @@ def local_rank(comm=None):
 def use_device(device, comm=None):
     """Make this rank's device current and return (xp, where): for 'gpu' the GPU of index
     node-local rank % GPUs on the node (one GPU per rank where there are enough; ranks share
-    one otherwise), `where` a dict {"device", "index", "count", "name"}; for 'cpu' numpy and
-    {"device": "cpu"}."""
+    one otherwise), `where` a dict {"device", "index", "count", "host", "name"}; for 'cpu'
+    numpy and {"device": "cpu"}. Collective over `comm` (default COMM_WORLD): where a rank
+    lacks CuPy or a GPU, every rank raises the same ValueError (naming the first such rank's
+    problem) before any work."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        array_module(device)
+        problem = None
+    except ValueError as error:
+        problem = str(error)
+    problems = comm.allgather(problem)
+    bad = [r for r, p in enumerate(problems) if p]
+    if bad:
+        ranks = "every rank" if len(bad) == comm.Get_size() else f"rank(s) {', '.join(map(str, bad))}"
+        raise ValueError(f"{problems[bad[0]]} (on {ranks})")
     xp = array_module(device)
     if xp is np:
         return np, {"device": "cpu"}

@@ -217,22 +217,6 @@ def _schedule(cfg, optimizer, total_steps):
     return LinearWarmup(optimizer, cfg.warmup_steps, after=after)
 
 
-def use_device(device, world):
-    """(xp, where) of backend.use_device on every rank of `world`, or the same ValueError on
-    every rank (the first rank's that lacks CuPy or a GPU, naming it) before any work."""
-    try:
-        backend.array_module(device)
-        problem = None
-    except ValueError as error:
-        problem = str(error)
-    problems = world.allgather(problem)
-    bad = [r for r, p in enumerate(problems) if p]
-    if bad:
-        ranks = "every rank" if len(bad) == world.Get_size() else f"rank(s) {', '.join(map(str, bad))}"
-        raise ValueError(f"{problems[bad[0]]} (on {ranks})")
-    return backend.use_device(device, world)
-
-
 def describe_devices(where):
     """One line for the summary: which rank computed on which device, from every rank's
     backend.use_device `where` (rank order), and whether ranks share a GPU."""
@@ -385,7 +369,7 @@ def train_model(cfg, world=None):
     world = MPI.COMM_WORLD if world is None else world
     alike_on_all_ranks(world, cfg.check_outputs)  # rank 0 writes them: a bad path fails now, not after the run
     threads = backend.set_blas_threads(cfg.threads, world)
-    xp, where = use_device(cfg.device, world)
+    xp, where = backend.use_device(cfg.device, world)
     dtype = np.dtype(cfg.dtype)
     *data, classes, read = _dataset(cfg, dtype)  # every rank reads the same files: a bad one fails alike
     model, profile_name = _build(cfg, world, data[0], dtype, classes, threads)

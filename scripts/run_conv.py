@@ -4,7 +4,7 @@
         --grad-output dy.npy [--bias b.npy] [--stride S|SH,SW] [--padding P|PH,PW|same|valid] \\
         [--dilation D|DH,DW] [--groups G] [--padding-mode zeros|reflect|replicate|circular] \\
         --algorithm {sample,x,y,w} --grid sample=A,channel=B [--filter-groups p_f] --out result.npz \\
-        [--allow-nonfinite]
+        [--allow-nonfinite] [--device cpu|gpu]
 
 The convolution's options mean what they mean to PyTorch's nn.Conv2d; the weight is
 (F, C / groups, Kh, Kw).
@@ -69,6 +69,8 @@ def parse_args(argv):
     p.add_argument("--grid", required=True, help="e.g. sample=2,channel=2")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing P_c)")
     p.add_argument("--threads", type=int, help="BLAS threads per rank (default cores // ranks per node)")
+    p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
+                   help="cpu (NumPy) or gpu (CuPy: one GPU per rank, node-local rank modulo the GPUs)")
     p.add_argument("--out", required=True, help="result .npz (written by rank 0)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="convolve inputs that hold NaN or infinity (refused otherwise)")
@@ -136,15 +138,16 @@ def main(argv=None):
     # Every rank reads the same files and arguments, so these checks fail alike everywhere.
     alike_on_all_ranks(world, lambda: check_writable(args.out, "--out"))
     backend.set_blas_threads(args.threads)
+    xp, where = backend.use_device(args.device, world)
     x, w, b, dy = load_problem(args)
     grid = ProcessGrid(args.grid)
     conv = make_conv(args.algorithm, grid, x.shape[1], w.shape[0], w.shape[2:],
                      filter_groups=args.filter_groups, bias=b is not None, layer="conv", **options(args))
 
-    x_local = DistTensor.from_global(x, conv.input_layout, grid).local
-    dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
-    w_shard = conv.shard_weight(w)
-    b_shard = conv.shard_bias(b) if b is not None else None
+    x_local = backend.from_host(DistTensor.from_global(x, conv.input_layout, grid).local, xp)
+    dy_local = backend.from_host(DistTensor.from_global(dy, conv.output_layout, grid).local, xp)
+    w_shard = backend.from_host(conv.shard_weight(w), xp)
+    b_shard = backend.from_host(conv.shard_bias(b), xp) if b is not None else None
 
     ledger = comm.CommLedger()
     with comm.use_ledger(ledger):
@@ -161,10 +164,11 @@ def main(argv=None):
     }
     if b is not None:
         results["db"] = conv.bias_tensor(db).gather(root=0)
+    results = {k: backend.to_host(v) for k, v in results.items()}
     table = ledger_table(ledger, world)
     if rank == 0:
         save_npz(args.out, **results)
-        print(f"{conv!r}, {world.Get_size()} ranks, dtype {x.dtype}")
+        print(f"{conv!r}, {world.Get_size()} ranks, dtype {x.dtype}, device {where['device']}")
         print(f"forward {middle - start:.4f} s, backward {end - middle:.4f} s (rank 0)")
         print(f"wrote {', '.join(results)} to {args.out}")
         print("communication (the gathers of the results are not counted):")

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from cfp import backend
 from launcher import OPEN_MPI, launcher
 from run_suite import ROOT, mpiexec, single_thread_env
 from test_scripts import run, write_problem
@@ -84,6 +85,7 @@ TRAIN_CASES = [
      "node axis 'sample': grid channel=2 does not split it \\(it splits channel\\)"),
     (["--grid", "channel=2", "--node-axes", "channel,channel"], "node axes channel,channel: an axis is named twice"),
     (["--plan", "plan.json", "--node-axes", "sample"], "--node-axes and --plan both place the layers' ranks"),
+    (["--device", "tpu"], "unknown device 'tpu'; expected one of cpu, gpu"),
     (["--augment", "--eval-only", "--resume", "--checkpoint-dir", "ckpt"],
      "--augment changes the training batches only; with --eval-only, which does not train, it would be ignored"),
 ]
@@ -92,6 +94,16 @@ TRAIN_CASES = [
 @pytest.mark.parametrize("args,message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
 def test_train_bad_option(args, message):
     fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + args, message)
+
+
+@pytest.mark.skipif(backend.cupy_available(), reason="CuPy imports here: the device tests run it (tests/test_device.py)")
+def test_device_gpu_without_cupy_is_one_line_and_status_2():
+    """--device gpu where CuPy does not import: one line naming the missing piece, on every
+    run, before any work (status 2, the scripts' status for bad input)."""
+    for _ in range(3):
+        proc = fails_once(2, os.path.join(SCRIPTS, "train.py"), QUICK + ["--device", "gpu"],
+                          r"--device gpu needs CuPy, which does not import here \(install")
+        assert proc.returncode == 2, proc.returncode
 
 
 def test_node_axes_without_a_grid_for_the_planner_is_refused():
