@@ -65,7 +65,7 @@ def take(x, axis, indices):
         at[axis] = slice(indices[0], indices[-1] + 1)
     else:
         at[axis] = index_array(np.asarray(indices, dtype=np.intp), xp)
-    return xp.ascontiguousarray(x[tuple(at)])
+    return xp.array(x[tuple(at)], order="C", copy=True)
 
 
 def index_array(indices, xp):
@@ -107,6 +107,67 @@ def array_module(device):
     if count < 1:
         raise ValueError("--device gpu: CuPy sees no GPU here; --device cpu runs on NumPy")
     return _cupy
+
+
+@functools.lru_cache(maxsize=1)
+def mpi_cuda_support():
+    """What the MPI library in this process says of CUDA buffers: (True, False or None when it
+    has no way to say, a description). Open MPI and MPICH (4 and later) answer through
+    MPIX_Query_cuda_support(), which mpi4py does not wrap: it is looked up in the loaded MPI
+    library. MPICH also needs MPIR_CVAR_ENABLE_GPU=1 at run time, which its answer reflects."""
+    import ctypes
+    import re
+    from mpi4py import MPI
+    version = MPI.Get_library_version().splitlines()[0].strip()
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if re.search(r"/libmpi[^/]*\.so", line)})
+    except OSError:
+        pass
+    for path in paths:
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        supported = bool(query())
+        return supported, f"{version}: MPIX_Query_cuda_support() = {int(supported)}"
+    return None, f"{version}: no MPIX_Query_cuda_support in its library"
+
+
+def device_buffers_to_mpi(xp):
+    """(whether cfp passes `xp`'s device arrays to MPI as they are, why): CFP_CUDA_AWARE=1 or 0
+    forces it on or off; unset, it is on where the MPI library says it reads CUDA buffers and
+    the arrays expose __cuda_array_interface__ (how mpi4py hands them to MPI), else every
+    message is staged through host buffers. ValueError for CFP_CUDA_AWARE=1 where MPI or the
+    arrays cannot (checked at start by use_device, on every rank), or a value other than 0/1."""
+    forced = os.environ.get("CFP_CUDA_AWARE", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"CFP_CUDA_AWARE={forced!r}: expected 0 (stage device buffers through the host) or 1 "
+                         f"(hand them to a CUDA-aware MPI)")
+    if xp is np or forced == "0":
+        return False, "NumPy arrays" if xp is np else "CFP_CUDA_AWARE=0"
+    exposed = hasattr(xp.empty(1), "__cuda_array_interface__")
+    supported, why = mpi_cuda_support()
+    if forced == "1":
+        if not exposed:
+            raise ValueError(f"CFP_CUDA_AWARE=1, but this CuPy's arrays expose no __cuda_array_interface__ "
+                             f"for MPI to read; unset it (or 0) to stage messages through the host")
+        if supported is False:
+            raise ValueError(f"CFP_CUDA_AWARE=1, but MPI reads no CUDA buffers here ({why}); unset it (or 0) "
+                             f"to stage messages through the host")
+        return True, f"CFP_CUDA_AWARE=1 ({why})"
+    if exposed and supported:
+        return True, why
+    return False, why if exposed else "the arrays expose no __cuda_array_interface__"
+
+
+def synchronize(x):
+    """Wait for the device work writing `x` (its current stream) to finish: MPI is not
+    stream-aware, so a device buffer is synchronised before MPI reads it."""
+    if is_device_array(x):
+        _cupy.cuda.get_current_stream().synchronize()
 
 
 # What launchers tell each process about its place among the job's processes on its node
@@ -151,13 +212,38 @@ def use_device(device, comm=None):
     xp = array_module(device)
     if xp is np:
         return np, {"device": "cpu"}
+    try:
+        aware, why = device_buffers_to_mpi(xp)
+        problem = None
+    except ValueError as error:
+        problem = str(error)
+    problems = comm.allgather(problem)
+    if any(problems):
+        raise ValueError(next(p for p in problems if p))
+    global _device_buffers
+    _device_buffers = aware
     count = xp.cuda.runtime.getDeviceCount()
     index = local_rank(comm) % count
     xp.cuda.Device(index).use()
     name = xp.cuda.runtime.getDeviceProperties(index).get("name", b"")
     import socket
     return xp, {"device": "gpu", "index": index, "count": count, "host": socket.gethostname(),
-                "name": name.decode() if isinstance(name, bytes) else str(name)}
+                "name": name.decode() if isinstance(name, bytes) else str(name),
+                "messages": ("device buffers to MPI" if aware else "staged through host buffers") + f" ({why})"}
+
+
+_device_buffers = False  # set by use_device: device arrays go to MPI as they are
+
+
+def mpi_buffer(x):
+    """x as a C-contiguous array MPI can read: x (or a contiguous copy) where it is a device
+    array and use_device chose device buffers (its stream synchronised first), else a host
+    array (to_host)."""
+    if _device_buffers and is_device_array(x):
+        x = _cupy.ascontiguousarray(x)
+        synchronize(x)
+        return x
+    return np.ascontiguousarray(to_host(x))
 
 
 # What launchers tell each process about the job's processes on its node (MPICH's Hydra, Open

@@ -155,26 +155,31 @@ class CommLedger:
         `top`, the `top` rows of most transfer time, a line for the rest, and the total."""
         totals = list(self.totals(by).items())
         shown = totals if top is None else sorted(totals, key=lambda kv: -kv[1]["seconds"])[:top]
-        rows = [list(by) + ["calls", "sent", "received", "transfer s", "wait s", "pack s"]]
+        # device arrays staged through the host: a column of the bytes copied each way
+        staged = any(t["staged_to_host"] or t["staged_to_device"] for _, t in totals)
+        rows = [list(by) + ["calls", "sent", "received", "transfer s", "wait s", "pack s"]
+                + (["staged (to host / to device)"] if staged else [])]
         for key, t in shown:
-            rows.append(list(key) + [str(t["calls"]), format_bytes(t["bytes_sent"]),
-                                     format_bytes(t["bytes_received"]), f"{t['seconds']:.4f}",
-                                     f"{t['wait_seconds']:.4f}", f"{t['pack_seconds']:.4f}"])
+            rows.append(list(key) + _total_cells([t], staged))
         if top is not None:
             rest = [kv for kv in totals if kv not in shown]
             blank = [""] * (len(by) - 1)
             if rest:
                 rows.append([f"({len(rest)} more row{'s' if len(rest) > 1 else ''})"] + blank
-                            + _total_cells([t for _, t in rest]))
-            rows.append(["total"] + blank + _total_cells([t for _, t in totals]))
+                            + _total_cells([t for _, t in rest], staged))
+            rows.append(["total"] + blank + _total_cells([t for _, t in totals], staged))
         return format_table(rows)
 
 
-def _total_cells(totals):
-    """The calls, bytes and seconds of a summary row adding up `totals`."""
-    return [str(sum(t["calls"] for t in totals)), format_bytes(sum(t["bytes_sent"] for t in totals)),
-            format_bytes(sum(t["bytes_received"] for t in totals)), f"{sum(t['seconds'] for t in totals):.4f}",
-            f"{sum(t['wait_seconds'] for t in totals):.4f}", f"{sum(t['pack_seconds'] for t in totals):.4f}"]
+def _total_cells(totals, staged=False):
+    """The calls, bytes and seconds of a summary row adding up `totals` (and the staged bytes)."""
+    cells = [str(sum(t["calls"] for t in totals)), format_bytes(sum(t["bytes_sent"] for t in totals)),
+             format_bytes(sum(t["bytes_received"] for t in totals)), f"{sum(t['seconds'] for t in totals):.4f}",
+             f"{sum(t['wait_seconds'] for t in totals):.4f}", f"{sum(t['pack_seconds'] for t in totals):.4f}"]
+    if staged:
+        cells.append(f"{format_bytes(sum(t['staged_to_host'] for t in totals))} / "
+                     f"{format_bytes(sum(t['staged_to_device'] for t in totals))}")
+    return cells
 
 
 _ledgers = [CommLedger()]
@@ -309,17 +314,21 @@ class _Timer:
         self.seconds = 0.0
         self.staged = [0, 0]  # bytes to the host, to the device
 
-    def to_host(self, x):
-        """x as a NumPy array MPI can read: a device array copied to the host (counted)."""
-        if backend.is_device_array(x):
-            self.staged[0] += x.nbytes
-        return backend.to_host(x)
+    def buffer(self, x):
+        """x as a C-contiguous buffer MPI reads (backend.mpi_buffer): on the device where MPI
+        takes device buffers, else on the host, a device array then copied (staged, counted)."""
+        out = backend.mpi_buffer(x)
+        if backend.is_device_array(x) and not backend.is_device_array(out):
+            self.staged[0] += out.nbytes
+        return out
 
-    def from_host(self, x, xp):
-        """The NumPy array x (what MPI wrote) as an array of `xp` (a device copy, counted)."""
-        if xp is not np:
-            self.staged[1] += x.nbytes
-        return backend.from_host(x, xp)
+    def result(self, buf, xp):
+        """An MPI buffer as an array of `xp`: itself where it is one (NumPy, or device buffers),
+        else a device copy of the host buffer (staged, counted)."""
+        if xp is np or backend.is_device_array(buf):
+            return buf
+        self.staged[1] += buf.nbytes
+        return backend.from_host(buf, xp)
 
     def agree(self, x, collective, free_axis=None):
         self.wait_seconds += _agree(self.comm, x, collective, free_axis)
@@ -427,15 +436,15 @@ def _allgather_setup(comm, x, axis, sizes, may_alias, t):
         out = _alone(x, donate=may_alias)
         return True, (out, out)
     xp = backend.get_array_module(x)
-    mine = np.ascontiguousarray(t.to_host(x))
+    mine = t.buffer(x)
     counts = _block_counts(mine.shape, axis, sizes)
-    out = np.empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
+    out = backend.get_array_module(mine).empty(mine.shape[:axis] + (sum(sizes),) + mine.shape[axis + 1:], dtype=mine.dtype)
     types, offsets = _block_types(out.shape, axis, sizes, out.dtype)
     send = [mine, ([mine.size] * p, [0] * p), _contiguous(mine.dtype, p)]
     recv = [out, ([int(n > 0) for n in sizes], offsets), types]
     item = mine.dtype.itemsize
     moved = ((p - 1) * counts[rank] * item, (counts.sum() - counts[rank]) * item)
-    return False, ((send, recv), lambda: (t.from_host(out, xp), out), moved)
+    return False, ((send, recv), lambda: (t.result(out, xp), out), moved)
 
 
 def allgather(comm, x, axis, sizes, may_alias=False):
@@ -476,10 +485,11 @@ def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
         out = _alone(x, donate)
         return True, (out, out)
     xp = backend.get_array_module(x)
-    host = np.ascontiguousarray(t.to_host(x))
+    host = t.buffer(x)  # (on the device where MPI takes device buffers)
+    bx = backend.get_array_module(host)
     counts, item = _block_counts(host.shape, axis, sizes), host.dtype.itemsize
     shape = host.shape[:axis] + (sizes[rank],) + host.shape[axis + 1:]
-    received = np.empty((p - 1,) + shape, dtype=host.dtype)
+    received = bx.empty((p - 1,) + shape, dtype=host.dtype)
     block = received[0].nbytes
     types, offsets = _block_types(host.shape, axis, sizes, host.dtype)
     send = [host, ([int(d != rank and sizes[d] > 0) for d in range(p)], offsets), types]
@@ -490,10 +500,10 @@ def _reduce_scatter_setup(comm, x, axis, sizes, donate, t):
         start = int(np.sum(sizes[:rank]))
         own = host[(slice(None),) * axis + (slice(start, start + sizes[rank]),)]
         # With two ranks the one received block is exactly the result's memory: sum into it.
-        out = np.add(own, received[0], out=received[0] if p == 2 else None)
+        out = bx.add(own, received[0], out=received[0] if p == 2 else None)
         for summand in received[1:]:
             out += summand
-        return t.from_host(out, xp), out
+        return t.result(out, xp), out
     moved = ((counts.sum() - counts[rank]) * item, (p - 1) * counts[rank] * item)
     return False, ((send, recv), finish, moved)
 
@@ -596,14 +606,15 @@ def _allreduce_setup(comm, x, donate, t):
     one = parts[0] if len(parts) == 1 else xp.concatenate([a.reshape(-1) for a in parts])
     t.agree(one, "allreduce")
     n, item = one.size, np.dtype(one.dtype).itemsize
-    host = np.ascontiguousarray(t.to_host(one))
+    host = t.buffer(one)
+    bx = backend.get_array_module(host)
     # In place where the buffer is not the caller's (a concatenation, a staged or contiguous
     # copy) or the caller gave it up: no fresh result to fault in and no second buffer to read.
-    ours = donate or len(parts) > 1 or xp is not np or not np.may_share_memory(host, parts[0])
-    out = host if ours else np.empty_like(host)
+    ours = donate or len(parts) > 1 or bx is not xp or not bx.may_share_memory(host, parts[0])
+    out = host if ours else bx.empty_like(host)
 
     def finish():
-        total = t.from_host(out, xp)
+        total = t.result(out, xp)
         bounds = np.cumsum([a.size for a in parts])[:-1].tolist()  # host integers, for any xp
         sums = [piece.reshape(a.shape) for piece, a in zip(xp.split(total.reshape(-1), bounds), parts)]
         return (sums if many else sums[0]), out
@@ -648,11 +659,12 @@ def broadcast(comm, x, root=0):
     rank, p = comm.Get_rank(), comm.Get_size()
     t.agree(x, "broadcast")
     xp = backend.get_array_module(x)
-    out = np.array(t.to_host(x), order="C", copy=True)
+    out = t.buffer(x)
+    out = backend.get_array_module(out).array(out, order="C", copy=True)
     if p > 1:
         with t:
             comm.Bcast(out, root=root)
-    result = t.from_host(out, xp)
+    result = t.result(out, xp)
     m = out.nbytes
     sent, received = ((p - 1) * m, 0) if rank == root else (0, m)
     t.record("broadcast", p, sent, received)
@@ -666,14 +678,14 @@ def sum_reduce(comm, x, root=0):
     rank, p = comm.Get_rank(), comm.Get_size()
     t.agree(x, "sum_reduce")
     xp = backend.get_array_module(x)
-    host = np.ascontiguousarray(t.to_host(x))
-    out = np.zeros_like(host)
+    host = t.buffer(x)
+    out = backend.get_array_module(host).zeros_like(host)
     if p == 1:
         out[...] = host
     else:
         with t:
             comm.Reduce(host, out if rank == root else None, op=MPI.SUM, root=root)
-    result = t.from_host(out, xp)
+    result = t.result(out, xp)
     m = host.nbytes
     sent, received = (0, (p - 1) * m) if rank == root else (m, 0)
     t.record("sum_reduce", p, sent, received)
@@ -697,11 +709,11 @@ def _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t):
     bounds = np.cumsum(recv_counts)[:-1].tolist()
     if p == 1:
         return True, (xp.split(xp.ascontiguousarray(send_chunks[0], dtype=dtype), bounds), None)
-    sendbuf = t.to_host(xp.concatenate(send_chunks).astype(dtype, copy=False))
-    recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
+    sendbuf = t.buffer(xp.concatenate(send_chunks).astype(dtype, copy=False))
+    recvbuf = backend.get_array_module(sendbuf).empty(int(recv_counts.sum()), dtype=dtype)
 
     def finish():
-        return xp.split(t.from_host(recvbuf, xp), bounds), None
+        return xp.split(t.result(recvbuf, xp), bounds), None
     item = np.dtype(dtype).itemsize
     moved = ((send_counts.sum() - send_counts[rank]) * item, (recv_counts.sum() - recv_counts[rank]) * item)
     send = [sendbuf, (send_counts, _displacements(send_counts))]

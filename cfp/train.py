@@ -225,7 +225,8 @@ def describe_devices(where):
     parts = [f"rank {r}: gpu {w['index']} ({w['name']})" if w["device"] == "gpu" else f"rank {r}: cpu"
              for r, w in enumerate(where)]
     shared = len(where) > len({(w.get("index"), w.get("host")) for w in where})
-    return "; ".join(parts) + ("; ranks share a GPU" if shared else "")
+    messages = next((w["messages"] for w in where if "messages" in w), None)
+    return "; ".join(parts) + ("; ranks share a GPU" if shared else "") + (f"; messages {messages}" if messages else "")
 
 
 def check_batch(grid, x_local, y_local):

@@ -5,7 +5,8 @@ Single process, no mpiexec: `python scripts/bench_kernels.py --threads 1 --repea
 difference of each pass from the float64 im2col result, relative to its largest value.
 `--sweep` times the convolutions of ResNet-50, VGG-16 and a U-Net at their natural image sizes
 (batches from `--batches`), and the half and quarter blocks that 2 and 4 ranks hold of their
-wide 3x3 layers, with a summary of the torch/cfp ratios.
+wide 3x3 layers, with a summary of the torch/cfp ratios. `--device gpu` times cfp on CuPy arrays
+against PyTorch on CUDA (cuDNN), each call synchronised before its clock stops.
 """
 import argparse
 import re
@@ -16,7 +17,7 @@ import time
 import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 import numpy as np
 
-from cfp import cli
+from cfp import backend, cli
 from cfp.backend import blas_info, cpu_name, set_blas_threads
 from cfp.checks import int_options
 from cfp.io import check_writable, save_json
@@ -140,17 +141,30 @@ def median_seconds(runs, repeats, warmup=1):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _synchronised(run, sync):
+    """run(), then sync() (a device's work ends only when its stream is synchronised)."""
+    def call():
+        out = run()
+        sync()
+        return out
+    return call
+
+
 def cfp_runs(x, w, dy, padding, groups, dilation, stride=1):
+    """The three passes on x, w, dy (NumPy arrays, or CuPy arrays: each call then synchronised)."""
     kw = {"stride": stride, "padding": padding, "groups": groups, "dilation": dilation}
-    return {
+    runs = {
         "forward": lambda: conv2d_forward(x, w, **kw),
         "backward_data": lambda: conv2d_backward_data(dy, w, x.shape, **kw),
         "backward_filter": lambda: conv2d_backward_filter(x, dy, w.shape, **kw),
     }
+    if not backend.is_device_array(x):
+        return runs
+    return {name: _synchronised(run, lambda: backend.synchronize(x)) for name, run in runs.items()}
 
 
-def torch_runs(x, w, dy, padding, groups, dilation, stride=1):
-    tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
+def torch_runs(x, w, dy, padding, groups, dilation, stride=1, device="cpu"):
+    tx, tw, tdy = (torch.from_numpy(a).to("cuda" if device == "gpu" else "cpu") for a in (x, w, dy))
 
     def backward(which):
         # aten.convolution_backward is what autograd calls for conv2d; the mask selects
@@ -161,24 +175,29 @@ def torch_runs(x, w, dy, padding, groups, dilation, stride=1):
             groups, mask
         )
 
-    return {
+    runs = {
         "forward": lambda: torch.nn.functional.conv2d(tx, tw, stride=stride, padding=padding, groups=groups,
                                                       dilation=dilation),
         "backward_data": lambda: backward("data"),
         "backward_filter": lambda: backward("filter"),
     }
+    if device != "gpu":
+        return runs
+    return {name: _synchronised(run, torch.cuda.synchronize) for name, run in runs.items()}
 
 
-def largest_error(x, w, dy, padding, groups, dilation, stride=1):
-    """The largest of the three passes' max |cfp - float64 im2col| / max |float64 im2col|."""
-    ours = {p: run() for p, run in cfp_runs(x, w, dy, padding, groups, dilation, stride).items()}
+def largest_error(x, w, dy, padding, groups, dilation, stride=1, xp=np):
+    """The largest of the three passes' max |cfp - float64 im2col| / max |float64 im2col|, cfp's
+    passes run on arrays of `xp` (the reference on NumPy)."""
+    moved = [backend.from_host(a, xp) for a in (x, w, dy)]
+    ours = {p: backend.to_host(run()) for p, run in cfp_runs(*moved, padding, groups, dilation, stride).items()}
     with settings.winograd(False):
         exact = {p: run() for p, run in cfp_runs(*(a.astype(np.float64) for a in (x, w, dy)),
                                                  padding, groups, dilation, stride).items()}
     return max(float(np.abs(ours[p] - exact[p]).max() / np.abs(exact[p]).max()) for p in PASSES)
 
 
-def bench_shape(shape, dtype, repeats, rng):
+def bench_shape(shape, dtype, repeats, rng, xp=np):
     N, C, F, H, W, K, G, D, S = shape
     padding = D * (K // 2)
     x = rng.standard_normal((N, C, H, W)).astype(dtype)
@@ -187,10 +206,10 @@ def bench_shape(shape, dtype, repeats, rng):
     dy = rng.standard_normal((N, F, g.Ho, g.Wo)).astype(dtype)
     flops = conv2d_flops(x.shape, w.shape, S, padding, D, G)
     row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops,
-           "cfp_error": largest_error(x, w, dy, padding, G, D, S), "paths": paths.taken(g, np.dtype(dtype))}
-    implementations = {"cfp": cfp_runs(x, w, dy, padding, G, D, S)}
+           "cfp_error": largest_error(x, w, dy, padding, G, D, S, xp), "paths": paths.taken(g, np.dtype(dtype))}
+    implementations = {"cfp": cfp_runs(*(backend.from_host(a, xp) for a in (x, w, dy)), padding, G, D, S)}
     if torch is not None:
-        implementations["torch"] = torch_runs(x, w, dy, padding, G, D, S)
+        implementations["torch"] = torch_runs(x, w, dy, padding, G, D, S, "cpu" if xp is np else "gpu")
     for pass_name in PASSES:
         seconds = median_seconds({name: runs[pass_name] for name, runs in implementations.items()}, repeats)
         for name in implementations:
@@ -285,6 +304,8 @@ def parse_args(argv):
     parser.add_argument("--winograd", choices=("off", "2", "4"), default=None,
                         help="3x3 stride-1 layers by im2col (off) or Winograd F(2x2) / F(4x4) in "
                              "every dtype (default: cfp's, F(4x4) in float32 and im2col in float64)")
+    parser.add_argument("--device", choices=backend.DEVICES, default="cpu",
+                        help="cpu (NumPy, torch on the CPU) or gpu (CuPy, torch on CUDA with cuDNN)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     int_options(args, positive=("repeats", "threads"))
@@ -335,8 +356,13 @@ def run(args, shapes):
     tile = f"Winograd F({chosen.winograd_tile}x{chosen.winograd_tile}, 3x3)"
     path = {True: tile, False: "im2col"}.get(chosen.winograd, f"{tile} in float32, im2col in float64")
     threads = set_blas_threads(args.threads)
+    from mpi4py import MPI
+    xp, where = backend.use_device(args.device, MPI.COMM_SELF)
     if torch is not None:
         torch.set_num_threads(threads)
+        if xp is not np and not torch.cuda.is_available():
+            raise ValueError("--device gpu compares against PyTorch on CUDA, which this torch build lacks "
+                             f"(torch {torch.__version__}); install a CUDA build or uninstall torch")
     blas = ", ".join(f"{lib} {version} ({arch})" for lib, version, _, arch in blas_info())
     context = {
         "threads": threads,
@@ -347,16 +373,18 @@ def run(args, shapes):
         "torch": torch.__version__ if torch is not None else None,
         "cpu": cpu_name(),
         "3x3 path": path,
+        "device": where,
     }
     print(f"# cfp local conv kernels: threads={threads}, dtype={args.dtype}, median of {args.repeats} "
           f"after 1 warm-up, cfp's and torch's calls of a pass in turns, stride 1, 3x3 layers by {path}")
     print(f"# numpy {np.__version__}, BLAS: {blas}; torch {context['torch'] or 'not installed'}; "
-          f"CPU: {context['cpu']}")
+          f"CPU: {context['cpu']}" + (f"; GPU {where['index']}: {where['name']} (CuPy {xp.__version__})"
+                                       if xp is not np else ""))
     print()
     rng = np.random.default_rng(0)
     rows = []
-    for shape, where in shapes:
-        rows.append(dict(bench_shape(shape, np.dtype(args.dtype), args.repeats, rng), where=where))
+    for shape, place in shapes:
+        rows.append(dict(bench_shape(shape, np.dtype(args.dtype), args.repeats, rng, xp), where=place))
         if args.sweep:
             print(f"# {len(rows)}/{len(shapes)} {rows[-1]['shape']}", file=sys.stderr, flush=True)
     print(markdown_table(rows))

@@ -65,7 +65,8 @@ STANDIN = os.path.join(ROOT, "tests", "standin")
 
 def device_kind():
     """"gpu" where a real CuPy imports and sees a GPU here, else "stand-in"."""
-    probe = "import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)"
+    probe = ("import cupy, sys; sys.exit(0 if not getattr(cupy, '__standin__', False) and "
+             "cupy.cuda.runtime.getDeviceCount() > 0 else 1)")
     try:
         rc = subprocess.call([sys.executable, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              timeout=120)
@@ -278,6 +279,8 @@ def main():
     device_extra = (options + (device_paths or [DEVICE_TESTS])) if device_paths or not paths else None
     if paths and len(device_paths) == len(paths):
         extra = None
+    elif device_paths:
+        extra = [a for a in extra if a not in device_paths]
     device = device_kind() if device_extra is not None else None
     if device is not None:
         print(f"device tests on {'a GPU (CuPy)' if device == 'gpu' else 'the CuPy stand-in (tests/standin)'}",

@@ -42,13 +42,33 @@ def test_set_blas_threads():
             backend.set_blas_threads(bad)
 
 
-def test_cupy_round_trip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        x = cupy.arange(6.0)
-    except Exception as e:  # CuPy installed without a usable GPU
-        pytest.skip(f"no usable GPU: {e}")
-    assert backend.get_array_module(x) is cupy
-    host = backend.to_host(x)
-    assert isinstance(host, np.ndarray) and np.array_equal(host, np.arange(6.0))
-    assert backend.get_array_module(backend.from_host(host, cupy)) is cupy
+def test_local_rank_comes_from_the_launcher_first(monkeypatch):
+    """The GPU a rank takes is its node-local rank modulo the GPUs (use_device): the
+    launcher's local rank where it gives one, else the rank among the communicator's on the node."""
+    from mpi4py import MPI
+    for name in backend.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert backend.local_rank(MPI.COMM_SELF) == 0
+    for name in backend.LOCAL_RANK_VARIABLES:
+        monkeypatch.setenv(name, "5")
+        assert backend.local_rank(MPI.COMM_SELF) == 5, name
+        monkeypatch.delenv(name)
+
+
+def test_the_mpi_library_is_asked_about_cuda_buffers(monkeypatch):
+    from mpi4py import MPI
+    supported, why = backend.mpi_cuda_support()
+    assert supported in (True, False, None)
+    assert why.startswith(MPI.Get_library_version().splitlines()[0].strip())
+    assert backend.device_buffers_to_mpi(np) == (False, "NumPy arrays")  # host arrays need no staging
+    monkeypatch.setenv("CFP_CUDA_AWARE", "yes")
+    with pytest.raises(ValueError, match="CFP_CUDA_AWARE='yes': expected 0 .* or 1"):
+        backend.device_buffers_to_mpi(np)
+
+
+def test_take_copies_one_slice_or_gathers():
+    x = np.arange(24.0).reshape(2, 6, 2)
+    for indices in ([1, 2, 3], range(0, 6), [0, 2, 5], []):
+        got = backend.take(x, 1, indices)
+        assert got.flags.c_contiguous and not np.shares_memory(got, x)
+        assert np.array_equal(got, x[:, list(indices)])

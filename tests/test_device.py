@@ -377,3 +377,14 @@ def test_device_gpu_without_a_gpu_is_refused_on_every_rank(monkeypatch):
         pytest.skip("needs the stand-in's device count")
     monkeypatch.setenv("CFP_STANDIN_DEVICES", "0")
     raises_on_all_ranks(ValueError, lambda: train(config(device="gpu", max_steps=1)), match="no usable GPU")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not STANDIN, reason="the stand-in's arrays expose no __cuda_array_interface__")
+def test_cuda_aware_forced_where_mpi_cannot_read_device_buffers_is_refused_at_start(monkeypatch):
+    monkeypatch.setenv("CFP_CUDA_AWARE", "1")
+    raises_on_all_ranks(ValueError, lambda: train(config(device="gpu", max_steps=1)),
+                        match="CFP_CUDA_AWARE=1, but this CuPy's arrays expose no __cuda_array_interface__")
+    monkeypatch.setenv("CFP_CUDA_AWARE", "0")
+    aware, why = backend.device_buffers_to_mpi(cupy)
+    assert not aware and why == "CFP_CUDA_AWARE=0"
