@@ -65,9 +65,10 @@ def on_rank0(world, work):
 KERNELS = ("local_forward", "local_backward_data", "local_backward_filter")
 
 
-def _count_kernel_seconds(conv):
+def _count_kernel_seconds(conv, xp=np):
     """Make the local kernels of `conv` (its KERNELS methods) add the seconds they take to the
-    one-element list returned."""
+    one-element list returned (on a device, each call synchronised: its kernels' time, not
+    their launch's)."""
     spent = [0.0]
     for name in KERNELS:
         def timed_kernel(*args, kernel=getattr(conv, name), **kwargs):
@@ -75,6 +76,7 @@ def _count_kernel_seconds(conv):
             try:
                 return kernel(*args, **kwargs)
             finally:
+                device_sync(xp)
                 spent[0] += time.perf_counter() - start
         setattr(conv, name, timed_kernel)
     return spent
@@ -83,7 +85,13 @@ def _count_kernel_seconds(conv):
 BREAKDOWN = ("step", "kernels", "packing", "mpi", "wait", "rest")
 
 
-def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup):
+def device_sync(xp):
+    """Wait for the device's queued work (nothing on NumPy): a device's clock stops only then."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup, xp=np):
     """Time one distributed convolution, forward and backward, on the global tensors x, w, b, dy.
 
     Returns forward_s and backward_s (median of the slowest rank), and the most any rank sent
@@ -92,16 +100,18 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     (kept_activation_bytes_per_rank); and `breakdown`, each rank's median seconds (BREAKDOWN)
     of a step: in its local kernels, in the collectives' local copies (the ledger's
     pack_seconds), in MPI calls (seconds), waiting for the group (wait_seconds), and the rest
-    (the layer's own code around them).
+    (the layer's own code around them). xp: the array module the layer runs on (the tensors
+    moved there once; each pass synchronised before its clock stops).
     """
     conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
                      stride=stride, padding=padding, layer="conv")
     x_local = DistTensor.from_global(x, conv.input_layout, grid).local
     dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
     w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)
+    x_local, dy_local, w_shard, b_shard = (backend.from_host(a, xp) for a in (x_local, dy_local, w_shard, b_shard))
     ledger = comm.CommLedger()
     check_blocks(x_local, conv.input_layout, grid, "x")  # once; the timed calls then skip the check
-    kernel_seconds = _count_kernel_seconds(conv)
+    kernel_seconds = _count_kernel_seconds(conv, xp)
     parts = []  # this rank's BREAKDOWN of every iteration
 
     def step():
@@ -110,8 +120,10 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
         with comm.use_ledger(ledger), comm.inputs_checked():
             t0 = time.perf_counter()
             conv.forward(x_local, w_shard, b_shard, input_shape=x.shape)
+            device_sync(xp)
             t1 = time.perf_counter()
             conv.backward(dy_local)
+            device_sync(xp)
             t2 = time.perf_counter()
         records = ledger.records
         spent = {"step": t2 - t0, "kernels": kernel_seconds[0], "packing": sum(r.pack_seconds for r in records),

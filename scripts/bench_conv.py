@@ -2,7 +2,7 @@
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
         [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--spatial] [--breakdown] \\
-        [--json out.json]
+        [--device cpu|gpu] [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
 the image split over height and width too) and each algorithm (stationary-w with every
@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
-from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
+from cfp.benchtools import BREAKDOWN, device_sync, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import check_writable, save_json
@@ -51,6 +51,8 @@ def parse_args(argv):
                    help="also split the image: every sample x height x width x channel factorization")
     p.add_argument("--breakdown", action="store_true",
                    help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
+    p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
+                   help="cpu (NumPy) or gpu (CuPy: each rank its GPU, node-local rank modulo the GPUs)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     try:
@@ -75,26 +77,31 @@ def parse_args(argv):
     return args
 
 
-def serial_baseline(args, x, w, b, dy):
+def serial_baseline(args, x, w, b, dy, xp=np):
     """The serial kernels, on rank 0 alone: the one-rank time of the layer. The results are
     kept to the end of the step, as a layer keeps its gradients (freeing each at once would let
-    the next pass reuse its pages, which a real backward pass cannot)."""
+    the next pass reuse its pages, which a real backward pass cannot). On a device, each pass
+    is synchronised before its clock stops."""
+    x, w, b, dy = (backend.from_host(a, xp) for a in (x, w, b, dy))
+
     def step():
         t0 = time.perf_counter()
         y = conv2d_forward(x, w, b, args.stride, args.padding)
+        device_sync(xp)
         t1 = time.perf_counter()
         db = conv2d_backward_bias(dy)
         dw = conv2d_backward_filter(x, dy, w.shape, args.stride, args.padding)
         dx = conv2d_backward_data(dy, w, x.shape, args.stride, args.padding)
+        device_sync(xp)
         t2 = time.perf_counter()
         del y, db, dw, dx
         return {"forward": t1 - t0, "backward": t2 - t1}
     return slowest_median(MPI.COMM_SELF, step, args.repeats, args.warmup)
 
 
-def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy):
+def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np):
     row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
-                       args.repeats, args.warmup)
+                       args.repeats, args.warmup, xp)
     return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else ""), **row}
 
 
@@ -115,6 +122,7 @@ def main(argv=None):
     if args.json:
         alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
     threads = backend.set_blas_threads(args.threads)
+    xp, where = backend.use_device(args.device, world)
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.N, args.C, args.H, args.W)).astype(dtype)
@@ -124,7 +132,7 @@ def main(argv=None):
     dy = rng.standard_normal(y_shape).astype(dtype)
     flops = 3 * conv2d_flops(x.shape, w.shape, args.stride, args.padding)
 
-    baseline = on_rank0(world, lambda: serial_baseline(args, x, w, b, dy))
+    baseline = on_rank0(world, lambda: serial_baseline(args, x, w, b, dy, xp))
     one_rank = baseline["forward"] + baseline["backward"]
     rows = [{"grid": "1 rank (serial kernels)", "algorithm": "-", "forward_s": baseline["forward"],
              "backward_s": baseline["backward"], "bytes_sent_per_rank": 0, "halo_bytes_per_rank": 0,
@@ -136,7 +144,7 @@ def main(argv=None):
         for algorithm in wanted:
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
-                rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy))
+                rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp))
         grid.free()
     for row in rows:
         total = row["forward_s"] + row["backward_s"]
@@ -147,7 +155,8 @@ def main(argv=None):
         print(f"# conv N={args.N} C={args.C} F={args.F} {args.H}x{args.W} kernel {args.K}x{args.K} "
               f"stride {args.stride} padding {args.padding}, {args.dtype}, {P} ranks, {threads} BLAS "
               f"thread(s) per rank, median of {args.repeats} (after {args.warmup} warm-up), "
-              f"time of the slowest rank")
+              f"time of the slowest rank" + (f", on GPU {where['index']} ({where['name']}) of each node-local "
+                                             f"rank, {where['messages']}" if xp is not np else ""))
         print("| grid | algorithm | forward s | backward s | total s | speedup vs 1 rank | GFLOP/s "
               "| sent MiB/rank | of it halo MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

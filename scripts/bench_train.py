@@ -2,7 +2,7 @@
 with 1 and P threads on the same model, batch and optimizer, side by side in one run.
 
     mpiexec -n 2 python -m mpi4py scripts/bench_train.py --model wide --width 256 --depth 4 \\
-        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--json out.json]
+        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--device cpu|gpu] [--json out.json]
 
 The 1-rank and PyTorch rows run on rank 0 while the other ranks sleep (not spin) in a
 non-blocking barrier, so they have the cores to themselves. The P-rank rows run every grid
@@ -18,7 +18,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 import numpy as np
 from mpi4py import MPI
 
-from cfp import cli
+from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
 from cfp.benchtools import prepare, quiet_barrier, slowest_median, timed
 from cfp.checks import int_options
@@ -52,6 +52,8 @@ def parse_args(argv):
                    help="times every row is measured, in turns; each row reports its median over them")
     p.add_argument("--algorithms", default="sample,x,y,w",
                    help=f"comma-separated algorithms to time at P ranks, of {', '.join(ALGORITHMS)}")
+    p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
+                   help="cpu (NumPy; torch on the CPU) or gpu (CuPy on each rank's GPU; torch on CUDA)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "batch_size", "steps", "rounds"), nonnegative=("warmup",))
@@ -74,18 +76,19 @@ def seconds_on_rank0(world, work):
     return float(seconds[0])
 
 
-def cfp_step_time(args, comm, spec, algorithm, x, y):
+def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np):
     grid = ProcessGrid(spec, comm=comm)
     config = {"width": args.width, "algorithm": algorithm, "in_channels": 1, "classes": 10,
               "dtype": np.float32}
     if MODELS[args.model].depth:
         config["depth"] = args.depth
-    model = build_model(args.model, grid, **config)
+    model = build_model(args.model, grid, **config).to(xp)
     loss_fn = SoftmaxCrossEntropy(grid)
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
     (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
-    lo, hi = rows.start, rows.stop
-    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x[lo:hi], y[lo:hi])),
+    x, y = (backend.from_host(a[rows.start:rows.stop], xp) for a in (x, y))  # the batch on the device once
+    # (a step ends with its loss read on the host, so its clock stops after the device's work)
+    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y)),
                              args.steps, args.warmup)["total"]
     grid.free()
     return seconds
@@ -105,18 +108,21 @@ def torch_model(args):
     return nn.Sequential(*layers)
 
 
-def torch_step_time(args, threads, x, y):
+def torch_step_time(args, threads, x, y, device="cpu"):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = torch_model(args)
+    where = "cuda" if device == "gpu" else "cpu"
+    model = torch_model(args).to(where)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    tx, ty = torch.from_numpy(x).to(where), torch.from_numpy(y).to(where)
 
     def step():
         optimizer.zero_grad()
-        loss_fn(model(tx), ty).backward()
+        loss = loss_fn(model(tx), ty)
+        loss.backward()
         optimizer.step()
+        loss.item()  # read on the host, as cfp's step reads its loss
     return slowest_median(MPI.COMM_SELF, lambda: timed(step), args.steps, args.warmup)["total"]
 
 
@@ -125,13 +131,18 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     P = world.Get_size()
     prepare(world, args.json)
+    xp, where = backend.use_device(args.device, world)
+    if xp is not np and torch is not None and not torch.cuda.is_available():
+        raise ValueError(f"--device gpu compares against PyTorch on CUDA, which this torch build lacks (torch "
+                         f"{torch.__version__})")
     x, y = synthetic(args.batch_size, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
     # (system, ranks, threads, config) -> how to time one median step
     measures = {("cfp", 1, 1, "sample=1"):
-                lambda: seconds_on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y))}
+                lambda: seconds_on_rank0(world, lambda: cfp_step_time(args, MPI.COMM_SELF, "sample=1", "y", x, y, xp))}
     if torch is not None:
-        measures["torch", 1, 1, "-"] = lambda: seconds_on_rank0(world, lambda: torch_step_time(args, 1, x, y))
-        if P > 1:
+        measures["torch", 1, 1, "-"] = lambda: seconds_on_rank0(world, lambda: torch_step_time(args, 1, x, y,
+                                                                                               args.device))
+        if P > 1 and xp is np:  # (on a GPU, torch's CPU threads do not matter)
             measures["torch", 1, P, "-"] = lambda: seconds_on_rank0(world, lambda: torch_step_time(args, P, x, y))
     if P > 1:
         for P_n, P_c in factorizations(P):
@@ -140,7 +151,7 @@ def main(argv=None):
                 if algorithm == "sample" and P_c > 1:
                     continue  # replicas over the channel axis: no faster than sample=P
                 measures["cfp", P, 1, f"{spec} {algorithm}"] = \
-                    lambda spec=spec, algorithm=algorithm: cfp_step_time(args, world, spec, algorithm, x, y)
+                    lambda spec=spec, algorithm=algorithm: cfp_step_time(args, world, spec, algorithm, x, y, xp)
     times = {key: [] for key in measures}
     for _ in range(args.rounds):
         for key, measure in measures.items():
@@ -158,7 +169,8 @@ def main(argv=None):
               f", {args.image}x{args.image} images, global batch {args.batch_size}, float32, SGD momentum; "
               f"median of {args.steps} steps after {args.warmup} warm-up"
               + (f", each row the median of {args.rounds} rounds" if args.rounds > 1 else "") + "; torch "
-              f"{torch.__version__ if torch else 'not installed'}")
+              f"{torch.__version__ if torch else 'not installed'}"
+              + (f"; on each rank's GPU ({where['name']}), {where['messages']}" if xp is not np else ""))
         print("| system | ranks | threads per rank | grid / algorithm | step s | images/s | vs torch at the same cores |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:

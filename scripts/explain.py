@@ -22,7 +22,7 @@ import sys
 import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 from mpi4py import MPI
 
-from cfp import cli
+from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
 from cfp.checks import int_options
 from cfp.explain import explain_layer, explain_model, model_table, plot_layer, plot_model, trace_layer
@@ -64,6 +64,8 @@ def parse_args(argv):
     p.add_argument("--trace", action="store_true",
                    help="run the layer on the ranks of this MPI job and show what each rank held after each step")
     p.add_argument("--seed", type=int, default=0, help="--trace: seeds the tensors' values")
+    p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
+                   help="--trace: run the layer on NumPy (cpu) or on each rank's GPU (CuPy)")
     args = p.parse_args(argv)
     int_options(args, positive=("batch", "channels", "filters", "image", "kernel", "stride", "dilation", "groups",
                                 "filter_groups", "width", "depth", "in_channels", "ranks_per_node"),
@@ -83,6 +85,9 @@ def parse_args(argv):
     if args.plan and args.node_axes:
         raise ValueError("--plan places each layer's grid by its entries' node_axes; give --plan or --node-axes, "
                          "not both")
+    if args.device != "cpu" and not args.trace:
+        raise ValueError(f"--device {args.device} applies to --trace only (an explanation without a run computes "
+                         f"nothing)")
     if args.trace and args.dtype != "float64":
         raise ValueError("--trace runs in float64 (its checksums are compared with the serial tensors')")
     return args
@@ -114,7 +119,8 @@ def main(argv=None):
                  dilation=args.dilation, groups=args.groups, input_whole=args.first, need_dx=not args.first,
                  padding_mode=args.padding_mode, node_axes=args.node_axes)
     if args.trace:
-        trace = trace_layer(world, seed=args.seed, **layer)
+        xp, _ = backend.use_device(args.device, world)
+        trace = trace_layer(world, seed=args.seed, xp=xp, **layer)
         if world.Get_rank() == 0:
             print(trace.text())
         failed = world.bcast(bool(trace.mismatches) if trace is not None else None, root=0)

@@ -8,7 +8,8 @@
 # 2. 20 float64 training steps on 2 ranks (channel=2, algorithm w) on the GPU against the same
 #    run on the CPU: the losses must agree to 1e-9;
 # 3. bench_kernels.py --device gpu: cfp's kernels on CuPy against PyTorch's (cuDNN);
-# 4. one training step's time on the GPU and on the CPU (the wide CNN, float32, 2 ranks).
+# 4. 20 training steps timed on the GPU and on the CPU (the wide CNN of width 32 on 32x32 images,
+#    float32, 2 ranks on channel=2).
 # Each part's output goes to OUTDIR; the script goes on after a failing part and exits non-zero
 # if any failed. Python packages the machine lacks (pytest-mpi, an MPI for mpi4py) can come as
 # wheels in .whl/ (installed into /tmp/site, nothing fetched). PYTHON picks the interpreter
@@ -58,7 +59,7 @@ EOF
 
 part bench-kernels "$PY" scripts/bench_kernels.py --device gpu --repeats 10 --json "$OUTDIR/bench-kernels-gpu.json"
 for device in cpu gpu; do
-    part "step-$device" train "$device" --model wide --width 8 --grid channel=2 --algorithm y --dtype float32 \
+    part "step-$device" train "$device" --model wide --width 32 --upsample 4 --grid channel=2 --algorithm y --dtype float32 \
         --batch-size 64 --epochs 1 --max-steps 20
 done
 exit $failed

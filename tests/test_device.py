@@ -26,6 +26,10 @@ from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid
 
 STANDIN = getattr(cupy, "__standin__", False)
 KIND = os.environ.get("CFP_DEVICE_TESTS", "stand-in")
+# The stand-in's numbers are NumPy's: equal to rounding (bit for bit in practice). A GPU's BLAS
+# and reduction orders differ from the CPU's: float64 then agrees to about 1e-13 per pass.
+TOL = 1e-12 if STANDIN else 1e-10
+TRAIN_TOL = 1e-12 if STANDIN else 1e-9
 
 
 def dev(a):
@@ -36,7 +40,7 @@ def host(a):
     return None if a is None else backend.to_host(a)
 
 
-def assert_same(got, expected, what, tol=1e-12):
+def assert_same(got, expected, what, tol=TOL):
     got = host(got)
     assert got.shape == expected.shape and got.dtype == expected.dtype, (what, got.shape, got.dtype)
     scale = max(float(np.abs(expected).max()), 1.0) if expected.size else 1.0
@@ -229,7 +233,7 @@ def test_algorithms_on_device_equal_numpy(grids, config, name):
         if e is None:
             assert_all_ranks(g is None, f"{spec} {alg} {name}: {what} is None on NumPy only")
             continue
-        ok = g.shape == e.shape and float(np.abs(g - e).max(initial=0)) <= 1e-12 * max(1.0, float(np.abs(e).max(initial=0)))
+        ok = g.shape == e.shape and float(np.abs(g - e).max(initial=0)) <= TOL * max(1.0, float(np.abs(e).max(initial=0)))
         assert_all_ranks(ok, f"{spec} {alg} {name}: {what} on the device differs from NumPy's")
     same_bytes = [(r.phase, r.collective, r.bytes_sent, r.bytes_received) for r in ledger.records] == \
         [(r.phase, r.collective, r.bytes_sent, r.bytes_received) for r in numpy_ledger.records]
@@ -265,7 +269,7 @@ def test_a_halo_stages_only_its_rows():
         sum(r.staged_to_device for r in halo) == 2 * row * neighbours
     assert_all_ranks(ok, f"halo staged {[(r.staged_to_host, r.staged_to_device) for r in halo]}, expected "
                          f"{2 * neighbours} rows of {row} bytes each way (the block is {x_local.nbytes} bytes)")
-    assert_same(y, conv2d_forward(x, w, None, padding=2)[:, :, c * 64:(c + 1) * 64], "halo conv y", 1e-12)
+    assert_same(y, conv2d_forward(x, w, None, padding=2)[:, :, c * 64:(c + 1) * 64], "halo conv y")
     grid.free()
 
 
@@ -288,7 +292,7 @@ def _trained(cfg, world=None):
     return [h["loss"] for h in result["history"]], out
 
 
-def assert_trains_alike(cfg, what, tol=1e-12):
+def assert_trains_alike(cfg, what, tol=TRAIN_TOL):
     losses0, weights0 = _trained(cfg)
     cfg.device = "gpu"
     losses, weights = _trained(cfg)
@@ -335,7 +339,7 @@ def test_checkpoints_move_between_device_and_numpy(mpi_tmp_path):
         train(config(grid=spec, checkpoint_dir=directory, device=first, **dict(common, max_steps=stop)))
         WORLD.Barrier()
         resumed = train(config(grid=spec, checkpoint_dir=directory, resume=True, device=second, **common))
-        assert_close_all_ranks(np.array([h["loss"] for h in resumed["history"]]), np.array(full), 1e-12,
+        assert_close_all_ranks(np.array([h["loss"] for h in resumed["history"]]), np.array(full), TRAIN_TOL,
                                f"saved on {first}, resumed on {second}")
 
 
@@ -388,3 +392,15 @@ def test_cuda_aware_forced_where_mpi_cannot_read_device_buffers_is_refused_at_st
     monkeypatch.setenv("CFP_CUDA_AWARE", "0")
     aware, why = backend.device_buffers_to_mpi(cupy)
     assert not aware and why == "CFP_CUDA_AWARE=0"
+
+
+@pytest.mark.mpi
+def test_a_traced_layer_on_the_device_runs_as_explained():
+    """explain.py --trace --device gpu: every collective as the explanation says, every block
+    equal to the serial tensors there."""
+    from cfp.explain import trace_layer
+    for spec, algorithm in ((grid_specs()[-1], "w"), (grid_specs()[0], "x")):
+        trace = trace_layer(WORLD, x_shape=(4, 6, 6, 6), out_channels=4, kernel_size=3, algorithm=algorithm,
+                            grid=spec, padding=1, xp=cupy)
+        problems = WORLD.bcast(list(trace.mismatches) if trace is not None else None, root=0)
+        assert_all_ranks(not problems, f"{spec} {algorithm}: the traced run differs from its explanation: {problems}")

@@ -75,13 +75,15 @@ def _close(a, b):
 
 def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
                 padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, seed=0,
-                padding_mode="zeros", node_axes=None):
+                padding_mode="zeros", node_axes=None, xp=np):
     """Run one float64 forward and backward pass of the layer explain_layer describes on the
     ranks of `comm` (the grid's size, placed by `node_axes`, its nodes shown where the job has
     several), with values drawn from `seed` (uniform in [0, 1), the same global tensors on
     every rank), and return, on rank 0, a Trace: what each rank held after each collective (the
     ledger's record and a copy of its result) beside the explanation and the serial tensors;
-    None on the other ranks. Collective over comm."""
+    None on the other ranks. xp: the array module the layer runs on (numpy, or cupy from
+    backend.use_device: the tensors are moved there and what the ledger keeps is copied back).
+    Collective over comm."""
     from ..algorithms import make_conv
     from ..comm import CommLedger, use_ledger
     from ..kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward
@@ -105,9 +107,11 @@ def trace_layer(comm, x_shape, out_channels, kernel_size, algorithm, grid, filte
         dy_local = DistTensor.from_global(dy, conv.output_layout, g).local
         w_local, b_local = conv.shard_weight(w), conv.shard_bias(b) if bias else None
         ledger = CommLedger(keep_results=True)
+        from .. import backend
         with use_ledger(ledger):
-            conv.forward(x_local, w_local, b_local, input_shape=x.shape)
-            conv.backward(dy_local)
+            conv.forward(backend.from_host(x_local, xp), backend.from_host(w_local, xp),
+                         None if b_local is None else backend.from_host(b_local, xp), input_shape=x.shape)
+            conv.backward(backend.from_host(dy_local, xp))
         held = e.holds[g.rank]
         mine = {"start": {t: (tuple(a.shape), checksum(a), checksum(_take(full, held[k])))
                           for t, a, full, k in (("x", x_local, x, "x"), ("w", w_local, w, "w"),
