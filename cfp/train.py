@@ -582,7 +582,8 @@ def _print_summary(summary, ledger, comm_table="top", wrote=()):
     print(ledger.summary(by=("layer", "phase", "collective"), top=None if full else COMM_TABLE_ROWS))
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
           f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
-    print(f"devices: {summary['devices']}")
+    if summary["devices"].startswith("rank"):  # a GPU run: which rank computed on which device
+        print(f"devices: {summary['devices']}")
     if wrote:
         print("wrote " + ", ".join(wrote))
     this_session = summary["steps_this_session"]

@@ -168,7 +168,8 @@ def main(argv=None):
     table = ledger_table(ledger, world)
     if rank == 0:
         save_npz(args.out, **results)
-        print(f"{conv!r}, {world.Get_size()} ranks, dtype {x.dtype}, device {where['device']}")
+        print(f"{conv!r}, {world.Get_size()} ranks, dtype {x.dtype}"
+              + (f", on GPUs ({where['messages']})" if where["device"] == "gpu" else ""))
         print(f"forward {middle - start:.4f} s, backward {end - middle:.4f} s (rank 0)")
         print(f"wrote {', '.join(results)} to {args.out}")
         print("communication (the gathers of the results are not counted):")

@@ -328,17 +328,17 @@ def test_training_on_a_spatial_grid_on_device_equals_numpy():
 
 @pytest.mark.mpi
 def test_checkpoints_move_between_device_and_numpy(mpi_tmp_path):
-    """Saved on device ranks, resumed on NumPy ranks (and the other way): the losses after the
-    resumption equal an uninterrupted NumPy run's."""
-    spec = grid_specs()[-1]
+    """Saved on device ranks, resumed on NumPy ranks of another grid (and the other way): the
+    losses after the resumption equal an uninterrupted NumPy run's."""
+    specs = (grid_specs()[-1], grid_specs()[0])  # channel=P and sample=P (the same at one rank)
     per_epoch, stop = 6, 4
     common = dict(train_samples=per_epoch * BATCH, algorithm="w", epochs=2, max_steps=None)
-    full = [h["loss"] for h in train(config(grid=spec, **common))["history"]]
+    full = [h["loss"] for h in train(config(grid=specs[0], **common))["history"]]
     for first, second in (("gpu", "cpu"), ("cpu", "gpu")):
         directory = str(mpi_tmp_path / f"ckpt-{first}")
-        train(config(grid=spec, checkpoint_dir=directory, device=first, **dict(common, max_steps=stop)))
+        train(config(grid=specs[0], checkpoint_dir=directory, device=first, **dict(common, max_steps=stop)))
         WORLD.Barrier()
-        resumed = train(config(grid=spec, checkpoint_dir=directory, resume=True, device=second, **common))
+        resumed = train(config(grid=specs[1], checkpoint_dir=directory, resume=True, device=second, **common))
         assert_close_all_ranks(np.array([h["loss"] for h in resumed["history"]]), np.array(full), TRAIN_TOL,
                                f"saved on {first}, resumed on {second}")
 

@@ -65,10 +65,11 @@ def test_layer_cost_of_an_image_split_by_hand():
     assert cost["memory"] == {"weights": 540, "gradients": 540, "optimizer": 540,
                               "activations": 6960, "temporary": 3616, "workspace": 10260}
     assert cost["bytes"] == 22456
-    # Batch norm's statistics: allreduces of 5 + 1, 5 and 10 float32 (84 bytes) over the 4
-    # ranks holding its channels, 2 * 3 / 4 * 84 = 126 s; the profile times no layers.
-    assert cost["layers"]["batchnorm"] == pytest.approx(126, rel=1e-12)
-    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112 + 126, rel=1e-12)
+    # Batch norm's statistics: allreduces of 5, 5 and 10 float32 (80 bytes; its count comes from
+    # the shapes) over the 4 ranks holding its channels, 2 * 3 / 4 * 80 = 120 s; the profile
+    # times no layers.
+    assert cost["layers"]["batchnorm"] == pytest.approx(120, rel=1e-12)
+    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112 + 120, rel=1e-12)
     # One more rank than the node holds: the same allreduce between nodes at 2 s/byte.
     wide = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=3, inter_beta=2.0), P_h=2, P_w=2)
     assert wide["comm"]["gradient-sync"] == pytest.approx(1620, rel=1e-12)
@@ -249,15 +250,32 @@ def test_ledger_keeps_the_last_result_and_totals_by_hand():
     assert [None if r is None else float(r[0]) for r in ledger.results] == [1.0, 2.0, 3.0]
     totals = ledger.totals(by=("collective",))
     assert totals == {("allgather",): {"calls": 2, "bytes_sent": 40, "bytes_received": 60, "seconds": 0.75,
-                                       "wait_seconds": 0.0, "pack_seconds": 0.0},
+                                       "wait_seconds": 0.0, "pack_seconds": 0.0, "staged_to_host": 0,
+                                       "staged_to_device": 0},
                       ("alltoall",): {"calls": 1, "bytes_sent": 7, "bytes_received": 0, "seconds": 1.0,
-                                      "wait_seconds": 0.125, "pack_seconds": 0.0625}}
+                                      "wait_seconds": 0.125, "pack_seconds": 0.0625, "staged_to_host": 0,
+                                      "staged_to_device": 0}}
     # the top row by transfer time, one row for the rest, the total
     lines = ledger.summary(by=("collective",), top=1).splitlines()
     assert lines[1].split() == ["alltoall", "1", "7", "B", "0", "B", "1.0000", "0.1250", "0.0625"]
     assert lines[2].split() == ["(1", "more", "row)", "2", "40", "B", "60", "B", "0.7500", "0.0000", "0.0000"]
     assert lines[3].split() == ["total", "3", "47", "B", "60", "B", "1.7500", "0.1250", "0.0625"]
     assert len(ledger.summary(by=("collective",)).splitlines()) == 3  # every row, no total
+
+
+def test_staged_bytes_are_totalled_and_shown_only_when_there_are_some():
+    from cfp.comm import CommLedger
+    ledger = CommLedger()
+    ledger.record("allgather", 2, 10, 20, 0.5, staged=(1024, 2048))
+    ledger.record("allgather", 2, 30, 40, 0.25, staged=(1024, 0))
+    (total,) = ledger.totals(by=("collective",)).values()
+    assert (total["staged_to_host"], total["staged_to_device"]) == (2048, 2048)
+    header, row = ledger.summary(by=("collective",)).splitlines()
+    assert header.split()[-6:] == ["staged", "(to", "host", "/", "to", "device)"] and row.split()[-5:] == \
+        ["2.0", "KiB", "/", "2.0", "KiB"]
+    plain = CommLedger()
+    plain.record("allgather", 2, 10, 20, 0.5)
+    assert "staged" not in plain.summary(by=("collective",))
 
 
 def test_gather_shapes_takes_eight_dimensions_and_describes_them():
