@@ -150,6 +150,43 @@ class CommLedger:
             t["staged_to_device"] += r.staged_to_device
         return out
 
+    def overlap(self, by=("phase",)):
+        """{key: {'bytes', 'seconds', 'exposed_seconds', 'hidden'}} grouped by `by`: the bytes
+        moved (sent and received), the time communicating (a blocking call: its transfer; a
+        non-blocking one: from its start to its completion, while the rank went on computing),
+        the part of it the rank spent blocked (a blocking call's transfer; a started one's
+        starting call and its wait()), and the fraction hidden behind computation, 1 - exposed
+        / communicating (0 where nothing was started early). Waiting for a group's last member
+        is the computation's imbalance, not communication, and counts in neither."""
+        out = {}
+        for r in self.records:
+            key = tuple(getattr(r, field) for field in by)
+            t = out.setdefault(key, {"bytes": 0, "seconds": 0.0, "exposed_seconds": 0.0})
+            t["bytes"] += r.bytes_sent + r.bytes_received
+            if r.started is None:
+                t["seconds"] += r.seconds
+                t["exposed_seconds"] += r.seconds
+            else:
+                t["seconds"] += max(r.waited - r.started, r.seconds) + r.wait_seconds
+                t["exposed_seconds"] += r.seconds + r.wait_seconds
+        for t in out.values():
+            t["hidden"] = 1.0 - t["exposed_seconds"] / t["seconds"] if t["seconds"] > 0 else 0.0
+        return out
+
+    def overlap_summary(self, by=("phase",)):
+        """overlap(by) as a plain-text table, with a total row."""
+        totals = self.overlap(by)
+        rows = [list(by) + ["moved", "communicating s", "exposed s", "hidden"]]
+        for key, t in totals.items():
+            rows.append(list(key) + [format_bytes(t["bytes"]), f"{t['seconds']:.4f}", f"{t['exposed_seconds']:.4f}",
+                                     f"{100 * t['hidden']:.0f}%"])
+        seconds = sum(t["seconds"] for t in totals.values())
+        exposed = sum(t["exposed_seconds"] for t in totals.values())
+        rows.append(["total"] + [""] * (len(by) - 1) + [
+            format_bytes(sum(t["bytes"] for t in totals.values())), f"{seconds:.4f}", f"{exposed:.4f}",
+            f"{100 * (1 - exposed / seconds) if seconds > 0 else 0:.0f}%"])
+        return format_table(rows)
+
     def summary(self, by=("layer", "phase", "collective"), top=None):
         """A plain-text table of `totals(by)`: transfer, waiting and packing seconds apart. With
         `top`, the `top` rows of most transfer time, a line for the rest, and the total."""
@@ -529,6 +566,14 @@ def ireduce_scatter(comm, x, axis, sizes, donate=False):
                     comm.Ialltoallw)
 
 
+# The started collectives not yet waited for. MPI writes into their buffers until they complete:
+# a caller that drops one unwaited (an exception on its way up, while the other ranks still
+# take part) must not free that memory, or MPI writes into freed memory the next time it makes
+# progress (a segfault, and the rank's message lost). They stay here until waited for; a job
+# that fails with some outstanding ends with its message, and the memory goes with the process.
+_in_flight = set()
+
+
 class Pending:
     """A collective started by iallreduce, iallgather, ireduce_scatter or ialltoallv and not
     yet completed: its buffers are MPI's until wait(). test() lets MPI progress it (most
@@ -552,6 +597,8 @@ class Pending:
         self._request = start() if start is not None else None
         self._seconds = time.perf_counter() - self.started
         self._result = Pending._UNSET
+        if self._request is not None:
+            _in_flight.add(self)  # its buffers stay alive until it completes, whoever drops it
 
     def test(self):
         """Whether the collective has completed (progressing it)."""
@@ -563,6 +610,7 @@ class Pending:
         waited = time.perf_counter()
         if self._request is not None:
             self._request.Wait()
+            _in_flight.discard(self)
         done = time.perf_counter()
         result, kept = self._finish()
         pack = self._setup + time.perf_counter() - done

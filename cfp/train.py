@@ -31,6 +31,12 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR")
 DTYPES = ("float32", "float64")
+# --overlap: off (every collective blocking: what measured best on cfp's 2-core machine, over
+# shared memory and the emulated cluster alike, docs/design.md section 5), grads (the gradient
+# allreduces in buckets during backward) or all (and each x/y/w layer's collectives pipelined)
+OVERLAPS = ("off", "grads", "all")
+OVERLAP_BUCKET_MB = 25  # --overlap grads/all's bucket where --bucket-mb is not given (PyTorch DDP's)
+OVERLAP_CHUNKS = 2  # --overlap all's chunks where --chunks is not given
 COMM_TABLES = ("top", "full")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
@@ -78,6 +84,17 @@ class TrainConfig:
     bucket_mb: float = 0  # > 0: the gradient allreduces started in buckets of this many MiB during backward
     chunks: int = 1  # > 1: each x/y/w layer's collectives pipelined over this many chunks of samples (training steps)
     device: str = "cpu"  # "gpu": the model and each batch on this rank's GPU (CuPy; backend.use_device)
+    overlap: str = None  # "off", "grads" (bucket_mb, default OVERLAP_BUCKET_MB) or "all" (and chunks, default
+    # OVERLAP_CHUNKS); None: as bucket_mb and chunks say
+
+    def overlap_settings(self):
+        """(bucket_mb, chunks) this run trains with: --overlap's, filled in with its defaults
+        where --bucket-mb and --chunks were left at theirs (validate() refuses contradictions)."""
+        if self.overlap in (None, "off"):
+            return self.bucket_mb, self.chunks
+        bucket_mb = self.bucket_mb or OVERLAP_BUCKET_MB
+        chunks = self.chunks if self.overlap == "grads" or self.chunks > 1 else OVERLAP_CHUNKS
+        return bucket_mb, chunks
 
     def validate(self):
         """ValueError naming the bad option, or an option this combination would ignore; the
@@ -98,6 +115,14 @@ class TrainConfig:
                     nonnegative=("warmup_steps", "seed"))
         finite_number(self.lr, "--lr", above=0)
         finite_number(self.bucket_mb, "--bucket-mb", minimum=0)
+        if self.overlap is not None and self.overlap not in OVERLAPS:
+            raise ValueError(f"unknown overlap {self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
+        if self.overlap == "off" and (self.bucket_mb or self.chunks > 1):
+            raise ValueError(f"--overlap off runs every collective blocking; --bucket-mb {self.bucket_mb:g} and "
+                             f"--chunks {self.chunks} ask for overlap: give one or the other")
+        if self.overlap == "grads" and self.chunks > 1:
+            raise ValueError(f"--overlap grads overlaps the gradient sums only; --chunks {self.chunks} pipelines the "
+                             f"layers' collectives too: use --overlap all")
         finite_number(self.weight_decay, "--weight-decay", minimum=0)
         if self.momentum is not None:
             finite_number(self.momentum, "--momentum", minimum=0)
@@ -245,14 +270,14 @@ def pipelined_layers(model):
     return [m for m in walk(model) if isinstance(m, Conv2d) and set(m.conv.messages) - {GRADIENT_SYNC}]
 
 
-def check_chunks(model, chunks, batch_size):
+def check_chunks(model, chunks, batch_size, option=None):
     """ValueError unless every pipelined layer's ranks hold at least `chunks` samples of a
     batch of `batch_size` (its smallest sample block): the same on every rank, as the batch
-    size and the grids are."""
+    size and the grids are. option: how the message names the setting (default --chunks K)."""
     for layer in pipelined_layers(model):
         held = batch_size // layer.grid.axis_size("sample")
         if chunks > held:
-            raise ValueError(f"--chunks {chunks} is more than the {held} sample(s) a rank of layer {layer.name} "
+            raise ValueError(f"{option or f'--chunks {chunks}'} is more than the {held} sample(s) a rank of layer {layer.name} "
                              f"holds (batch {batch_size} over sample={layer.grid.axis_size('sample')}); "
                              f"expected --chunks <= {held}")
 
@@ -410,7 +435,9 @@ class _Session:
                                     drop_last=True, augment=cfg.augment)
         if len(self.loader) == 0:
             raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
-        check_chunks(model, cfg.chunks, cfg.batch_size)
+        self.bucket_mb, self.chunks = cfg.overlap_settings()
+        check_chunks(model, self.chunks, cfg.batch_size,
+                     None if self.chunks == cfg.chunks else f"--overlap {cfg.overlap}'s {self.chunks} chunks")
         self.loss_fn = SoftmaxCrossEntropy(self.grid)
         self.optimizer = _optimizer(cfg, model.parameters())
         total_steps = cfg.epochs * len(self.loader)  # the schedule's length, also when stopped early
@@ -475,8 +502,8 @@ class _Session:
             # the batch to the model's device: one copy of each rank's block per step
             x_local, y_local = backend.from_host(x_local, self.xp), backend.from_host(y_local, self.xp)
             lr = self.optimizer.lr
-            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.cfg.bucket_mb,
-                                       self.cfg.chunks)
+            loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.bucket_mb,
+                                       self.chunks)
             if not math.isfinite(loss):  # the same value on every rank: all stop here
                 self._diverged(self.step + 1, f"the loss is {loss}")
             self.schedule.step()
@@ -539,6 +566,7 @@ class _Session:
             "test_accuracy": self.epochs_log[-1]["test_accuracy"] if self.epochs_log else None,
             "parameter_bytes_per_rank": cli.max_over_ranks(grid.comm, sum(p.data.nbytes for p in model.parameters())),
             "optimizer_bytes_per_rank": cli.max_over_ranks(grid.comm, self.optimizer.state_bytes()),
+            "overlap": {k[0]: v for k, v in self.ledger.overlap(by=("phase",)).items()},
             "communication": [{"layer": k[0], "phase": k[1], "collective": k[2], **v}
                               for k, v in self.ledger.totals(by=("layer", "phase", "collective")).items()],
         }
@@ -580,6 +608,10 @@ def _print_summary(summary, ledger, comm_table="top", wrote=()):
           f"transfer: in the MPI call once every rank arrived, wait: for the last to arrive, pack: local "
           f"copies around the call:")
     print(ledger.summary(by=("layer", "phase", "collective"), top=None if full else COMM_TABLE_ROWS))
+    if any(r.started is not None for r in ledger.records):  # something was started early: how much it hid
+        print("overlap of rank 0 by phase (communicating: a blocking call's transfer, a started one's start to "
+              "its completion; exposed: the time blocked in them; hidden = 1 - exposed / communicating):")
+        print(ledger.overlap_summary())
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
           f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
     if summary["devices"].startswith("rank"):  # a GPU run: which rank computed on which device

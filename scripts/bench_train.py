@@ -2,7 +2,8 @@
 with 1 and P threads on the same model, batch and optimizer, side by side in one run.
 
     mpiexec -n 2 python -m mpi4py scripts/bench_train.py --model wide --width 256 --depth 4 \\
-        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--device cpu|gpu] [--json out.json]
+        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--overlap off,grads,all] [--device cpu|gpu] \\
+        [--json out.json]
 
 The 1-rank and PyTorch rows run on rank 0 while the other ranks sleep (not spin) in a
 non-blocking barrier, so they have the cores to themselves. The P-rank rows run every grid
@@ -28,7 +29,7 @@ from cfp.io import save_json
 from cfp.models import MODELS, build_model
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
-from cfp.train import train_step
+from cfp.train import OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, OVERLAPS, TrainConfig, check_chunks, train_step
 
 try:
     import torch
@@ -52,11 +53,19 @@ def parse_args(argv):
                    help="times every row is measured, in turns; each row reports its median over them")
     p.add_argument("--algorithms", default="sample,x,y,w",
                    help=f"comma-separated algorithms to time at P ranks, of {', '.join(ALGORITHMS)}")
+    p.add_argument("--overlap", default="off",
+                   help="comma-separated overlap settings to time side by side, each as train.py --overlap: off, "
+                        f"grads (gradient sums in {OVERLAP_BUCKET_MB} MiB buckets during backward), all (and the "
+                        f"x/y/w layers' collectives over {OVERLAP_CHUNKS} chunks of samples)")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
                    help="cpu (NumPy; torch on the CPU) or gpu (CuPy on each rank's GPU; torch on CUDA)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "batch_size", "steps", "rounds"), nonnegative=("warmup",))
+    args.overlaps = args.overlap.split(",")
+    bad = [o for o in args.overlaps if o not in OVERLAPS]
+    if bad or not args.overlaps:
+        raise ValueError(f"--overlap {args.overlap!r}: expected a comma-separated list of {', '.join(OVERLAPS)}")
     unknown = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "
@@ -76,7 +85,7 @@ def seconds_on_rank0(world, work):
     return float(seconds[0])
 
 
-def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np):
+def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off"):
     grid = ProcessGrid(spec, comm=comm)
     config = {"width": args.width, "algorithm": algorithm, "in_channels": 1, "classes": 10,
               "dtype": np.float32}
@@ -87,8 +96,10 @@ def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np):
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
     (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
     x, y = (backend.from_host(a[rows.start:rows.stop], xp) for a in (x, y))  # the batch on the device once
+    bucket_mb, chunks = TrainConfig(overlap=overlap).overlap_settings()
+    check_chunks(model, chunks, args.batch_size, f"--overlap {overlap}'s {chunks} chunks")
     # (a step ends with its loss read on the host, so its clock stops after the device's work)
-    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y)),
+    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb, chunks)),
                              args.steps, args.warmup)["total"]
     grid.free()
     return seconds
@@ -150,8 +161,11 @@ def main(argv=None):
             for algorithm in args.algorithms.split(","):
                 if algorithm == "sample" and P_c > 1:
                     continue  # replicas over the channel axis: no faster than sample=P
-                measures["cfp", P, 1, f"{spec} {algorithm}"] = \
-                    lambda spec=spec, algorithm=algorithm: cfp_step_time(args, world, spec, algorithm, x, y, xp)
+                for overlap in args.overlaps:
+                    label = f"{spec} {algorithm}" + ("" if args.overlaps == ["off"] else f" overlap {overlap}")
+                    measures["cfp", P, 1, label] = \
+                        lambda spec=spec, algorithm=algorithm, overlap=overlap: cfp_step_time(
+                            args, world, spec, algorithm, x, y, xp, overlap)
     times = {key: [] for key in measures}
     for _ in range(args.rounds):
         for key, measure in measures.items():

@@ -64,11 +64,14 @@ def parse_args(argv):
     p.add_argument("--trace", action="store_true",
                    help="run the layer on the ranks of this MPI job and show what each rank held after each step")
     p.add_argument("--seed", type=int, default=0, help="--trace: seeds the tensors' values")
+    p.add_argument("--chunks", type=int, default=1,
+                   help="also show the schedule of each pass pipelined over this many chunks of a rank's samples "
+                        "(train.py --chunks)")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
                    help="--trace: run the layer on NumPy (cpu) or on each rank's GPU (CuPy)")
     args = p.parse_args(argv)
     int_options(args, positive=("batch", "channels", "filters", "image", "kernel", "stride", "dilation", "groups",
-                                "filter_groups", "width", "depth", "in_channels", "ranks_per_node"),
+                                "filter_groups", "width", "depth", "in_channels", "ranks_per_node", "chunks"),
                 nonnegative=("padding", "seed"))
     if args.dtype not in ("float32", "float64"):
         raise ValueError(f"--dtype {args.dtype!r}: expected float32 or float64")
@@ -88,6 +91,9 @@ def parse_args(argv):
     if args.device != "cpu" and not args.trace:
         raise ValueError(f"--device {args.device} applies to --trace only (an explanation without a run computes "
                          f"nothing)")
+    if args.chunks > 1 and (args.trace or args.model is not None):
+        raise ValueError(f"--chunks {args.chunks} shows one layer's pipelined schedule; it does not combine with "
+                         f"--trace or --model")
     if args.trace and args.dtype != "float64":
         raise ValueError("--trace runs in float64 (its checksums are compared with the serial tensors')")
     return args
@@ -126,7 +132,7 @@ def main(argv=None):
         failed = world.bcast(bool(trace.mismatches) if trace is not None else None, root=0)
         status = 1 if failed else 0
     else:
-        e = explain_layer(itemsize=itemsize, ranks_per_node=args.ranks_per_node, **layer)
+        e = explain_layer(itemsize=itemsize, ranks_per_node=args.ranks_per_node, chunks=args.chunks, **layer)
         trace, status = None, 0
         if world.Get_rank() == 0:
             print(e.text())

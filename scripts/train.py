@@ -18,8 +18,8 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
 from cfp.models import MODELS
-from cfp.train import (COMM_TABLES, DTYPES, OPTIMIZERS, SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH,
-                       TrainConfig, train)
+from cfp.train import (COMM_TABLES, DTYPES, OPTIMIZERS, OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, OVERLAPS, SCHEDULES,
+                       SGD_MOMENTUM, WIDE_DEPTH, TrainConfig, train)
 
 
 def parse_args(argv):
@@ -88,6 +88,11 @@ def parse_args(argv):
     p.add_argument("--chunks", type=int, default=defaults.chunks,
                    help="pipeline each x/y/w layer's collectives over this many chunks of a rank's samples "
                         "(1, the default: blocking; measured slower on 2 cores, docs/design.md)")
+    p.add_argument("--overlap", default=defaults.overlap, metavar=cli.one_of(OVERLAPS),
+                   help="overlap communication with computation: off (every collective blocking, what measured "
+                        f"best on 2 cores), grads (the gradient sums in buckets during backward, {OVERLAP_BUCKET_MB} "
+                        f"MiB unless --bucket-mb says) or all (and the x/y/w layers' collectives pipelined over "
+                        f"{OVERLAP_CHUNKS} chunks unless --chunks says); default: as --bucket-mb and --chunks say")
     p.add_argument("--device", default=defaults.device, metavar=cli.one_of(backend.DEVICES),
                    help="cpu (NumPy) or gpu (CuPy: one GPU per rank, node-local rank modulo the GPUs)")
     args = p.parse_args(argv)

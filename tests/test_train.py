@@ -46,15 +46,16 @@ def serial_run(algorithm):
     return _serial[algorithm]
 
 
-def assert_trains_like(result, model, one_rank, what):
+def assert_trains_like(result, model, one_rank, what, tol=1e-9):
     """A run's losses (train_model's result) and final weights (of its model, then freed) equal
-    one rank's (serial_run's), to 1e-9, on every rank."""
+    one rank's (serial_run's, or another run's losses and weights), to `tol`, on every rank."""
     losses0, weights0 = one_rank
     losses = np.array([h["loss"] for h in result["history"]])
-    assert_close_all_ranks(losses, np.array(losses0), 1e-9, f"{what}: losses")
+    assert_close_all_ranks(losses, np.array(losses0), tol, f"{what}: losses")
     final = weights(model)
+    assert_all_ranks(final.keys() == weights0.keys(), f"{what}: other parameters")
     for key in final:
-        assert_close_all_ranks(final[key], weights0[key], 1e-9, f"{what}: {key}")
+        assert_close_all_ranks(final[key], weights0[key], tol, f"{what}: {key}")
 
 
 CASES = [(spec, alg) for spec in grid_specs() for alg in ("sample", "x", "y", "w")]
@@ -315,3 +316,59 @@ def test_chunks_more_than_a_rank_holds_refused():
     raises_on_all_ranks(ValueError, lambda: train_model(config(grid=f"channel={SIZE}", algorithm="y",
                                                                chunks=BATCH + 1)),
                         f"--chunks {BATCH + 1} is more than the {BATCH} sample")
+
+
+def _phase_bytes(result):
+    """{phase: bytes sent} of a run's summary (every layer and collective added up)."""
+    out = {}
+    for row in result["communication"]:
+        out[row["phase"]] = out.get(row["phase"], 0) + row["bytes_sent"]
+    return out
+
+
+def _overlap_cases():
+    """(grid, algorithm, overrides): sample, x, y and w (p_f = 2 where the channel axis has 2
+    ranks), a spatial grid and the planner's mixed plan."""
+    cases = [(f"sample={SIZE}", "sample", {}), (f"channel={SIZE}", "x", {}), (f"channel={SIZE}", "y", {})]
+    cases.append(("sample=2,channel=2", "w", {"filter_groups": 2}) if SIZE == 4 else (f"channel={SIZE}", "w", {}))
+    if SIZE > 1:
+        cases.append((f"sample=1,height={SIZE}", "y", {"upsample": 2}))
+    cases.append((None, "auto", {"profile": "cpu-dev"}))
+    return cases
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_overlap_all_trains_as_overlap_off(chunks):
+    """--overlap all (chunks 2 and 3, buckets of a layer or two) against --overlap off: 20
+    float64 steps with the same losses and weights (1e-12) and the same bytes in every phase
+    but the gradient sum, whose buckets concatenate the layers' arrays (the same bytes to the
+    rounding of each message's balanced split)."""
+    for grid, algorithm, extra in _overlap_cases():
+        off, model = train_model(config(grid=grid, algorithm=algorithm, overlap="off", **extra))
+        expected = ([h["loss"] for h in off["history"]], weights(model))
+        result, model = train_model(config(grid=grid, algorithm=algorithm, overlap="all", chunks=chunks,
+                                           bucket_mb=1e-4, **extra))
+        what = f"--overlap all, chunks {chunks}, on {grid} {algorithm}"
+        assert_trains_like(result, model, expected, what, tol=1e-12)
+        before, after = _phase_bytes(off), _phase_bytes(result)
+        for phase in set(before) | set(after):
+            if phase != "gradient-sync":
+                assert_all_ranks(before.get(phase) == after.get(phase),
+                                 f"{what}: {phase} moved {after.get(phase)} bytes, {before.get(phase)} blocking")
+        hidden = result["overlap"]
+        assert_all_ranks(all(0.0 <= t["hidden"] <= 1.0 for t in hidden.values()), f"{what}: hidden {hidden}")
+
+
+def test_overlap_settings_and_their_contradictions():
+    """--overlap grads and all fill in --bucket-mb and --chunks where they are left at their
+    defaults; off with either, or grads with chunks, is refused with a message."""
+    from cfp.train import OVERLAP_BUCKET_MB, OVERLAP_CHUNKS
+    assert TrainConfig(overlap="grads").overlap_settings() == (OVERLAP_BUCKET_MB, 1)
+    assert TrainConfig(overlap="all").overlap_settings() == (OVERLAP_BUCKET_MB, OVERLAP_CHUNKS)
+    assert TrainConfig(overlap="all", chunks=3, bucket_mb=2).overlap_settings() == (2, 3)
+    assert TrainConfig(bucket_mb=4).overlap_settings() == (4, 1)
+    for overrides, message in (({"overlap": "off", "bucket_mb": 4}, "--overlap off runs every collective blocking"),
+                               ({"overlap": "grads", "chunks": 2}, "use --overlap all"),
+                               ({"overlap": "sometimes"}, "unknown overlap 'sometimes'; expected one of off, grads, all")):
+        with pytest.raises(ValueError, match=message):
+            config(**overrides).validate()

@@ -16,12 +16,12 @@ import math
 
 from ..algorithms import algorithm_class
 from ..algorithms.base import HALO, HALO_ADJOINT, run_order
-from ..checks import int_pair
+from ..checks import int_pair, positive_int
 from ..grid import AXES, ProcessGrid, check_node_fit, coords_of, placed_axes, placement_order, process_ranks, rank_of
 from ..halo import check_image_fits, halo_plan, window_options
 from ..kernels import conv2d_output_shape, conv_options
 from ..layout import Layout, Shard
-from ..partition import gather_group, scatter_group
+from ..partition import block_sizes, gather_group, scatter_group
 from ..perfmodel import PHASES, message_bytes
 from ..report import format_bytes, format_table
 
@@ -191,6 +191,35 @@ class LayerExplanation:
                         + [format_bytes(sum(self.memory(r).values()))])
         return format_table(rows)
 
+    def pipeline_text(self):
+        """The schedule of a pass pipelined over self.chunks chunks of each rank's samples
+        (ConvAlgorithm.pipelined), read from the steps: a pass's allgathers gather each chunk
+        before it computes, its reduce-scatters scatter each chunk's result after; the halo and
+        the gradient sum run whole, before and after."""
+        k = self.chunks
+        held = [len(self.holds[r]["x"][0]) for r in range(self.ranks)]
+        lines = [f"Pipelined over {k} chunks of each rank's samples (--chunks {k}): rank 0's "
+                 f"{held[0]} in chunks of {', '.join(map(str, block_sizes(held[0], k)))}; each collective "
+                 f"below moves a chunk's share, the same bytes per phase in all"]
+        if k > min(held):
+            lines.append(f"  refused here: a rank holds {min(held)} sample(s), fewer than {k} chunks")
+        for name, phases in (("forward", ("forward",)), ("backward", ("backward-filter", "backward-data"))):
+            steps = [s for s in self.steps if s.phase in phases]
+            gather, scatter = (" and ".join(f"{s.message.collective} of {s.message.tensor} ({s.message.group})"
+                                            for s in steps if s.message.collective == c)
+                               for c in ("allgather", "reduce_scatter"))
+            if not gather and not scatter:
+                lines.append(f"  {name}: no collective of its own to pipeline: each rank computes its block whole")
+                continue
+            parts = [f"start the {gather} of chunk 1"] if gather else []
+            each = ([f"wait for chunk i's {gather}, start chunk i+1's"] if gather else []) + \
+                ["test the collectives in flight", "compute chunk i"] + ([f"start its {scatter}"] if scatter else [])
+            parts.append(f"for i = 1..{k}: " + "; ".join(each))
+            if scatter:
+                parts.append(f"wait for the {k} reduce-scatters")
+            lines.append(f"  {name}: " + "; then ".join(parts))
+        return "\n".join(lines)
+
     def text(self):
         return "\n".join([
             self.header(), "",
@@ -201,7 +230,7 @@ class LayerExplanation:
             "The steps of one forward and backward pass, in the order the layer runs them",
             self.steps_text(), "",
             "Bytes sent / received per rank and phase (perfmodel.predict_bytes), and the memory each rank holds",
-            self.bytes_table()])
+            self.bytes_table()] + (["", self.pipeline_text()] if getattr(self, "chunks", 1) > 1 else []))
 
 
 def pair(v):
@@ -243,14 +272,15 @@ def indices_text(name, ix):
 
 def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
                   padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, itemsize=8,
-                  padding_mode="zeros", node_axes=None, ranks_per_node=None):
+                  padding_mode="zeros", node_axes=None, ranks_per_node=None, chunks=1):
     """A LayerExplanation of the convolution of a global x of x_shape (N, C, H, W) into
     out_channels filters under `algorithm` ('sample', 'x', 'y', 'w') on `grid` (a spec such as
     'sample=2,channel=2' or {axis: size}), with nn.Conv2d's options, for every rank. (The
     padding mode moves nothing more unless the grid splits the image: then the halo also
     brings the rows the padded border copies.) `node_axes`: the grid's placement
     (grid.ProcessGrid), which process holds each grid rank; `ranks_per_node`: the job's nodes
-    (neighbouring processes, as many each), to show which ranks share one."""
+    (neighbouring processes, as many each), to show which ranks share one. `chunks` > 1: the
+    text also shows the pipelined schedule of that many chunks (ConvAlgorithm.pipelined)."""
     sizes = ProcessGrid.shape_of(grid)
     processes, node_axes = _placement(sizes, node_axes, ranks_per_node)
     x_shape = tuple(int(n) for n in x_shape)
@@ -285,7 +315,8 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
                          options=options, bias=bool(bias), input_whole=input_whole, need_dx=need_dx,
                          itemsize=itemsize, shapes={"x": x_shape, "w": w_shape, "y": tuple(y_shape)},
                          layouts=layouts, holds=holds, halo=halo, steps=[], node_axes=node_axes,
-                         processes=processes, ranks_per_node=ranks_per_node)
+                         processes=processes, ranks_per_node=ranks_per_node,
+                         chunks=positive_int(chunks, "chunks"))
     for k, m in enumerate(order):
         e.steps.append(Step(m, [_group(e, m, r) for r in range(ranks)], [moved[r][k][1] for r in range(ranks)],
                             [moved[r][k][2] for r in range(ranks)], [_result(e, m, r) for r in range(ranks)]))

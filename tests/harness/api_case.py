@@ -106,7 +106,20 @@ def train_zero_steps():
     train(TrainConfig(max_steps=0, grid=f"channel={SIZE}", progress=False))
 
 
-CASES = {f.__name__: f for f in (heights_differ, dtypes_differ, samples_differ, integer_input, complex_input,
+def fails_with_requests_outstanding():
+    """Every rank starts a gradient-sized iallreduce and an iallgather; the last rank fails
+    before waiting for them, while the others wait and go on into the next collective."""
+    world = MPI.COMM_WORLD
+    summed = comm.iallreduce(world, np.ones(1 << 20))
+    gathered = comm.iallgather(world, np.ones((2, 3)), 0, [2] * SIZE)
+    if RANK == SIZE - 1:
+        raise ValueError(f"rank {RANK} fails while its collectives are in flight")
+    summed.wait()
+    gathered.wait()
+    comm.allreduce(world, np.ones(3))  # the failed rank never comes
+
+
+CASES = {f.__name__: f for f in (fails_with_requests_outstanding, heights_differ, dtypes_differ, samples_differ, integer_input, complex_input,
                                  weight_dtype_differs, spatial_grid, backward_first, wrong_grad_output,
                                  integer_kernel_input, wrong_block, collective_shapes_differ,
                                  collective_dtypes_differ, own_status, train_zero_steps)}
