@@ -86,6 +86,10 @@ TRAIN_CASES = [
     (["--grid", "channel=2", "--node-axes", "channel,channel"], "node axes channel,channel: an axis is named twice"),
     (["--plan", "plan.json", "--node-axes", "sample"], "--node-axes and --plan both place the layers' ranks"),
     (["--device", "tpu"], "unknown device 'tpu'; expected one of cpu, gpu"),
+    (["--overlap", "sometimes"], "unknown overlap 'sometimes'; expected one of off, grads, all"),
+    (["--overlap", "off", "--chunks", "2"], "--overlap off runs every collective blocking"),
+    (["--bucket-mb", "-1"], "--bucket-mb must be >= 0"),
+    (["--overlap", "all", "--batch-size", "1"], r"--overlap all's 2 chunks is more than the 1 sample\(s\) a rank of"),
     (["--augment", "--eval-only", "--resume", "--checkpoint-dir", "ckpt"],
      "--augment changes the training batches only; with --eval-only, which does not train, it would be ignored"),
 ]

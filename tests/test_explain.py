@@ -229,6 +229,24 @@ def _script(*args, ranks=None, timeout=60):
                           timeout=timeout + 30, cwd=ROOT)
 
 
+def test_the_pipelined_schedule_follows_the_algorithms_messages():
+    """--chunks k: each pass's allgathers before a chunk computes, its reduce-scatters after,
+    as the layer's steps say; a layer without collectives of its own computes whole; a rank
+    holding fewer samples than chunks is flagged."""
+    w = explain_layer((4, 8, 8, 8), 8, 3, "w", "sample=1,channel=4", filter_groups=2, padding=1, chunks=3).text()
+    assert "Pipelined over 3 chunks of each rank's samples (--chunks 3): rank 0's 4 in chunks of 2, 1, 1" in w
+    assert ("forward: start the allgather of x (row) of chunk 1; then for i = 1..3: wait for chunk i's allgather of "
+            "x (row), start chunk i+1's; test the collectives in flight; compute chunk i; start its reduce_scatter "
+            "of y (column); then wait for the 3 reduce-scatters") in w
+    assert "backward: start the allgather of y (column) of chunk 1" in w
+    y = explain_layer((2, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, chunks=2).text()
+    assert "backward: for i = 1..2: test the collectives in flight; compute chunk i; start its reduce_scatter of x" in y
+    assert "refused here: a rank holds 1 sample(s), fewer than 2 chunks" in y
+    sample = explain_layer((4, 8, 8, 8), 8, 3, "sample", "sample=2", padding=1, chunks=2).text()
+    assert "forward: no collective of its own to pipeline" in sample
+    assert "Pipelined" not in explain_layer((4, 8, 8, 8), 8, 3, "w", "channel=4", padding=1).text()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--grid", "channel=4", "--algorithm", "w", "--filter-groups", "3"], "p_f=3 does not divide"),
     (["--algorithm", "z"], "unknown algorithm 'z'"),
@@ -242,6 +260,9 @@ def _script(*args, ranks=None, timeout=60):
     (["--grid", "channel=4", "--node-axes", "sample"], "node axis 'sample': grid channel=4 does not split it"),
     (["--grid", "channel=2", "--trace", "--ranks-per-node", "2"], "--trace runs on the nodes of its job"),
     (["--model", "resnet", "--plan", "p.json", "--node-axes", "sample"], "give --plan or --node-axes, not both"),
+    (["--chunks", "0"], "--chunks must be a positive integer, got 0"),
+    (["--chunks", "2", "--model", "resnet"], "--chunks 2 shows one layer's pipelined schedule"),
+    (["--device", "gpu"], "--device gpu applies to --trace only"),
 ])
 def test_bad_input_is_one_message(args, message):
     proc = _script(*args)
