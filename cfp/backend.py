@@ -181,11 +181,17 @@ def local_rank(comm=None):
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)
+    return _on_this_node(comm)[0]
+
+
+def _on_this_node(comm=None):
+    """(rank, size) of this process among the ranks of `comm` (default COMM_WORLD) that share
+    its node (collective over comm)."""
     from mpi4py import MPI
     comm = MPI.COMM_WORLD if comm is None else comm
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return node.Get_rank()
+        return node.Get_rank(), node.Get_size()
     finally:
         node.Free()
 
@@ -261,15 +267,10 @@ def local_rank_count(comm=None):
         if value.isdigit() and int(value) > 0:
             return int(value)
     try:
-        from mpi4py import MPI
+        import mpi4py  # noqa: F401
     except ImportError:
         return 1
-    comm = MPI.COMM_WORLD if comm is None else comm
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size()
-    finally:
-        node.Free()
+    return _on_this_node(comm)[1]
 
 
 def default_blas_threads(local_ranks=1, cores=None):
