@@ -407,3 +407,35 @@ def test_a_traced_layer_on_the_device_runs_as_explained():
                             grid=spec, padding=1, xp=cupy)
         problems = WORLD.bcast(list(trace.mismatches) if trace is not None else None, root=0)
         assert_all_ranks(not problems, f"{spec} {algorithm}: the traced run differs from its explanation: {problems}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_pooling_and_flatten_on_split_images_on_the_device(grids, pool):
+    """Max and average pooling with their halos on every spatial grid above (layers no model
+    here uses on a split image), then Flatten where the image is whole: the device run equals
+    the NumPy run, forward and backward, and reads nothing back."""
+    from cfp.nn import AvgPool2d, Flatten, MaxPool2d, Sequential
+    rng = np.random.default_rng(8)
+    x, dy = rng.standard_normal((2, 3, 8, 9)), rng.standard_normal((2, 3, 8, 9))
+    for spec in _specs():
+        grid = grids[spec]
+        layout = Layout(tuple(a if grid.axis_size(a) > 1 or a == "sample" else None
+                              for a in ("sample", "channel", "height", "width")))
+        results = []
+        for xp in (np, cupy):
+            model = Sequential((MaxPool2d if pool == "max" else AvgPool2d)(3, 1, 1))
+            model.place((grid, layout))
+            x_in = DistTensor(backend.from_host(DistTensor.from_global(x, layout, grid).local, xp), x.shape, layout, grid)
+            dy_in = DistTensor(backend.from_host(DistTensor.from_global(dy, layout, grid).local, xp), x.shape, layout,
+                               grid)
+            with Transfers() as t:
+                out, back = model.forward(x_in), model.backward(dy_in)
+            results.append((host(out.local), host(back.local)))
+            if xp is cupy and STANDIN:
+                assert_all_ranks(t.counts["syncs"] == 0, f"{pool} {spec}: a value read back")
+        (y0, dx0), (y1, dx1) = results
+        assert_all_ranks(np.array_equal(y0, y1) and np.array_equal(dx0, dx1), f"{pool} {spec}: device != NumPy")
+    flat = Flatten()
+    a = dev(x)
+    assert_same(flat.backward(flat.forward(a)), x, "flatten round trip")
