@@ -237,15 +237,6 @@ def test_augment_batch_bad_arguments(x, offsets, flips, message):
         augment_batch(x, offsets, flips)
 
 
-def test_augment_batch_on_cupy():
-    cupy = pytest.importorskip("cupy")
-    x = np.random.default_rng(1).standard_normal((4, 2, 5, 5)).astype(np.float32)
-    offsets, flips = np.array([[0, 8], [4, 4], [2, 7], [8, 1]]), np.array([True, False, True, False])
-    out = augment_batch(cupy.asarray(x), offsets, flips)
-    assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
-    np.testing.assert_array_equal(cupy.asnumpy(out), augment_batch(x, offsets, flips))
-
-
 def make_images(n=53):
     x = np.random.default_rng(2).standard_normal((n, 2, 5, 4))
     return x, np.arange(n, dtype=np.int64)

@@ -159,6 +159,15 @@ def test_pooling_on_device_equals_numpy(kind):
     assert_same(dx_d, dx, f"{kind} pool dx")
 
 
+def test_augment_batch_on_the_device():
+    from cfp.data import augment_batch
+    x = np.random.default_rng(1).standard_normal((4, 2, 5, 5)).astype(np.float32)
+    offsets, flips = np.array([[0, 8], [4, 4], [2, 7], [8, 1]]), np.array([True, False, True, False])
+    out = augment_batch(dev(x), offsets, flips)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
+    np.testing.assert_array_equal(host(out), augment_batch(x, offsets, flips))
+
+
 # ---- the algorithms on every grid kind (MPI) ----------------------------------------------------
 
 SPLIT = Layout(("sample", "channel", None, None))
