@@ -41,7 +41,7 @@ def to_host(x):
     writing `x` would otherwise race with the copy); NumPy arrays pass through unchanged.
     """
     if is_device_array(x):
-        _cupy.cuda.get_current_stream().synchronize()
+        synchronize(x)
         return _cupy.asnumpy(x)
     return x
 
@@ -164,8 +164,9 @@ def device_buffers_to_mpi(xp):
 
 
 def synchronize(x):
-    """Wait for the device work writing `x` (its current stream) to finish: MPI is not
-    stream-aware, so a device buffer is synchronised before MPI reads it."""
+    """Wait for the device work writing `x` (its current stream) to finish; nothing for a NumPy
+    array. MPI is not stream-aware, so a device buffer is synchronised before MPI reads it (and
+    a benchmark's clock stops only after it)."""
     if is_device_array(x):
         _cupy.cuda.get_current_stream().synchronize()
 
@@ -203,36 +204,20 @@ def use_device(device, comm=None):
     numpy and {"device": "cpu"}. Collective over `comm` (default COMM_WORLD): where a rank
     lacks CuPy or a GPU, every rank raises the same ValueError (naming the first such rank's
     problem) before any work."""
+    import socket
     from mpi4py import MPI
+    from .checks import checked_on_every_rank
     comm = MPI.COMM_WORLD if comm is None else comm
-    try:
-        array_module(device)
-        problem = None
-    except ValueError as error:
-        problem = str(error)
-    problems = comm.allgather(problem)
-    bad = [r for r, p in enumerate(problems) if p]
-    if bad:
-        ranks = "every rank" if len(bad) == comm.Get_size() else f"rank(s) {', '.join(map(str, bad))}"
-        raise ValueError(f"{problems[bad[0]]} (on {ranks})")
-    xp = array_module(device)
+    xp = checked_on_every_rank(comm, lambda: array_module(device))
     if xp is np:
         return np, {"device": "cpu"}
-    try:
-        aware, why = device_buffers_to_mpi(xp)
-        problem = None
-    except ValueError as error:
-        problem = str(error)
-    problems = comm.allgather(problem)
-    if any(problems):
-        raise ValueError(next(p for p in problems if p))
+    aware, why = checked_on_every_rank(comm, lambda: device_buffers_to_mpi(xp))
     global _device_buffers
     _device_buffers = aware
     count = xp.cuda.runtime.getDeviceCount()
     index = local_rank(comm) % count
     xp.cuda.Device(index).use()
     name = xp.cuda.runtime.getDeviceProperties(index).get("name", b"")
-    import socket
     return xp, {"device": "gpu", "index": index, "count": count, "host": socket.gethostname(),
                 "name": name.decode() if isinstance(name, bytes) else str(name),
                 "messages": ("device buffers to MPI" if aware else "staged through host buffers") + f" ({why})"}

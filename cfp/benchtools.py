@@ -65,7 +65,7 @@ def on_rank0(world, work):
 KERNELS = ("local_forward", "local_backward_data", "local_backward_filter")
 
 
-def _count_kernel_seconds(conv, xp=np):
+def _count_kernel_seconds(conv):
     """Make the local kernels of `conv` (its KERNELS methods) add the seconds they take to the
     one-element list returned (on a device, each call synchronised: its kernels' time, not
     their launch's)."""
@@ -76,19 +76,13 @@ def _count_kernel_seconds(conv, xp=np):
             try:
                 return kernel(*args, **kwargs)
             finally:
-                device_sync(xp)
+                backend.synchronize(args[0])  # (its input: an array of the device it ran on)
                 spent[0] += time.perf_counter() - start
         setattr(conv, name, timed_kernel)
     return spent
 
 
 BREAKDOWN = ("step", "kernels", "packing", "mpi", "wait", "rest")
-
-
-def device_sync(xp):
-    """Wait for the device's queued work (nothing on NumPy): a device's clock stops only then."""
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
 
 
 def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup, xp=np):
@@ -111,7 +105,7 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     x_local, dy_local, w_shard, b_shard = (backend.from_host(a, xp) for a in (x_local, dy_local, w_shard, b_shard))
     ledger = comm.CommLedger()
     check_blocks(x_local, conv.input_layout, grid, "x")  # once; the timed calls then skip the check
-    kernel_seconds = _count_kernel_seconds(conv, xp)
+    kernel_seconds = _count_kernel_seconds(conv)
     parts = []  # this rank's BREAKDOWN of every iteration
 
     def step():
@@ -120,10 +114,10 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
         with comm.use_ledger(ledger), comm.inputs_checked():
             t0 = time.perf_counter()
             conv.forward(x_local, w_shard, b_shard, input_shape=x.shape)
-            device_sync(xp)
+            backend.synchronize(x_local)
             t1 = time.perf_counter()
             conv.backward(dy_local)
-            device_sync(xp)
+            backend.synchronize(x_local)
             t2 = time.perf_counter()
         records = ledger.records
         spent = {"step": t2 - t0, "kernels": kernel_seconds[0], "packing": sum(r.pack_seconds for r in records),

@@ -65,6 +65,22 @@ def alike_on_all_ranks(comm, check, root=0):
         raise ValueError(problem)
 
 
+def checked_on_every_rank(comm, check):
+    """Run `check()` on every rank of `comm` (say, whether this rank's node has a GPU) and return
+    its value; where it raises ValueError on any rank, every rank raises the first such rank's
+    message, naming the ranks that failed, so that all ranks stop together."""
+    try:
+        value, problem = check(), None
+    except ValueError as e:
+        value, problem = None, str(e)
+    problems = comm.allgather(problem)  # text or None per rank: the pickling form fits
+    bad = [r for r, p in enumerate(problems) if p is not None]
+    if bad:
+        ranks = "every rank" if len(bad) == comm.Get_size() else f"rank(s) {', '.join(map(str, bad))}"
+        raise ValueError(f"{problems[bad[0]]} (on {ranks})")
+    return value
+
+
 def int_at_least(value, what, minimum):
     """The integer `value` (any integer type, bool excluded) when it is >= minimum; else
     "{what} must be an integer >= {minimum}"."""

@@ -708,7 +708,8 @@ def broadcast(comm, x, root=0):
     t.agree(x, "broadcast")
     xp = backend.get_array_module(x)
     out = t.buffer(x)
-    out = backend.get_array_module(out).array(out, order="C", copy=True)
+    if backend.get_array_module(out) is xp:  # not a staged copy: MPI writes it, so not x's memory
+        out = xp.array(out, order="C", copy=True)
     if p > 1:
         with t:
             comm.Bcast(out, root=root)
@@ -756,7 +757,10 @@ def _alltoallv_setup(comm, send_chunks, recv_counts, dtype, t):
     xp = backend.get_array_module(*send_chunks)
     bounds = np.cumsum(recv_counts)[:-1].tolist()
     if p == 1:
-        return True, (xp.split(xp.ascontiguousarray(send_chunks[0], dtype=dtype), bounds), None)
+        if send_counts[0] != recv_counts[0]:
+            raise ValueError(f"alltoallv: one rank sends itself {send_counts[0]} elements and expects "
+                             f"{recv_counts[0]}")
+        return True, ([xp.ascontiguousarray(send_chunks[0], dtype=dtype)], None)
     sendbuf = t.buffer(xp.concatenate(send_chunks).astype(dtype, copy=False))
     recvbuf = backend.get_array_module(sendbuf).empty(int(recv_counts.sum()), dtype=dtype)
 

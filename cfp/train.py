@@ -244,9 +244,10 @@ def _schedule(cfg, optimizer, total_steps):
 
 def describe_devices(where):
     """One line for the summary: which rank computed on which device, from every rank's
-    backend.use_device `where` (rank order), and whether ranks share a GPU."""
+    backend.use_device `where` (rank order), and whether ranks share a GPU; None when every
+    rank computed on NumPy."""
     if all(w["device"] == "cpu" for w in where):
-        return f"cpu (NumPy) on all {len(where)} rank(s)"
+        return None
     parts = [f"rank {r}: gpu {w['index']} ({w['name']})" if w["device"] == "gpu" else f"rank {r}: cpu"
              for r, w in enumerate(where)]
     shared = len(where) > len({(w.get("index"), w.get("host")) for w in where})
@@ -426,8 +427,8 @@ class _Session:
     """One training run's state: the loader, loss, optimizer and schedule of a model, and where
     training stands (`step` updates done; the next batch is `skip` of epoch `first_epoch`)."""
 
-    def __init__(self, cfg, model, data, xp=np, devices=()):
-        self.cfg, self.model, self.xp, self.devices = cfg, model, xp, list(devices)
+    def __init__(self, cfg, model, data, xp, devices):
+        self.cfg, self.model, self.xp, self.devices = cfg, model, xp, devices
         x_train, y_train, self.x_test, self.y_test = data
         self.grid = model.grid  # where the data enters and the loss is computed
         self.rank0 = self.grid.rank == 0
@@ -558,7 +559,7 @@ class _Session:
         summary = {
             "grid": grids_of(model, grid), "ranks": grid.size,
             "algorithm": f"per layer from {cfg.plan}" if cfg.plan else cfg.algorithm, "threads_per_rank": threads,
-            "devices": describe_devices(self.devices) if self.devices else "cpu",
+            "devices": describe_devices(self.devices),  # None: NumPy on every rank
             "layers": model.layers,
             "steps": self.step, "steps_this_session": self.step - self.first_step, "seconds": seconds,
             "images_per_second": self.images / seconds if seconds > 0 else 0.0,
@@ -614,7 +615,7 @@ def _print_summary(summary, ledger, comm_table="top", wrote=()):
         print(ledger.overlap_summary())
     print(f"memory per rank (most of any rank): parameters {summary['parameter_bytes_per_rank'] / mib:.2f} MiB, "
           f"optimizer state {summary['optimizer_bytes_per_rank'] / mib:.2f} MiB")
-    if summary["devices"].startswith("rank"):  # a GPU run: which rank computed on which device
+    if summary["devices"] is not None:  # a GPU run: which rank computed on which device
         print(f"devices: {summary['devices']}")
     if wrote:
         print("wrote " + ", ".join(wrote))

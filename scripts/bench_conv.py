@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
-from cfp.benchtools import BREAKDOWN, device_sync, measure_conv, on_rank0, slowest_median
+from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import check_writable, save_json
@@ -87,12 +87,12 @@ def serial_baseline(args, x, w, b, dy, xp=np):
     def step():
         t0 = time.perf_counter()
         y = conv2d_forward(x, w, b, args.stride, args.padding)
-        device_sync(xp)
+        backend.synchronize(x)
         t1 = time.perf_counter()
         db = conv2d_backward_bias(dy)
         dw = conv2d_backward_filter(x, dy, w.shape, args.stride, args.padding)
         dx = conv2d_backward_data(dy, w, x.shape, args.stride, args.padding)
-        device_sync(xp)
+        backend.synchronize(x)
         t2 = time.perf_counter()
         del y, db, dw, dx
         return {"forward": t1 - t0, "backward": t2 - t1}

@@ -230,7 +230,7 @@ class LayerExplanation:
             "The steps of one forward and backward pass, in the order the layer runs them",
             self.steps_text(), "",
             "Bytes sent / received per rank and phase (perfmodel.predict_bytes), and the memory each rank holds",
-            self.bytes_table()] + (["", self.pipeline_text()] if getattr(self, "chunks", 1) > 1 else []))
+            self.bytes_table()] + (["", self.pipeline_text()] if self.chunks > 1 else []))
 
 
 def pair(v):

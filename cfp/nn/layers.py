@@ -168,6 +168,7 @@ class BatchNorm2d(Module):
                              f"channel, height and width); got layout {self.layout}")
         # the ranks holding the same channels: those of other samples and other image blocks
         self.stats_comm = grid.complement_comm("channel")
+        self._counts = {}  # local input shape -> positions in the global batch (_positions_in_batch)
         channel_layout = Layout(self.layout.dims[1:2])
         n = len(channel_layout.indices((num_features,), grid, grid.coords)[0])
         self.weight, self.bias, self.running_mean, self.running_var = (
@@ -214,12 +215,10 @@ class BatchNorm2d(Module):
         if self.input_shape is not None:
             N, _, H, W = self.input_shape
             return N * H * W
-        n, _, h, w = local_shape
-        cached = getattr(self, "_counts", {})
-        if local_shape not in cached:
-            cached[local_shape] = self.stats_comm.allreduce(n * h * w)
-            self._counts = cached
-        return cached[local_shape]
+        if local_shape not in self._counts:
+            n, _, h, w = local_shape
+            self._counts[local_shape] = self.stats_comm.allreduce(n * h * w)
+        return self._counts[local_shape]
 
     def _row(self, per_channel):
         """A per-channel vector (C_c,) as one (1, C_c * H * W) row."""
