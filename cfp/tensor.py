@@ -12,7 +12,7 @@ from mpi4py import MPI
 from . import backend, comm as collectives
 from .layout import Layout, Shard, exchange_plan, global_extent, piece_size, positions, selector, tiles
 
-__all__ = ["DistTensor", "Layout", "Shard", "assemble", "check_blocks", "move"]
+__all__ = ["DistTensor", "Layout", "Shard", "assemble", "check_blocks", "move", "start_move"]
 
 
 def _same_ranks(grid_a, grid_b):
@@ -136,7 +136,43 @@ def assemble(global_shape, pieces, dtype):
 
 
 def move(local, held, pieces, wanted, comm):
-    """The exchange behind redistribute and the halo: rank s sends, for each piece (s, d, index
+    """start_move's exchange, blocking: its result."""
+    return start_move(local, held, pieces, wanted, comm, blocking=True).wait()
+
+
+class Moving:
+    """A move (start_move) whose all-to-all may be in flight: test() lets MPI progress it,
+    wait() puts what arrived in place and returns move's result (once; waiting again returns
+    it again). Until then `local` is MPI's to read: it must not be written."""
+
+    def __init__(self, pending, place):
+        self._pending, self._place, self._out = pending, place, None
+
+    def test(self):
+        return self._pending.test()
+
+    def wait(self):
+        if self._out is None:
+            self._out = self._place(self._pending.wait())
+        return self._out
+
+
+class _Done:
+    """A blocking all-to-all's chunks, as a Pending that has completed."""
+
+    def __init__(self, chunks):
+        self._chunks = chunks
+
+    def test(self):
+        return True
+
+    def wait(self):
+        return self._chunks
+
+
+def start_move(local, held, pieces, wanted, comm, blocking=False):
+    """The exchange behind redistribute and the halo, started (a Moving; blocking=True: done
+    before it returns): rank s sends, for each piece (s, d, index
     sets), that part of its `local` array (which holds the global indices `held`) to rank d;
     every rank returns an array over the indices `wanted`, zero where nothing arrived, the sum
     where several pieces arrive at one place. One all-to-all over `comm`, in the ledger. The
@@ -164,33 +200,40 @@ def move(local, held, pieces, wanted, comm):
     # packed where the block lives (on a device: only the pieces sent are staged, comm.alltoallv)
     send = [xp.concatenate(chunks) if chunks else xp.empty(0, dtype=local.dtype) for chunks in send]
     counts = [sum(piece_size(piece) for piece in arriving[s]) for s in range(p)]
-    chunks = collectives.alltoallv(comm, send, counts, local.dtype)
+    if blocking:
+        pending = _Done(collectives.alltoallv(comm, send, counts, local.dtype))
+    else:
+        pending = collectives.ialltoallv(comm, send, counts, local.dtype)
     exact = tiles(kept + [piece for s in range(p) for piece in arriving[s]], wanted)
     shape = tuple(len(ix) for ix in wanted)
-    # A kept piece that is all of `wanted` (the adjoint of a halo exchange: the rank's own rows,
-    # onto which the neighbours' halo rows are added) starts the result as its copy.
-    whole = next((k for k, piece in enumerate(kept) if piece_size(piece) == piece_size(wanted)), None)
-    if whole is not None and not exact:
-        out = xp.array(mine(kept.pop(whole)), order="C")
-    else:
-        out = (xp.empty if exact else xp.zeros)(shape, dtype=local.dtype)
 
-    def land(piece, values):
-        where = backend.index_array(selector([positions(ix, w) for ix, w in zip(piece, wanted)]), xp)
-        if exact:
-            out[where] = values
+    def place(chunks):
+        # A kept piece that is all of `wanted` (the adjoint of a halo exchange: the rank's own
+        # rows, onto which the neighbours' halo rows are added) starts the result as its copy.
+        mine_kept = list(kept)
+        whole = next((k for k, piece in enumerate(mine_kept) if piece_size(piece) == piece_size(wanted)), None)
+        if whole is not None and not exact:
+            out = xp.array(mine(mine_kept.pop(whole)), order="C")
         else:
-            out[where] += values
-    for piece in kept:
-        land(piece, mine(piece))
-    for s, chunk in enumerate(chunks):
-        offset = 0
-        for piece in arriving[s]:
-            size = piece_size(piece)
-            land(piece, chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece)))
-            offset += size
-    collectives.get_ledger().keep_result(out)
-    return out
+            out = (xp.empty if exact else xp.zeros)(shape, dtype=local.dtype)
+
+        def land(piece, values):
+            where = backend.index_array(selector([positions(ix, w) for ix, w in zip(piece, wanted)]), xp)
+            if exact:
+                out[where] = values
+            else:
+                out[where] += values
+        for piece in mine_kept:
+            land(piece, mine(piece))
+        for s, chunk in enumerate(chunks):
+            offset = 0
+            for piece in arriving[s]:
+                size = piece_size(piece)
+                land(piece, chunk[offset:offset + size].reshape(tuple(len(ix) for ix in piece)))
+                offset += size
+        collectives.get_ledger().keep_result(out)
+        return out
+    return Moving(pending, place)
 
 
 def check_blocks(local, layout, grid, what):
