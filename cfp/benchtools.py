@@ -85,7 +85,8 @@ def _count_kernel_seconds(conv):
 BREAKDOWN = ("step", "kernels", "packing", "mpi", "wait", "rest")
 
 
-def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup, xp=np):
+def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup, xp=np,
+                 halo_interior=False):
     """Time one distributed convolution, forward and backward, on the global tensors x, w, b, dy.
 
     Returns forward_s and backward_s (median of the slowest rank), and the most any rank sent
@@ -95,10 +96,11 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     of a step: in its local kernels, in the collectives' local copies (the ledger's
     pack_seconds), in MPI calls (seconds), waiting for the group (wait_seconds), and the rest
     (the layer's own code around them). xp: the array module the layer runs on (the tensors
-    moved there once; each pass synchronised before its clock stops).
+    moved there once; each pass synchronised before its clock stops). halo_interior: the
+    layer's (ConvAlgorithm.halo_interior).
     """
     conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
-                     stride=stride, padding=padding, layer="conv")
+                     stride=stride, padding=padding, layer="conv", halo_interior=halo_interior)
     x_local = DistTensor.from_global(x, conv.input_layout, grid).local
     dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
     w_shard, b_shard = conv.shard_weight(w), conv.shard_bias(b)

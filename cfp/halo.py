@@ -1,7 +1,8 @@
 """The halo exchange of a layer on a grid that splits the image over height and width: which
 input rows and columns each rank's windows read (halo_plan, pure arithmetic), and one rank's
-exchange of them and its adjoint (Halo). The convolutions (algorithms/base.py) and pooling
-(nn/layers.py) run it; perfmodel counts it and cfp.explain draws it (docs/design.md, 3b).
+exchange of them and its adjoint (Halo), and the exchange started with a block's interior
+computed while it moves (Halo.start, HaloInFlight). The convolutions (algorithms/base.py) and
+pooling (nn/layers.py) run it; perfmodel counts it and cfp.explain draws it (docs/design.md, 3b).
 """
 import functools
 import math
@@ -13,7 +14,7 @@ from .grid import coords_of
 from .kernels import conv_geometry, fold_index, pad_index
 from .layout import gather_plan, index_set
 from .partition import block_range
-from .tensor import move
+from .tensor import move, start_move
 
 
 def window_options(options):
@@ -109,6 +110,65 @@ class Halo:
         self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
         self.held = layout.indices(x_shape, grid, grid.coords)
         self.comm = grid.comm
+        g = conv_geometry((1, 1) + x_shape[2:], (1, 1) + tuple(kernel_size), **options)
+        # per axis: stride, dilation, kernel, the padded block's zero rows before, the rows
+        # needed (a range of the image's), the zero rows after
+        self._axes = [(g.sh, g.dh, g.Kh, top, plan["spans"]["height"][grid.coord("height")][1], bottom),
+                      (g.sw, g.dw, g.Kw, left, plan["spans"]["width"][grid.coord("width")][1], right)]
+        self.interior = self._interior()
+
+    def _interior(self):
+        """(output rows, output columns) as ranges: the part of this rank's output block whose
+        windows read only rows and columns it holds (or the zero padding beside them), which
+        it computes while the halo moves (HaloInFlight); None where there is none, or where
+        another padding mode's rows are gathered into the block (Halo.pad).
+
+        In the padded block (`top` zero rows, the needed rows, the zero rows after) the held
+        rows are positions own_lo..own_hi-1, widened to the block's first position where it
+        holds the first needed row and to its last where it holds the last. Output row o reads
+        positions s*o .. s*o + d*(k - 1), so the interior rows are ceil(own_lo / s) ..
+        (own_hi - 1 - d*(k - 1)) // s."""
+        if self.rows_at is not None or self.cols_at is not None:
+            return None
+        spans = []
+        for (s, d, k, top, need, after), held, out in zip(self._axes, self.held[2:], (self.out_rows, self.out_cols)):
+            own_lo = top + max(held.start, need.start) - need.start
+            own_hi = top + min(held.stop, need.stop) - need.start
+            if own_hi <= own_lo:
+                return None
+            if held.start <= need.start:
+                own_lo = 0
+            if held.stop >= need.stop:
+                own_hi = top + len(need) + after
+            first, last = -(-own_lo // s), min(out, (own_hi - 1 - d * (k - 1)) // s + 1)
+            if last <= first:
+                return None
+            spans.append(range(first, last))
+        return tuple(spans)
+
+    def window(self, rows, cols, source="extended"):
+        """What the local kernel convolves to give output `rows` x `cols` (ranges) of this
+        rank's block: (row slice, column slice) of the extended block (source 'extended') or
+        of the block held before the exchange ('held'), and the zero padding (top, bottom,
+        left, right) to put around them."""
+        slices, padding = [], []
+        for (s, d, k, top, need, _), held, out in zip(self._axes, self.held[2:], (rows, cols)):
+            a, b = s * out.start, s * (out.stop - 1) + d * (k - 1) + 1  # the padded positions read
+            lo, hi = max(a, top), min(b, top + len(need))  # of them, the image's rows
+            if hi <= lo:  # a window over padding only
+                slices.append(slice(0, 0))
+                padding += [b - a, 0]
+                continue
+            shift = top if source == "extended" else top - need.start + held.start
+            slices.append(slice(lo - shift, hi - shift))
+            padding += [lo - a, b - hi]
+        return slices[0], slices[1], tuple(padding)
+
+    def start(self, x, layer):
+        """The exchange of exchange(x) started, as a HaloInFlight that computes the interior
+        while it moves (phase 'halo'; the same messages and bytes as exchange)."""
+        with comm.tag(layer=layer, phase="halo"):
+            return HaloInFlight(self, x, start_move(x, self.held, self.pieces, self.wanted, self.comm))
 
     def exchange(self, x, layer):
         """x's block extended by the rows and columns the windows read (phase 'halo')."""
@@ -146,3 +206,42 @@ class Halo:
         back = [(d, s, piece) for s, d, piece in self.pieces]
         with comm.tag(layer=layer, phase="halo"):
             return move(dx_extended, self.wanted, back, self.held, self.comm)
+
+
+class HaloInFlight:
+    """A halo exchange in flight (Halo.start): forward(s, conv) gives the output of samples s
+    of the block, computing first the interior from the block held (Halo.interior), then,
+    once the extended block has arrived, the border strips around it: the rows above and below
+    at full width, the columns left and right beside the interior. conv(block, padding) is the
+    local kernel on a window with that zero padding, or (padding None) on the extended block
+    as the exchange left it. Later calls, and every call where the block has no interior,
+    convolve the extended block whole (x must not be written until the first call)."""
+
+    def __init__(self, halo, x, moving):
+        self.halo, self._x, self._moving = halo, x, moving
+
+    def wait(self):
+        """The extended block (exchange's result)."""
+        return self._moving.wait()
+
+    def forward(self, s, conv):
+        halo, done = self.halo, self._x is None
+        if done or halo.interior is None:
+            self._x = None
+            return conv(self.wait()[s], None)
+        x, self._x = self._x, None
+        rows, cols = halo.interior
+        r, c, padding = halo.window(rows, cols, source="held")
+        inner = conv(x[s][:, :, r, c], padding)
+        extended = self.wait()[s]
+        xp = backend.get_array_module(inner)
+        y = xp.empty(inner.shape[:2] + (halo.out_rows, halo.out_cols), inner.dtype)
+        y[:, :, rows.start:rows.stop, cols.start:cols.stop] = inner
+        every_col = range(halo.out_cols)
+        for strip_rows, strip_cols in ((range(0, rows.start), every_col), (range(rows.stop, halo.out_rows), every_col),
+                                       (rows, range(0, cols.start)), (rows, range(cols.stop, halo.out_cols))):
+            if len(strip_rows) and len(strip_cols):
+                r, c, padding = halo.window(strip_rows, strip_cols)
+                y[:, :, strip_rows.start:strip_rows.stop, strip_cols.start:strip_cols.stop] = \
+                    conv(extended[:, :, r, c], padding)
+        return y

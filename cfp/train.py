@@ -88,13 +88,15 @@ class TrainConfig:
     # OVERLAP_CHUNKS); None: as bucket_mb and chunks say
 
     def overlap_settings(self):
-        """(bucket_mb, chunks) this run trains with: --overlap's, filled in with its defaults
-        where --bucket-mb and --chunks were left at theirs (validate() refuses contradictions)."""
+        """(bucket_mb, chunks, halo_interior) this run trains with: --overlap's, filled in with
+        its defaults where --bucket-mb and --chunks were left at theirs (validate() refuses
+        contradictions); halo_interior (the interior of a split image computed while its halo
+        moves, train_step) with --overlap all."""
         if self.overlap in (None, "off"):
-            return self.bucket_mb, self.chunks
+            return self.bucket_mb, self.chunks, False
         bucket_mb = self.bucket_mb or OVERLAP_BUCKET_MB
         chunks = self.chunks if self.overlap == "grads" or self.chunks > 1 else OVERLAP_CHUNKS
-        return bucket_mb, chunks
+        return bucket_mb, chunks, self.overlap == "all"
 
     def validate(self):
         """ValueError naming the bad option, or an option this combination would ignore; the
@@ -283,7 +285,13 @@ def check_chunks(model, chunks, batch_size, option=None):
                              f"expected --chunks <= {held}")
 
 
-def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=1):
+def halo_interior_layers(model):
+    """The convolutions of `model` on a split image that can compute their interior while the
+    halo moves (ConvAlgorithm.halo_interior: those convolving their own block)."""
+    return [m for m in walk(model) if isinstance(m, Conv2d) and m.conv.spatial and m.conv.convolves_own_block()]
+
+
+def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=1, halo_interior=False):
     """One step on this rank's block of a global batch: forward, loss, backward (gradients
     synchronised inside the layers), update. Returns (loss, correct in the global batch).
     The batch is checked once (check_batch); the layers then run without checks of their own.
@@ -292,16 +300,23 @@ def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=
     update; 0: each layer sums its gradients when it has them, blocking. chunks > 1: the
     stationary-x/-y/-w layers run their passes over that many chunks of samples, each chunk's
     collectives in flight while the next computes (ConvAlgorithm.pipelined; check_chunks
-    first), and are left at one chunk (evaluation's batches may be smaller)."""
+    first), and are left at one chunk (evaluation's batches may be smaller). halo_interior:
+    the convolutions on a split image that convolve their own block compute its interior while
+    the halo moves (halo_interior_layers), for this step."""
     n = check_batch(model.grid, x_local, y_local)
     layers = pipelined_layers(model) if chunks > 1 else []
+    interiors = halo_interior_layers(model) if halo_interior else []
     for layer in layers:
         layer.conv.chunks = chunks
+    for layer in interiors:
+        layer.conv.halo_interior = True
     try:
         return _step(model, loss_fn, optimizer, x_local, y_local, n, bucket_mb)
     finally:
         for layer in layers:
             layer.conv.chunks = 1
+        for layer in interiors:
+            layer.conv.halo_interior = False
 
 
 def _step(model, loss_fn, optimizer, x_local, y_local, n, bucket_mb):
@@ -436,7 +451,7 @@ class _Session:
                                     drop_last=True, augment=cfg.augment)
         if len(self.loader) == 0:
             raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
-        self.bucket_mb, self.chunks = cfg.overlap_settings()
+        self.bucket_mb, self.chunks, self.halo_interior = cfg.overlap_settings()
         check_chunks(model, self.chunks, cfg.batch_size,
                      None if self.chunks == cfg.chunks else f"--overlap {cfg.overlap}'s {self.chunks} chunks")
         self.loss_fn = SoftmaxCrossEntropy(self.grid)
@@ -504,7 +519,7 @@ class _Session:
             x_local, y_local = backend.from_host(x_local, self.xp), backend.from_host(y_local, self.xp)
             lr = self.optimizer.lr
             loss, correct = train_step(self.model, self.loss_fn, self.optimizer, x_local, y_local, self.bucket_mb,
-                                       self.chunks)
+                                       self.chunks, self.halo_interior)
             if not math.isfinite(loss):  # the same value on every rank: all stop here
                 self._diverged(self.step + 1, f"the loss is {loss}")
             self.schedule.step()

@@ -49,6 +49,9 @@ def parse_args(argv):
                    help=f"comma-separated algorithms to time, of {', '.join(ALGORITHMS)}")
     p.add_argument("--spatial", action="store_true",
                    help="also split the image: every sample x height x width x channel factorization")
+    p.add_argument("--halo-interior", action="store_true",
+                   help="on grids that split the image, time each layer that can compute its interior while its "
+                        "halo moves (sample, x) a second time doing so, beside the blocking exchange")
     p.add_argument("--breakdown", action="store_true",
                    help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
@@ -99,10 +102,11 @@ def serial_baseline(args, x, w, b, dy, xp=np):
     return slowest_median(MPI.COMM_SELF, step, args.repeats, args.warmup)
 
 
-def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np):
+def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False):
     row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
-                       args.repeats, args.warmup, xp)
-    return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else ""), **row}
+                       args.repeats, args.warmup, xp, halo_interior)
+    return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else "")
+            + (" (interior while the halo moves)" if halo_interior else ""), **row}
 
 
 def print_breakdown(rows):
@@ -145,6 +149,8 @@ def main(argv=None):
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
                 rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp))
+                if args.halo_interior and P_h * P_w > 1 and algorithm in ("sample", "x"):
+                    rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
         grid.free()
     for row in rows:
         total = row["forward_s"] + row["backward_s"]

@@ -96,10 +96,11 @@ def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off"):
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
     (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
     x, y = (backend.from_host(a[rows.start:rows.stop], xp) for a in (x, y))  # the batch on the device once
-    bucket_mb, chunks = TrainConfig(overlap=overlap).overlap_settings()
+    bucket_mb, chunks, halo_interior = TrainConfig(overlap=overlap).overlap_settings()
     check_chunks(model, chunks, args.batch_size, f"--overlap {overlap}'s {chunks} chunks")
     # (a step ends with its loss read on the host, so its clock stops after the device's work)
-    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb, chunks)),
+    step = lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb, chunks, halo_interior)  # noqa: E731
+    seconds = slowest_median(comm, lambda: timed(step),
                              args.steps, args.warmup)["total"]
     grid.free()
     return seconds

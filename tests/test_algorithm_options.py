@@ -51,14 +51,15 @@ def problem(case, seed=0):
     return x, w, b, dy
 
 
-def check_against_serial(grid, config, case, name):
+def check_against_serial(grid, config, case, name, **conv_kwargs):
     """Run `case` (N, C, F, H, W, K, options) under config (spec, algorithm, p_f) on `grid`,
     forward and backward from the global tensors, and check y, dx, dw, db against the serial
-    kernels (float64, 1e-10) and the ledger against predict_bytes. Returns the ledger's bytes."""
+    kernels (float64, 1e-10) and the ledger against predict_bytes. conv_kwargs: more of
+    make_conv's keywords. Returns the ledger's bytes."""
     spec, algorithm, p_f = config
     N, Cin, F, H, W, K, opts = case
     x, w, b, dy = problem(case)
-    conv = make_conv(algorithm, grid, Cin, F, K, filter_groups=p_f, layer="conv", **opts)
+    conv = make_conv(algorithm, grid, Cin, F, K, filter_groups=p_f, layer="conv", **opts, **conv_kwargs)
     x_local = DistTensor.from_global(x, conv.input_layout, grid).local
     dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
     ledger = C.CommLedger()

@@ -10,12 +10,12 @@ from cfp import comm as C
 from cfp.algorithms import make_conv
 from cfp.grid import AXES, ProcessGrid
 from cfp.halo import halo_plan
-from cfp.kernels import fold_index
+from cfp.kernels import conv2d_backward_filter, conv2d_forward, fold_index
 from cfp.layout import activation_layout
-from cfp.perfmodel import ledger_bytes
+from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
-from test_algorithm_options import check_against_serial
+from test_algorithm_options import check_against_serial, problem
 
 pytestmark = pytest.mark.mpi
 
@@ -96,6 +96,64 @@ def grids():
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)
 def test_spatial_grids_match_serial(grids, config, name):
     check_against_serial(grids[config[0]], config, fitted(CASES[name], config[0]), name)
+
+
+# the cases whose windows leave an interior on some rank, and those (padding only, a rank
+# holding no row, padding modes) where a rank has none and waits for its halo
+INTERIOR_CASES = ["k3-p1", "k5-p2-s2", "k2-p0", "k4-same", "k3-d2-p2", "k3-s2-p0-pairs", "groups2",
+                  "empty-input-blocks", "padding-only-blocks", "reflect", "depthwise-replicate"]
+
+
+@pytest.mark.parametrize("name", INTERIOR_CASES)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] in ("sample", "x") and "height=1,width=1" not in c[0]],
+                         ids=ids)
+def test_the_interior_computed_while_the_halo_moves_matches_serial(grids, config, name):
+    """halo_interior: the output rows and columns that read no halo computed from the block
+    held while the halo moves, the border strips after: the same y, dx, dw, db as the serial
+    kernels and the same messages as the blocking exchange (the ledger against
+    predict_bytes). Grouped cases run every algorithm's GroupedChannels."""
+    case = fitted(CASES[name], config[0])
+    check_against_serial(grids[config[0]], config, case, name, halo_interior=True)
+    if name == "k3-p1":  # a 3x3 window over rows of 2 or more leaves an interior on some rank
+        N, Cin, F, H, W, K, opts = case
+        conv = make_conv(config[1], grids[config[0]], Cin, F, K, layer="conv", halo_interior=True, **opts)
+        some = grids[config[0]].comm.allreduce(conv.halo_plan((N, Cin, H, W)).interior is not None)
+        assert_all_ranks(some > 0, f"{ids(config)}: no rank has an interior")
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if "height=1,width=1" not in s])
+def test_the_first_layer_under_stationary_y_computes_its_interior_while_the_halo_moves(grids, spec):
+    """Stationary-y with its input whole over the channel axis (the network's first layer)
+    convolves its own block: with halo_interior its y and dw equal the serial ones, and its
+    messages the blocking exchange's."""
+    N, Cin, F, H, W, K, opts = fitted(CASES["k3-p1"], spec)
+    x, w, b, dy = problem(fitted(CASES["k3-p1"], spec))
+    grid = grids[spec]
+    conv = make_conv("y", grid, Cin, F, K, layer="conv", input_whole=True, need_dx=False, halo_interior=True,
+                     **opts)
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        y = conv.forward(DistTensor.from_global(x, conv.input_layout, grid).local, conv.shard_weight(w),
+                         conv.shard_bias(b))
+        _, dw, db = conv.backward(DistTensor.from_global(dy, conv.output_layout, grid).local)
+    assert_close_all_ranks(DistTensor(y, dy.shape, conv.output_layout, grid).gather(),
+                           conv2d_forward(x, w, b, **opts), 1e-10, f"{spec} y")
+    assert_close_all_ranks(conv.weight_tensor(dw).gather(), conv2d_backward_filter(x, dy, w.shape, **opts),
+                           1e-10, f"{spec} dw")
+    predicted = predict_bytes("y", x.shape, w.shape, spec, grid.coords, itemsize=8, input_whole=True,
+                              need_dx=False, **opts)
+    measured = ledger_bytes(ledger, layer="conv")
+    assert_all_ranks(measured == predicted, f"{spec}: ledger {measured} != predicted {predicted}")
+
+
+@pytest.mark.parametrize("algorithm,first", [("y", False), ("w", False), ("x", True)])
+def test_the_interior_is_refused_where_channels_move_before_the_kernel(grids, algorithm, first):
+    """Where channels are gathered (stationary-y, -w) or taken (the first layer) between the
+    halo and the kernel, halo_interior is refused, never run as the blocking exchange."""
+    spec = SPECS[-1]
+    raises_on_all_ranks(ValueError, lambda: make_conv(algorithm, grids[spec], 4, 4, 3, padding=1, layer="conv",
+                                                      input_whole=first, need_dx=not first, halo_interior=True),
+                        "halo_interior")
 
 
 def test_the_halo_moves_what_the_windows_need(grids):

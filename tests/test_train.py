@@ -320,22 +320,28 @@ def test_overlap_all_trains_as_overlap_off(monkeypatch):
     off: 20 float64 steps with the same losses and weights (1e-12) and the same bytes in every
     phase but the gradient sum, whose buckets concatenate the layers' arrays (the same bytes to
     the rounding of each message's balanced split). The chunks' non-blocking collectives are
-    counted, so a run that silently stayed blocking fails."""
+    counted, so a run that silently stayed blocking fails; so are the halos started with the
+    interior computed while they move (the first layer on the split image)."""
     from cfp import comm
-    started = []
+    from cfp.halo import Halo
+    started, halos = [], []
     for name in ("iallgather", "ireduce_scatter"):
         real = getattr(comm, name)
         monkeypatch.setattr(comm, name, lambda *a, real=real, **k: started.append(1) or real(*a, **k))
+    monkeypatch.setattr(Halo, "start", lambda *a, real=Halo.start, **k: halos.append(1) or real(*a, **k))
     for case, (grid, algorithm, extra) in enumerate(_overlap_cases()):
         chunks = 2 + case % 2
         off, model = train_model(config(grid=grid, algorithm=algorithm, overlap="off", **extra))
         expected = ([h["loss"] for h in off["history"]], weights(model))
         started.clear()
+        halos.clear()
         result, model = train_model(config(grid=grid, algorithm=algorithm, overlap="all", chunks=chunks,
                                            bucket_mb=1e-4, **extra))
         what = f"--overlap all, chunks {chunks}, on {grid} {algorithm}"
         if algorithm in ("x", "y", "w") and SIZE > 1:
             assert_all_ranks(len(started) >= STEPS * chunks, f"{what}: {len(started)} chunk calls")
+        if "height" in (grid or ""):
+            assert_all_ranks(len(halos) >= STEPS, f"{what}: {len(halos)} halos started with the interior")
         assert_trains_like(result, model, expected, what, tol=1e-12)
         before, after = _phase_bytes(off), _phase_bytes(result)
         for phase in set(before) | set(after):
@@ -350,10 +356,10 @@ def test_overlap_settings_and_their_contradictions():
     """--overlap grads and all fill in --bucket-mb and --chunks where they are left at their
     defaults; off with either, or grads with chunks, is refused with a message."""
     from cfp.train import OVERLAP_BUCKET_MB, OVERLAP_CHUNKS
-    assert TrainConfig(overlap="grads").overlap_settings() == (OVERLAP_BUCKET_MB, 1)
-    assert TrainConfig(overlap="all").overlap_settings() == (OVERLAP_BUCKET_MB, OVERLAP_CHUNKS)
-    assert TrainConfig(overlap="all", chunks=3, bucket_mb=2).overlap_settings() == (2, 3)
-    assert TrainConfig(bucket_mb=4).overlap_settings() == (4, 1)
+    assert TrainConfig(overlap="grads").overlap_settings() == (OVERLAP_BUCKET_MB, 1, False)
+    assert TrainConfig(overlap="all").overlap_settings() == (OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, True)
+    assert TrainConfig(overlap="all", chunks=3, bucket_mb=2).overlap_settings() == (2, 3, True)
+    assert TrainConfig(bucket_mb=4).overlap_settings() == (4, 1, False)
     for overrides, message in (({"overlap": "off", "bucket_mb": 4}, "--overlap off runs every collective blocking"),
                                ({"overlap": "grads", "chunks": 2}, "use --overlap all"),
                                ({"overlap": "sometimes"}, "unknown overlap 'sometimes'; expected one of off, grads, all")):

@@ -32,7 +32,8 @@ def make_conv(algorithm, grid, in_channels, out_channels, kernel_size, filter_gr
     says, and refuses a p_f it does not take). With groups > 1, x, y and w run as
     grouped(their class), a GroupedChannels.
     Other keywords: stride, padding, dilation, groups, padding_mode (nn.Conv2d's), bias,
-    input_whole (x holds all C: the first layer), need_dx, layer, chunks (ConvAlgorithm.pipelined).
+    input_whole (x holds all C: the first layer), need_dx, layer, chunks (ConvAlgorithm.pipelined),
+    halo_interior (ConvAlgorithm.halo_interior).
     """
     cls = algorithm_class(algorithm, kwargs.get("groups", 1))
     return cls(grid, in_channels, out_channels, kernel_size, filter_groups=filter_groups, **kwargs)

@@ -81,7 +81,7 @@ class ConvAlgorithm:
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,
-                 dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1):
+                 dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1, halo_interior=False):
         self.grid = grid
         # k: forward and backward run the block in k chunks of samples, the collectives of one
         # chunk in flight while the next computes (pipelined); 1 is one blocking call each
@@ -123,6 +123,45 @@ class ConvAlgorithm:
         self._saved = None
         self._output_shape = None
         self._halo, self._halo_plans = None, {}
+        self.halo_interior = halo_interior
+
+    @property
+    def halo_interior(self):
+        """On a spatial grid, whether forward computes the output rows and columns that need no
+        halo while the halo moves (the rest after it arrives; Halo.interior), instead of after
+        a blocking exchange. Only where forward convolves the rank's own block straight after
+        the halo (convolves_own_block); elsewhere refused. Off a spatial grid nothing moves and
+        it changes nothing."""
+        return self._halo_interior
+
+    @halo_interior.setter
+    def halo_interior(self, on):
+        if on and not self.convolves_own_block():
+            raise ValueError(f"{self.layer}: halo_interior computes the interior of this rank's block while its halo "
+                             f"moves; algorithm {self.name!r}"
+                             f"{' with its input whole over the channel axis' if self.input_whole else ''} "
+                             f"gathers or selects channels between the halo and the kernel: expected "
+                             f"halo_interior=False here")
+        self._halo_interior = bool(on)
+
+    def convolves_own_block(self):
+        """Whether forward convolves this rank's own (extended) block as the halo leaves it,
+        with no channels gathered or taken in between, which halo_interior needs. The
+        algorithms where it does say so."""
+        return False
+
+    def halo_then_forward(self, x, w, b=None):
+        """(extended, compute) for forward of this rank's block x: extended() is x's block
+        extended by its halo, compute(s) the local forward of that block's samples s. With
+        halo_interior on a spatial grid the halo is started here and the first compute() call
+        convolves the interior while it moves (HaloInFlight), the border strips once it has
+        arrived; else the halo is exchanged first, blocking."""
+        if not (self.spatial and self.halo_interior):
+            x = self.halo(x)
+            return (lambda: x), (lambda s: self.local_forward(x[s], w, b))
+        incoming = self._halo.start(x, self.layer)
+        return incoming.wait, (lambda s: incoming.forward(s, lambda block, padding: self.local_forward(block, w, b,
+                                                                                                    padding)))
 
     def shard_indices(self, c):
         """(filters, channels, bias filters): the global indices of the weight and bias shard
@@ -266,8 +305,12 @@ class ConvAlgorithm:
             args["padding_mode"] = "zeros"  # a non-zero mode's padded rows are in the block
         return args
 
-    def local_forward(self, x, w, b=None):
-        return conv2d_forward(self._padded(x), w, b, **self.kernel_args())
+    def local_forward(self, x, w, b=None, padding=None):
+        """The local kernel on x, this rank's extended block (padding None), or on a window of
+        it given with its own zero padding (HaloInFlight's interior and border strips)."""
+        if padding is None:
+            return conv2d_forward(self._padded(x), w, b, **self.kernel_args())
+        return conv2d_forward(x, w, b, **{**self.kernel_args(), "padding": padding})
 
     def local_backward_data(self, dy, w, x_shape):
         if not self.spatial:

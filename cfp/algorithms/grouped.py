@@ -57,17 +57,22 @@ class GroupedChannels(ConvAlgorithm):
     def kernel_args(self):
         return {**super().kernel_args(), "groups": max(1, self.own_groups)}
 
+    def convolves_own_block(self):
+        return not self.input_whole
+
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
-        x = self.halo(x)
         if self.input_whole:  # the first layer: take this rank's groups' channels, no message
-            x = backend.take(x, 1, self.group_channels)
+            x = backend.take(self.halo(x), 1, self.group_channels)
+            extended, compute = (lambda: x), (lambda s: self.local_forward(x[s], w, b if self.bias else None))
+        else:
+            extended, compute = self.halo_then_forward(x, w, b if self.bias else None)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.own_groups:
-                y = self.local_forward(x, w, b if self.bias else None)
+                y = compute(slice(None))
             else:  # more channel ranks than groups: this one holds none
                 y = backend.get_array_module(x).zeros(self._output_shape, x.dtype)
-        self._saved = (x, w)
+        self._saved = (extended(), w)
         return y
 
     def backward(self, dy):

@@ -26,12 +26,15 @@ class SampleParallel(ConvAlgorithm):
         """p_f = 1: the weight is whole, nothing moves along the channel axis."""
         return cls.fixed_filter_groups(1, filter_groups)
 
+    def convolves_own_block(self):
+        return True
+
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
-        x = self.halo(x)
+        extended, compute = self.halo_then_forward(x, w, b if self.bias else None)
         with comm.tag(layer=self.layer, phase="forward"):
-            y = self.local_forward(x, w, b if self.bias else None)
-        self._saved = (x, w)
+            y = compute(slice(None))
+        self._saved = (extended(), w)
         return y
 
     def backward(self, dy):

@@ -26,17 +26,22 @@ class StationaryX(ConvAlgorithm):
         """p_f = 1: rows of one rank (nothing to gather of x), one column of all P_c."""
         return cls.fixed_filter_groups(1, filter_groups)
 
+    def convolves_own_block(self):
+        return not self.input_whole
+
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
-        x = self.halo(x)
         if self.input_whole:  # the first layer: take this rank's channels, no message
-            x = backend.take(x, 1, self.w_channels)
+            x = backend.take(self.halo(x), 1, self.w_channels)
+            extended, compute = (lambda: x), (lambda s: self.local_forward(x[s], w))
+        else:
+            extended, compute = self.halo_then_forward(x, w)
         with comm.tag(layer=self.layer, phase="forward"):
-            _, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w),
+            _, y = self.pipelined(x, lambda s, _: compute(s),
                                   scatter=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
         if self.bias:
             y += b.reshape(1, -1, 1, 1)
-        self._saved = (x, w)
+        self._saved = (extended(), w)
         return y
 
     def backward(self, dy):

@@ -26,14 +26,20 @@ class StationaryY(ConvAlgorithm):
         """p_f = P_c: one row of all P_c (x gathered from all), columns of one rank."""
         return cls.fixed_filter_groups(channel_parts, filter_groups)
 
+    def convolves_own_block(self):
+        return self.input_whole
+
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
-        x = self.halo(x)
+        b = b if self.bias else None
         with comm.tag(layer=self.layer, phase="forward"):
-            # (the first layer's input holds all channels on every rank: nothing to gather)
-            gather = None if self.input_whole else (self.channel_comm, channel_block_sizes(self.C, self.grid))
-            x_all_channels, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w, b if self.bias else None),
-                                               gather=gather)
+            if self.input_whole:  # the first layer's input holds all channels: nothing to gather
+                extended, compute = self.halo_then_forward(x, w, b)
+                _, y = self.pipelined(x, lambda s, _: compute(s))
+                x_all_channels = extended()
+            else:
+                x_all_channels, y = self.pipelined(self.halo(x), lambda s, x_s: self.local_forward(x_s, w, b),
+                                                   gather=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
         self._saved = (x_all_channels, w)
         return y
 
