@@ -142,12 +142,13 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
             "breakdown": world.allgather(mine)}
 
 
-def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup):
+def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup, bucket_mb=0):
     """{label: the slowest rank's median seconds of one training step} (forward, loss, backward,
     SGD with momentum) of model `model_name` (models.MODELS, with `arch`) built on the ranks of
     `world` under each plan of `plans` ({label: {layer: {"grid", "algorithm", "filter_groups",
     "node_axes"}}}),
-    on the global batch x, y (float32).
+    on the global batch x, y (float32); bucket_mb: train_step's (the gradient sums started in
+    buckets during backward).
 
     Every plan's model is built first and the steps go round the plans, one step of each in
     turn: a machine whose speed drifts or stalls for a while (a shared host) then slows every
@@ -169,7 +170,7 @@ def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup):
         out = {}
         for label, (model, loss_fn, optimizer, xs, ys) in runs.items():
             quiet_barrier(world)
-            out[label] = timed(lambda: train_step(model, loss_fn, optimizer, xs, ys))["total"]
+            out[label] = timed(lambda: train_step(model, loss_fn, optimizer, xs, ys, bucket_mb))["total"]
         return out
     seconds = slowest_median(world, one_round, steps, warmup)
     for model, *_ in runs.values():

@@ -260,6 +260,41 @@ def calibrate_collectives(world, quick, repeats, layout=None):
     return links, packing
 
 
+PROGRESS_BYTES = 8 << 20  # the allreduce whose progress behind computation is measured: a bucket's size
+PROGRESS_TESTS = 4  # the test() calls while it is in flight: as many as layers end during a bucket's sum
+
+
+def calibrate_progress(world, repeats, link):
+    """{link: fraction}: how much of a started allreduce over all of `world` moves while its
+    ranks compute, as a gradient bucket's does during backward (train_step's bucket_mb): the
+    blocking allreduce of PROGRESS_BYTES takes t; started, then GEMMs for t with PROGRESS_TESTS
+    test() calls spread over it (what cfp does as each layer of backward ends), its wait()
+    takes w; the fraction is
+    1 - w / t, clipped to [0, 1] (the slowest rank's medians; 0: the transport moves data only
+    inside MPI calls). None on one rank."""
+    if world.Get_size() < 2:
+        return {}
+    data = np.ones(PROGRESS_BYTES // 4, dtype=np.float32)
+    a = np.ones((192, 192), dtype=np.float32)
+    with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
+        blocking = slowest_median(world, lambda: timed(lambda: comm.allreduce(world, data.copy(), donate=True)),
+                                  repeats, 1)["total"]
+
+        def overlapped():
+            pending = comm.iallreduce(world, data.copy(), donate=True)
+            begin = time.perf_counter()
+            for k in range(1, PROGRESS_TESTS + 1):  # a bucket's time spans a few layers, a test() after each
+                while time.perf_counter() < begin + blocking * k / PROGRESS_TESTS:
+                    a @ a
+                pending.test()
+            start = time.perf_counter()
+            pending.wait()
+            return {"total": time.perf_counter() - start}
+        waited = slowest_median(world, overlapped, repeats, 1)["total"]
+    fraction = float(world.bcast(min(1.0, max(0.0, 1.0 - waited / blocking)) if blocking > 0 else 0.0, root=0))
+    return {link: fraction}
+
+
 def check_fits(links, packing):
     """ValueError when a fit is physically impossible: a collective whose large messages would
     cost zero seconds per byte (beta and the packing both zero), which is what a noisy machine
@@ -473,6 +508,8 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
     for table in links.values():
         check_fits(table, packing)  # rank 0's fit on every rank: every rank judges alike
 
+    # over every rank: the link between nodes where they span several
+    moving = calibrate_progress(world, 3 if quick else repeats, "inter" if nodes > 1 else "intra")
     kernels = calibrate_kernels(world, [_geometry(s) for s in kernel_shapes(quick)], 3 if quick else repeats,
                                 progress)
     kernels, layers = world.bcast((kernels, calibrate_layers(world, 3 if quick else repeats)), root=0)
@@ -489,6 +526,7 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
                    f"{time.time() - start:.0f} s"),
         "links": links,
         "packing": packing,
+        "progress": moving,
         "kernels": kernels,
         "layers": layers,
     }

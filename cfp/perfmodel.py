@@ -260,6 +260,9 @@ class MachineProfile:
                     for path, points in data["kernels"][pass_name].items()}
                 if not self.kernels[pass_name] or any(not p for p in self.kernels[pass_name].values()):
                     raise KeyError(f"kernels.{pass_name} (no measured points)")
+            # per link, the fraction of a started collective's transfer that proceeds while its
+            # rank computes (calibration.calibrate_progress); 0 where unmeasured: none hidden
+            self.progress = {str(link): min(1.0, max(0.0, float(v))) for link, v in data.get("progress", {}).items()}
             self.layers = {kind: (0.0, 0.0) for kind in LAYER_KINDS}
             for kind, (fixed, per_element) in data.get("layers", {}).items():
                 if kind not in self.layers:
@@ -287,6 +290,13 @@ class MachineProfile:
             raise ValueError(f"machine profile {self.name!r} was calibrated on one rank and has no link "
                              f"constants; calibrate on 2 or more ranks (mpiexec -n 2 ...) to plan for several")
         return self.links["intra" if intra or "inter" not in self.links else "inter"]
+
+    def progress_of(self, intra=True):
+        """The fraction of a non-blocking collective's transfer that proceeds while its rank
+        computes, on the link inside a node (intra) or between nodes: 1 where the transport
+        moves data by itself (an RDMA network, a GPU's collectives), near 0 where it moves only
+        inside MPI calls (MPICH over TCP or shared memory, calibrate_progress); 0 unmeasured."""
+        return self.progress.get("intra" if intra or "inter" not in self.progress else "inter", 0.0)
 
     def collective_time(self, collective, p, m, intra=True):
         """Seconds of a collective over p ranks whose whole result has m bytes: the alpha-beta
@@ -475,6 +485,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     layers = _layers_time(layer, profile, n * y_filters * Ho * Wo, y_filters, w_count, optimizer_buffers,
                           P_n * P_h * P_w, inside["gradient"])
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
+            "gradient_intra": inside["gradient"],
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
@@ -514,3 +525,62 @@ def _layers_time(layer, profile, elements, channels, w_count, optimizer_buffers,
         tensors, parameters = tensors + 2, parameters + 2 * channels
     out["optimizer"] = profile.layer_time("optimizer", parameters, tensors) * (1 + optimizer_buffers) / 2
     return out
+
+
+def backward_seconds(cost):
+    """Of layer_cost's `cost`, the seconds its backward pass computes and communicates after
+    its gradient sum could start (the next layer down's backward runs in them): backward-data
+    and backward-filter with their collectives, the halo's adjoint, and half the time of the
+    layers after it (batch norm, ReLU, pooling: forward and backward alike, an approximation)."""
+    layers = sum(v for kind, v in cost["layers"].items() if kind != "optimizer")
+    passes = ("backward-data", "backward-filter")
+    halo = cost["comm"].get("halo", 0.0)
+    return (sum(cost["compute"].get(p, 0.0) + cost["comm"].get(p, 0.0) for p in passes)
+            + (halo / 2 if cost["compute"].get("backward-data", 0.0) else 0.0) + layers / 2)
+
+
+def overlapped_step(costs, profile, bucket_bytes):
+    """A training step of layers costing `costs` (layer_cost's results, in forward order; each
+    may hold its `redistribution` seconds) with the weight gradients' sums started in buckets of
+    `bucket_bytes` during backward and waited for before the update (train_step's bucket_mb),
+    as a dict: time (the step), blocking (the same step with every sum blocking, the sum of the
+    costs), gradient_sync (the sums' seconds), exposed (of them, the time the step waits) and
+    hidden (gradient_sync - exposed).
+
+    Backward runs the layers last to first, each taking backward_seconds; a layer's gradient
+    joins the open bucket when its backward ends, and a bucket of bucket_bytes or more (or the
+    last, when backward ends) starts its sum, the sums one after another on the link. While
+    backward still computes, a started sum moves at profile.progress_of(its link) of its
+    blocking rate; what is left when backward ends is moved at the full rate, exposed. So a
+    transport that moves data only inside MPI calls (progress 0) hides nothing, and one that
+    moves it by itself hides up to the backward time after each bucket starts. bucket_bytes <= 0:
+    the blocking step. A bucket's sum costs the sum of its layers' (their alphas counted once
+    each, as cfp's buckets of one gradient group would not)."""
+    blocking = sum(c["time"] + c.get("redistribution", 0.0) for c in costs)
+    total = sum(c["comm"]["gradient-sync"] for c in costs)
+    if bucket_bytes <= 0 or total == 0:
+        return {"time": blocking, "blocking": blocking, "gradient_sync": total, "exposed": total, "hidden": 0.0}
+    buckets, t = [], 0.0
+    seconds, size, intra = 0.0, 0, True
+    for c in reversed(costs):
+        t += backward_seconds(c)
+        seconds += c["comm"]["gradient-sync"]
+        size += c["memory"]["gradients"]
+        intra = intra and c.get("gradient_intra", True)
+        if size >= bucket_bytes:
+            buckets.append((t, seconds, profile.progress_of(intra)))
+            seconds, size, intra = 0.0, 0, True
+    if seconds:
+        buckets.append((t, seconds, profile.progress_of(intra)))
+    end, link, exposed = t, 0.0, 0.0  # backward's end; when the link is free (while backward runs)
+    for ready, left, rate in buckets:
+        start = max(ready, link)
+        if start < end and rate > 0:
+            if left <= (end - start) * rate:
+                link = start + left / rate
+                continue
+            left -= (end - start) * rate
+            link = end
+        exposed += left
+    return {"time": blocking - (total - exposed), "blocking": blocking, "gradient_sync": total,
+            "exposed": exposed, "hidden": total - exposed}

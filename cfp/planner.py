@@ -16,7 +16,7 @@ import itertools
 import math
 
 from .grid import AXES, ProcessGrid, factorizations, placed_axes, placement_order
-from .perfmodel import layer_cost
+from .perfmodel import layer_cost, overlapped_step
 from .report import format_table
 
 CHANNEL_ALGORITHMS = ("x", "y", "w")
@@ -227,6 +227,12 @@ class Plan:
     @property
     def memory(self):
         return _memory(self.choices)
+
+    def overlapped(self, profile, bucket_mb):
+        """perfmodel.overlapped_step of this plan: its step with the gradient sums started in
+        buckets of bucket_mb MiB during backward (the plan itself chosen without overlap)."""
+        return overlapped_step([{**c.cost, "redistribution": c.redistribution} for c in self.choices], profile,
+                               bucket_mb * 2 ** 20)
 
     def table(self):
         """The plan as a plain-text table."""

@@ -3,7 +3,7 @@ GPUs, on a machine profile (no mpiexec, no GPU: the cost model of cfp.perfmodel 
 
     python scripts/simulate.py [--profile reference-v100] [--batch 512] [--resnet-width 4]
         [--cnn-width 4096] [--cnn-depth 4] [--cnn-image 32] [--max-gpus 1024]
-        [--json scaling.json] [--plot scaling.png]
+        [--bucket-mb 25] [--json scaling.json] [--plot scaling.png]
 
 Two models, each at a fixed global batch (strong scaling): a wide ResNet-50 (every channel count
 of ResNet-50 times --resnet-width) on 224x224 images, and the wide plain CNN of
@@ -18,8 +18,10 @@ on `batch` ranks and the rest idle; the tables mark those rows.
 
 What the numbers are: predictions of the alpha-beta-gamma model (docs/design.md section 4), not
 measurements. Only convolutions (and the classifier as a 1x1 convolution) are modelled: batch
-norm, ReLU, pooling, the loss and the optimizer step cost nothing here, and the gradient
-allreduces are not overlapped with compute.
+norm, ReLU, pooling, the loss and the optimizer step cost nothing here. Each plan's step is
+given twice: every collective blocking, and with the gradient allreduces started in buckets of
+--bucket-mb MiB during backward (perfmodel.overlapped_step, at the profile's measured progress of
+a started collective; the plans are chosen without overlap).
 """
 import collections
 import importlib.util
@@ -28,7 +30,7 @@ import time
 
 import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
 from cfp import cli, planner
-from cfp.checks import int_options
+from cfp.checks import finite_number, int_options
 from cfp.io import check_figure_path, check_writable, save_figure, save_json
 from cfp.models import wide_cnn_layers, wide_resnet50_layers
 from cfp.perfmodel import MachineProfile
@@ -52,12 +54,16 @@ def describe(plan):
             ", ".join(f"{a} {n}" for a, n in algorithms.most_common()))
 
 
-def summarize(plan, memory_limit):
-    """The numbers of a plan that the tables, the plot and the JSON show."""
+def summarize(plan, memory_limit, profile, bucket_mb):
+    """The numbers of a plan that the tables, the plot and the JSON show; overlapped_time_s
+    and hidden_s with the gradient sums in buckets of bucket_mb MiB (Plan.overlapped)."""
     grids, algorithms = describe(plan)
+    overlapped = plan.overlapped(profile, bucket_mb)
     return {
         "ranks_used": plan.ranks,
         "time_s": plan.time,
+        "overlapped_time_s": overlapped["time"],
+        "hidden_s": overlapped["hidden"],
         "compute_s": sum(sum(c.cost["compute"].values()) for c in plan.choices),
         "allreduce_bytes_per_rank": sum(allreduce_bytes(c) for c in plan.choices),
         "allreduce_s": sum(c.cost["comm"]["gradient-sync"] for c in plan.choices),
@@ -72,7 +78,7 @@ def summarize(plan, memory_limit):
     }
 
 
-def simulate_scale(layers, gpus, profile, memory_limit):
+def simulate_scale(layers, gpus, profile, memory_limit, bucket_mb=25):
     """{'gpus', 'data_parallel', 'hybrid'}: the two plans' summaries at `gpus` GPUs (the hybrid's
     is {'error': why} when no plan fits the memory limit)."""
     batch = layers[0].N
@@ -81,10 +87,12 @@ def simulate_scale(layers, gpus, profile, memory_limit):
     # still predicted, and flagged.
     data_parallel = planner.plan(layers, min(gpus, batch), profile, algorithms=("sample",))
     try:
-        hybrid = summarize(planner.plan(layers, gpus, profile, memory_limit=memory_limit), memory_limit)
+        hybrid = summarize(planner.plan(layers, gpus, profile, memory_limit=memory_limit), memory_limit, profile,
+                           bucket_mb)
     except ValueError as e:  # no plan fits the memory limit: say so instead of failing the run
         hybrid = {"error": str(e)}
-    return {"gpus": gpus, "data_parallel": summarize(data_parallel, memory_limit), "hybrid": hybrid}
+    return {"gpus": gpus, "data_parallel": summarize(data_parallel, memory_limit, profile, bucket_mb),
+            "hybrid": hybrid}
 
 
 def _ratio(a, b):
@@ -92,7 +100,8 @@ def _ratio(a, b):
     return f"{a / b:.1f}x" if b > 0 else ("-" if a == 0 else "none left")
 
 
-COLUMNS = ("GPUs", "data parallel ms", "hybrid ms", "speedup", "allreduce MB/rank DP", "hybrid", "smaller",
+COLUMNS = ("GPUs", "data parallel ms", "hybrid ms", "speedup", "DP ms, overlapped", "hybrid", "speedup",
+           "allreduce MB/rank DP", "hybrid", "smaller",
            "allreduce ms DP", "hybrid", "smaller", "memory GB/rank DP", "hybrid", "hybrid grids (layers)",
            "hybrid algorithms (layers)")
 
@@ -103,10 +112,12 @@ def table_row(row):
     gpus = str(row["gpus"]) + (f" (DP on {dp['ranks_used']})" if dp["ranks_used"] < row["gpus"] else "")
     dp_memory = f"{dp['memory_bytes_per_rank'] / GB:.1f}" + ("" if dp["fits_memory"] else " (over)")
     if "error" in hy:
-        return [gpus, f"{dp['time_s'] * 1e3:.1f}", "no plan fits", "-",
-                f"{dp['allreduce_bytes_per_rank'] / 1e6:.0f}", "-", "-",
+        return [gpus, f"{dp['time_s'] * 1e3:.1f}", "no plan fits", "-", f"{dp['overlapped_time_s'] * 1e3:.1f}", "-",
+                "-", f"{dp['allreduce_bytes_per_rank'] / 1e6:.0f}", "-", "-",
                 f"{dp['allreduce_s'] * 1e3:.1f}", "-", "-", dp_memory, "-", "-", "-"]
     return [gpus, f"{dp['time_s'] * 1e3:.1f}", f"{hy['time_s'] * 1e3:.1f}", f"{dp['time_s'] / hy['time_s']:.2f}x",
+            f"{dp['overlapped_time_s'] * 1e3:.1f}", f"{hy['overlapped_time_s'] * 1e3:.1f}",
+            f"{dp['overlapped_time_s'] / hy['overlapped_time_s']:.2f}x",
             f"{dp['allreduce_bytes_per_rank'] / 1e6:.0f}", f"{hy['allreduce_bytes_per_rank'] / 1e6:.0f}",
             _ratio(dp["allreduce_bytes_per_rank"], hy["allreduce_bytes_per_rank"]),
             f"{dp['allreduce_s'] * 1e3:.1f}", f"{hy['allreduce_s'] * 1e3:.1f}",
@@ -170,10 +181,13 @@ def parse_args(argv):
     p.add_argument("--cnn-depth", type=int, default=4, help="number of wide layers of the wide CNN")
     p.add_argument("--cnn-image", type=int, default=32, help="side of the wide CNN's square input images")
     p.add_argument("--max-gpus", type=int, default=1024, help="largest scale (powers of two from 4)")
+    p.add_argument("--bucket-mb", type=float, default=25,
+                   help="gradient buckets of the overlapped columns, MiB (train.py --bucket-mb; default PyTorch DDP's)")
     p.add_argument("--json", help="write every number to this JSON file")
     p.add_argument("--plot", help="write the scaling plot to this file, .png, .pdf or .svg (needs matplotlib)")
     args = p.parse_args(argv)
     int_options(args, positive=("batch", "resnet_width", "cnn_width", "cnn_depth", "cnn_image"))
+    finite_number(args.bucket_mb, "--bucket-mb", above=0)
     if args.max_gpus < 4:
         raise ValueError(f"--max-gpus must be at least 4, got {args.max_gpus}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -203,7 +217,10 @@ def run_simulation(args):
     print(f"Global batch {args.batch} at every scale (strong scaling); memory limit per rank for the "
           f"hybrid plans: {limit_text}. Times are predictions of cfp's cost model, not measurements. "
           "Only convolutions and the classifier are modelled (batch norm, ReLU, pooling, the loss and "
-          "the optimizer are not); gradient allreduces are not overlapped with compute. Data parallelism "
+          "the optimizer are not). 'overlapped': the same plans with the gradient allreduces started in "
+          f"buckets of {args.bucket_mb:g} MiB during backward, a started allreduce moving at "
+          f"{profile.progress_of(True):.0%} (inside a node) and {profile.progress_of(False):.0%} (between "
+          "nodes) of its rate while backward computes (the profile's progress). Data parallelism "
           f"cannot use more ranks than samples: above {args.batch} GPUs it runs on {args.batch} and the "
           "rest idle. Allreduce MB: bytes each rank sends in the ring allreduces of its weight-gradient "
           "shards. '(over)': the plan needs more memory than the limit. What was checked: the model's form "
@@ -216,13 +233,14 @@ def run_simulation(args):
     results = {}
     started = time.time()
     for title, layers in models.items():
-        results[title] = [simulate_scale(layers, p, profile, memory_limit) for p in scales]
+        results[title] = [simulate_scale(layers, p, profile, memory_limit, args.bucket_mb) for p in scales]
         print(f"### {title}: {len(layers)} layers\n")
         print(markdown_table(results[title]) + "\n")
     print(f"(planned in {time.time() - started:.1f} s)")
     if args.json:
         save_json(args.json, {"profile": profile.name, "source": profile.source, "batch": args.batch,
-                              "memory_limit": memory_limit, "resnet_width": args.resnet_width,
+                              "memory_limit": memory_limit, "bucket_mb": args.bucket_mb,
+                              "resnet_width": args.resnet_width,
                               "cnn_width": args.cnn_width, "cnn_depth": args.cnn_depth,
                               "cnn_image": args.cnn_image, "scales": scales, "models": results})
     if args.json:

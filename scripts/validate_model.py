@@ -99,9 +99,10 @@ def step_check(world, profile, args):
         planned = plan(shapes, P, profile)
         plans["planner"] = plan_entries(planned)
         x, y = synthetic(batch, 1, 8, 8, 10, seed=0, dtype=np.float32)
-        measured_s = measure_steps(world, name, plans, arch, batch, x, y, args.steps, args.warmup + 1)
+        measured_s = measure_steps(world, name, plans, arch, batch, x, y, args.steps, args.warmup + 1, args.bucket_mb)
         for label, entries in plans.items():
             priced = price_plan(shapes, P, profile, entries)
+            predicted = priced.overlapped(profile, args.bucket_mb)["time"] if args.bucket_mb else priced.time
             measured = measured_s[label]
             parts = {"kernels": sum(sum(c.cost["compute"].values()) for c in priced.choices),
                      "comm": sum(sum(c.cost["comm"].values()) for c in priced.choices),
@@ -110,8 +111,8 @@ def step_check(world, profile, args):
             rows.append({"model": f"{name} {', '.join(f'{k} {v}' for k, v in arch.items() if k in ('width', 'depth'))}"
                                   f", batch {batch}",
                          "plan": label, "grids": plan_grids(entries),
-                         "measured_s": measured, "predicted_s": priced.time, "parts_s": parts,
-                         "error": priced.time / measured - 1})
+                         "measured_s": measured, "predicted_s": predicted, "parts_s": parts,
+                         "error": predicted / measured - 1})
     return rows
 
 
@@ -122,6 +123,9 @@ def parse_args(argv):
                         "machine's, calibrated once and cached)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per plan in the step check")
     p.add_argument("--no-steps", action="store_true", help="skip the whole-step check")
+    p.add_argument("--bucket-mb", type=float, default=0,
+                   help="the step check's steps with the gradient sums started in buckets of this many MiB during "
+                        "backward (train.py --bucket-mb), predicted by perfmodel.overlapped_step; 0: blocking")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each layer")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
     p.add_argument("--json", help="write every measured and predicted number to this JSON file")
@@ -135,6 +139,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     int_options(args, positive=("repeats", "steps", "memory_width", "memory_batch"), nonnegative=("warmup",))
     finite_number(args.memory_fraction, "--memory-fraction", above=0)
+    finite_number(args.bucket_mb, "--bucket-mb", minimum=0)
     return args
 
 
@@ -194,7 +199,10 @@ def main(argv=None):
     if world.Get_rank() == 0 and steps:
         print(f"\n# whole training steps predicted ({profile.name}) against measured, {P} rank(s), float32, "
               f"median of {args.steps}; predicted = kernels + comm + layers (batch norm, ReLU, pooling, "
-              f"sums, loss, update, fixed costs) + redistribute")
+              f"sums, loss, update, fixed costs) + redistribute"
+              + (f"; gradient sums in buckets of {args.bucket_mb:g} MiB during backward, less what "
+                 f"overlapped_step hides at the profile's progress ({profile.progress_of(True):.0%} inside a node, "
+                 f"{profile.progress_of(False):.0%} between)" if args.bucket_mb else ""))
         print("| model | plan | grids | measured ms | predicted ms | error | kernels, comm, layers, redistribute ms |")
         print("|---|---|---|---|---|---|---|")
         for r in steps:

@@ -273,3 +273,17 @@ def test_ranks_of_one_machine_are_one_node():
     world = MPI.COMM_WORLD
     assert calibration.node_layout(world) == (world.Get_size(), 1)
     assert calibration.machine_record(world.Get_size(), 1)["ranks_per_node"] == world.Get_size()
+
+
+@pytest.mark.mpi
+def test_the_progress_of_a_started_allreduce_is_one_fraction_on_every_rank():
+    """calibrate_progress: none on one rank (no link); on several, a fraction in [0, 1] (how
+    much of a started allreduce moved while its ranks computed), the same on every rank, as
+    the profile's `progress` of that link."""
+    world = MPI.COMM_WORLD
+    got = calibration.calibrate_progress(world, 1, "intra")
+    if world.Get_size() == 1:
+        assert got == {}
+        return
+    assert set(got) == {"intra"} and 0.0 <= got["intra"] <= 1.0
+    assert world.allgather(got) == [got] * world.Get_size()

@@ -307,3 +307,61 @@ def test_the_planner_chooses_the_placement_with_the_grid(batch, chosen):
     assert others and all(o.cost["time"] > planned.choices[1].cost["time"] for o in others)
     fixed = plan(layers, 4, profile, grid=(2, 2), algorithms=("y",), node_axes="channel")
     assert [c.node_axes for c in fixed.choices] == [None, None]
+
+
+def _cost(backward, sync, gradient_bytes, intra=True, other=0.0):
+    """A layer_cost-like cost: `backward` seconds of backward-filter, `sync` of gradient sum."""
+    return {"compute": {"forward": other, "backward-data": 0.0, "backward-filter": backward},
+            "comm": {"gradient-sync": sync}, "layers": {}, "memory": {"gradients": gradient_bytes},
+            "gradient_intra": intra, "time": other + backward + sync}
+
+
+def test_progress_is_read_per_link_and_clipped():
+    data = profile_data(inter=(1.0, 1.0))
+    assert MachineProfile(data).progress_of(True) == MachineProfile(data).progress_of(False) == 0.0
+    data["progress"] = {"intra": 1.5, "inter": 0.25}
+    p = MachineProfile(data)
+    assert (p.progress_of(True), p.progress_of(False)) == (1.0, 0.25)
+    assert MachineProfile.load("reference-v100").progress_of(False) == 1.0
+
+
+@pytest.mark.parametrize("rate,bucket,expected_exposed", [
+    (0.0, 1, 6.0),  # a transport that moves data only inside MPI calls hides nothing
+    (1.0, 1, 4.0),  # below: 1 s of layer 1's sum and all of layer 0's exposed
+    (0.5, 1, 5.0),  # layer 2's sum moves at half rate from 1 s to backward's end: the others wait
+    (1.0, 100, 6.0),  # one bucket of every gradient, started when backward ends
+])
+def test_the_overlapped_step_is_the_pipeline_of_buckets_against_backward(rate, bucket, expected_exposed):
+    """Three layers of 1 s of backward each; their sums take 3, 2 and 1 s (the first layer's is
+    the largest) in buckets of one layer each (bucket 1 byte) or one of all (100 bytes). With
+    progress 1, layer 2's 1 s sum (started at 1 s) is done by 2 s, layer 1's 2 s sum moves from
+    2 s to backward's end at 3 s (1 s of it), then 1 s of it and layer 0's 3 s are exposed."""
+    data = profile_data()
+    data["progress"] = {"intra": rate}
+    costs = [_cost(1.0, 3.0, 10), _cost(1.0, 2.0, 10), _cost(1.0, 1.0, 10)]
+    from cfp.perfmodel import overlapped_step
+    out = overlapped_step(costs, MachineProfile(data), bucket)
+    assert out["blocking"] == pytest.approx(9.0) and out["gradient_sync"] == pytest.approx(6.0)
+    assert out["exposed"] == pytest.approx(expected_exposed)
+    assert out["time"] == pytest.approx(3.0 + expected_exposed)
+    assert out["hidden"] == pytest.approx(6.0 - expected_exposed)
+    assert overlapped_step(costs, MachineProfile(data), 0)["time"] == pytest.approx(9.0)  # no buckets: blocking
+
+
+def test_a_bucket_spanning_nodes_progresses_at_the_link_between_them():
+    data = profile_data(inter=(1.0, 1.0))
+    data["progress"] = {"intra": 1.0, "inter": 0.0}
+    from cfp.perfmodel import overlapped_step
+    costs = [_cost(1.0, 1.0, 10, intra=False), _cost(1.0, 1.0, 10)]
+    assert overlapped_step(costs, MachineProfile(data), 1)["exposed"] == pytest.approx(1.0)  # the inter one
+    assert overlapped_step(costs, MachineProfile(data), 100)["exposed"] == pytest.approx(2.0)  # both, at the end
+
+
+def test_a_plan_overlapped_is_never_slower_and_hides_nothing_without_progress():
+    layers = layer_shapes("wide", 16, width=64, depth=2, in_channels=1, classes=10, image=8)
+    planned = plan(layers, 4, MachineProfile.load("reference-v100"), algorithms=("sample",))
+    out = planned.overlapped(MachineProfile.load("reference-v100"), 1e-3)
+    assert 0 < out["time"] <= planned.time * (1 + 1e-12) and out["hidden"] > 0
+    data = MachineProfile.load("reference-v100").data
+    still = MachineProfile({**data, "progress": {}})
+    assert planned.overlapped(still, 1e-3)["time"] == pytest.approx(planned.time)
