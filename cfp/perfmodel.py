@@ -295,8 +295,11 @@ class MachineProfile:
         """The fraction of a non-blocking collective's transfer that proceeds while its rank
         computes, on the link inside a node (intra) or between nodes: 1 where the transport
         moves data by itself (an RDMA network, a GPU's collectives), near 0 where it moves only
-        inside MPI calls (MPICH over TCP or shared memory, calibrate_progress); 0 unmeasured."""
-        return self.progress.get("intra" if intra or "inter" not in self.progress else "inter", 0.0)
+        inside MPI calls (MPICH over TCP or shared memory, calibrate_progress); 0 unmeasured.
+        Where one link was measured (one node; or nodes of one rank, whose groups all cross
+        nodes) it stands for both, as the links' constants do."""
+        own, other = ("intra", "inter") if intra else ("inter", "intra")
+        return self.progress.get(own, self.progress.get(other, 0.0))
 
     def collective_time(self, collective, p, m, intra=True):
         """Seconds of a collective over p ranks whose whole result has m bytes: the alpha-beta

@@ -322,6 +322,8 @@ def test_progress_is_read_per_link_and_clipped():
     data["progress"] = {"intra": 1.5, "inter": 0.25}
     p = MachineProfile(data)
     assert (p.progress_of(True), p.progress_of(False)) == (1.0, 0.25)
+    data["progress"] = {"inter": 0.25}  # one link measured: it stands for both
+    assert MachineProfile(data).progress_of(True) == 0.25
     assert MachineProfile.load("reference-v100").progress_of(False) == 1.0
 
 
