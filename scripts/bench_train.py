@@ -22,7 +22,7 @@ from mpi4py import MPI
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
 from cfp.benchtools import prepare, quiet_barrier, slowest_median, timed
-from cfp.checks import int_options
+from cfp.checks import finite_number, int_options
 from cfp.data import synthetic
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import save_json
@@ -57,11 +57,15 @@ def parse_args(argv):
                    help="comma-separated overlap settings to time side by side, each as train.py --overlap: off, "
                         f"grads (gradient sums in {OVERLAP_BUCKET_MB} MiB buckets during backward), all (and the "
                         f"x/y/w layers' collectives over {OVERLAP_CHUNKS} chunks of samples)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help=f"the buckets of --overlap grads and all, MiB (default {OVERLAP_BUCKET_MB}, train.py's)")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
                    help="cpu (NumPy; torch on the CPU) or gpu (CuPy on each rank's GPU; torch on CUDA)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "batch_size", "steps", "rounds"), nonnegative=("warmup",))
+    if args.bucket_mb is not None:
+        finite_number(args.bucket_mb, "--bucket-mb", above=0)
     args.overlaps = args.overlap.split(",")
     bad = [o for o in args.overlaps if o not in OVERLAPS]
     if bad or not args.overlaps:
@@ -96,7 +100,8 @@ def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off"):
     optimizer = SGD(model.parameters(), 0.01, momentum=0.9)
     (rows,) = model.input_spec[1].head(1).indices((len(x),), model.grid, model.grid.coords)
     x, y = (backend.from_host(a[rows.start:rows.stop], xp) for a in (x, y))  # the batch on the device once
-    bucket_mb, chunks, halo_interior = TrainConfig(overlap=overlap).overlap_settings()
+    bucket_mb = args.bucket_mb if overlap != "off" and args.bucket_mb is not None else 0
+    bucket_mb, chunks, halo_interior = TrainConfig(overlap=overlap, bucket_mb=bucket_mb).overlap_settings()
     check_chunks(model, chunks, args.batch_size, f"--overlap {overlap}'s {chunks} chunks")
     # (a step ends with its loss read on the host, so its clock stops after the device's work)
     step = lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb, chunks, halo_interior)  # noqa: E731

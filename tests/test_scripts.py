@@ -206,6 +206,27 @@ def test_bench_conv_breaks_each_ranks_step_down(tmp_path):
             assert total == pytest.approx(parts["step"], rel=1e-9, abs=1e-12), parts
 
 
+def test_bench_conv_times_the_interior_beside_the_blocking_halo(tmp_path):
+    """bench_conv --spatial --halo-interior on 2 ranks: on each grid that splits the image, the
+    sample and x rows a second time with the interior computed while the halo moves, and the
+    same bytes as the blocking rows."""
+    out = tmp_path / "bench.json"
+    proc, _ = run(2, ["--shape", "2,4,6,8,8,3", "--repeats", "1", "--warmup", "0", "--algorithms", "sample,x",
+                      "--spatial", "--halo-interior", "--json", str(out)],
+                  script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    interior = [r for r in rows if r["algorithm"].endswith("(interior while the halo moves)")]
+    assert sorted((r["grid"], r["algorithm"].split()[0]) for r in interior) == sorted(
+        (g, a) for g in ("height=2", "width=2")
+        for a in ("sample", "x")), [r["grid"] for r in interior]
+    for r in interior:
+        blocking = next(b for b in rows if b["grid"] == r["grid"] and b["algorithm"] == r["algorithm"].split()[0])
+        assert r["bytes_sent_per_rank"] == blocking["bytes_sent_per_rank"] > 0
+        assert r["halo_bytes_per_rank"] == blocking["halo_bytes_per_rank"] > 0
+
+
 def test_the_progress_bar_shows_the_epoch(tmp_path):
     proc, _ = run(1, ["--epochs", "2", "--train-samples", "128", "--batch-size", "64"], script=TRAIN)
     assert proc.returncode == 0, proc.stderr
