@@ -269,9 +269,8 @@ def calibrate_progress(world, repeats, link):
     ranks compute, as a gradient bucket's does during backward (train_step's bucket_mb): the
     blocking allreduce of PROGRESS_BYTES takes t; started, then GEMMs for t with PROGRESS_TESTS
     test() calls spread over it (what cfp does as each layer of backward ends), its wait()
-    takes w; the fraction is
-    1 - w / t, clipped to [0, 1] (the slowest rank's medians; 0: the transport moves data only
-    inside MPI calls). None on one rank."""
+    takes w; the fraction is 1 - w / t, clipped to [0, 1] (the slowest rank's medians; 0: the
+    transport moves data only inside MPI calls). {} on one rank (no link)."""
     if world.Get_size() < 2:
         return {}
     data = np.ones(PROGRESS_BYTES // 4, dtype=np.float32)

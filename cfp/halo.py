@@ -104,8 +104,8 @@ class Halo:
         plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
                          tuple(sorted(options.items())))
         check_image_fits(plan, x_shape, grid.describe(), what)
-        self.out_rows, _, top, bottom, self.rows_at = plan["spans"]["height"][grid.coord("height")]
-        self.out_cols, _, left, right, self.cols_at = plan["spans"]["width"][grid.coord("width")]
+        self.out_rows, need_rows, top, bottom, self.rows_at = plan["spans"]["height"][grid.coord("height")]
+        self.out_cols, need_cols, left, right, self.cols_at = plan["spans"]["width"][grid.coord("width")]
         self.padding = (top, bottom, left, right)  # the local kernel's zero padding
         self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
         self.held = layout.indices(x_shape, grid, grid.coords)
@@ -113,8 +113,7 @@ class Halo:
         g = conv_geometry((1, 1) + x_shape[2:], (1, 1) + tuple(kernel_size), **options)
         # per axis: stride, dilation, kernel, the padded block's zero rows before, the rows
         # needed (a range of the image's), the zero rows after
-        self._axes = [(g.sh, g.dh, g.Kh, top, plan["spans"]["height"][grid.coord("height")][1], bottom),
-                      (g.sw, g.dw, g.Kw, left, plan["spans"]["width"][grid.coord("width")][1], right)]
+        self._axes = [(g.sh, g.dh, g.Kh, top, need_rows, bottom), (g.sw, g.dw, g.Kw, left, need_cols, right)]
         self.interior = self._interior()
 
     def _interior(self):
@@ -225,11 +224,9 @@ class HaloInFlight:
         return self._moving.wait()
 
     def forward(self, s, conv):
-        halo, done = self.halo, self._x is None
-        if done or halo.interior is None:
-            self._x = None
+        halo, x, self._x = self.halo, self._x, None
+        if x is None or halo.interior is None:  # a later call, or no interior: the block whole
             return conv(self.wait()[s], None)
-        x, self._x = self._x, None
         rows, cols = halo.interior
         r, c, padding = halo.window(rows, cols, source="held")
         inner = conv(x[s][:, :, r, c], padding)

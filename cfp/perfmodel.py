@@ -557,8 +557,8 @@ def overlapped_step(costs, profile, bucket_bytes):
     blocking rate; what is left when backward ends is moved at the full rate, exposed. So a
     transport that moves data only inside MPI calls (progress 0) hides nothing, and one that
     moves it by itself hides up to the backward time after each bucket starts. bucket_bytes <= 0:
-    the blocking step. A bucket's sum costs the sum of its layers' (their alphas counted once
-    each, as cfp's buckets of one gradient group would not)."""
+    the blocking step. A bucket's sum costs the sum of its layers' sums: each layer's latency
+    counted, where cfp's one allreduce of a bucket pays it once (an upper bound)."""
     blocking = sum(c["time"] + c.get("redistribution", 0.0) for c in costs)
     total = sum(c["comm"]["gradient-sync"] for c in costs)
     if bucket_bytes <= 0 or total == 0:

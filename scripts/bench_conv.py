@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import backend, cli
-from cfp.algorithms import ALGORITHMS
+from cfp.algorithms import ALGORITHMS, make_conv
 from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int
 from cfp.grid import ProcessGrid, factorizations
@@ -51,7 +51,8 @@ def parse_args(argv):
                    help="also split the image: every sample x height x width x channel factorization")
     p.add_argument("--halo-interior", action="store_true",
                    help="on grids that split the image, time each layer that can compute its interior while its "
-                        "halo moves (sample, x) a second time doing so, beside the blocking exchange")
+                        "halo moves (sample, x; ConvAlgorithm.halo_interior) a second time doing so, beside the "
+                        "blocking exchange")
     p.add_argument("--breakdown", action="store_true",
                    help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
@@ -109,6 +110,13 @@ def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interi
             + (" (interior while the halo moves)" if halo_interior else ""), **row}
 
 
+def convolves_own_block(args, grid, algorithm, p_f):
+    """Whether the layer of `algorithm` can compute its interior while its halo moves (the
+    layer says: ConvAlgorithm.convolves_own_block)."""
+    return make_conv(algorithm, grid, args.C, args.F, args.K, filter_groups=p_f, stride=args.stride,
+                     padding=args.padding, layer="conv").convolves_own_block()
+
+
 def print_breakdown(rows):
     """Each rank's median step of each distributed row, in milliseconds, part by part."""
     print("\n| grid | algorithm | rank | step ms | kernels | packing | MPI | wait | rest |")
@@ -149,7 +157,7 @@ def main(argv=None):
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
                 rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp))
-                if args.halo_interior and P_h * P_w > 1 and algorithm in ("sample", "x"):
+                if args.halo_interior and P_h * P_w > 1 and convolves_own_block(args, grid, algorithm, p_f):
                     rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
         grid.free()
     for row in rows:

@@ -104,8 +104,8 @@ def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off"):
     bucket_mb, chunks, halo_interior = TrainConfig(overlap=overlap, bucket_mb=bucket_mb).overlap_settings()
     check_chunks(model, chunks, args.batch_size, f"--overlap {overlap}'s {chunks} chunks")
     # (a step ends with its loss read on the host, so its clock stops after the device's work)
-    step = lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb, chunks, halo_interior)  # noqa: E731
-    seconds = slowest_median(comm, lambda: timed(step),
+    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb,
+                                                                    chunks, halo_interior)),
                              args.steps, args.warmup)["total"]
     grid.free()
     return seconds

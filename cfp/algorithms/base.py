@@ -150,14 +150,18 @@ class ConvAlgorithm:
         algorithms where it does say so."""
         return False
 
-    def halo_then_forward(self, x, w, b=None):
+    def halo_then_forward(self, x, w, b=None, take=None):
         """(extended, compute) for forward of this rank's block x: extended() is x's block
-        extended by its halo, compute(s) the local forward of that block's samples s. With
+        extended by its halo (of it only the channels `take`, where the first layer convolves
+        its own of a whole input), compute(s) the local forward of that block's samples s. With
         halo_interior on a spatial grid the halo is started here and the first compute() call
         convolves the interior while it moves (HaloInFlight), the border strips once it has
-        arrived; else the halo is exchanged first, blocking."""
+        arrived; else the halo is exchanged first, blocking (always with `take`: such a layer
+        refuses halo_interior)."""
         if not (self.spatial and self.halo_interior):
             x = self.halo(x)
+            if take is not None:
+                x = backend.take(x, 1, take)
             return (lambda: x), (lambda s: self.local_forward(x[s], w, b))
         incoming = self._halo.start(x, self.layer)
         return incoming.wait, (lambda s: incoming.forward(s, lambda block, padding: self.local_forward(block, w, b,

@@ -62,11 +62,9 @@ class GroupedChannels(ConvAlgorithm):
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
-        if self.input_whole:  # the first layer: take this rank's groups' channels, no message
-            x = backend.take(self.halo(x), 1, self.group_channels)
-            extended, compute = (lambda: x), (lambda s: self.local_forward(x[s], w, b if self.bias else None))
-        else:
-            extended, compute = self.halo_then_forward(x, w, b if self.bias else None)
+        # (the first layer takes this rank's groups' channels of its whole input, no message)
+        extended, compute = self.halo_then_forward(x, w, b if self.bias else None,
+                                                   take=self.group_channels if self.input_whole else None)
         with comm.tag(layer=self.layer, phase="forward"):
             if self.own_groups:
                 y = compute(slice(None))

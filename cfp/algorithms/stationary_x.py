@@ -5,7 +5,7 @@ backward-filter:  allgather dy over P_c, local dw
 backward-data:    local dx with the gathered dy, no communication
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
-from .. import backend, comm
+from .. import comm
 from ..kernels import conv2d_backward_bias
 from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
@@ -31,11 +31,8 @@ class StationaryX(ConvAlgorithm):
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
-        if self.input_whole:  # the first layer: take this rank's channels, no message
-            x = backend.take(self.halo(x), 1, self.w_channels)
-            extended, compute = (lambda: x), (lambda s: self.local_forward(x[s], w))
-        else:
-            extended, compute = self.halo_then_forward(x, w)
+        # (the first layer takes this rank's channels of its whole input, no message)
+        extended, compute = self.halo_then_forward(x, w, take=self.w_channels if self.input_whole else None)
         with comm.tag(layer=self.layer, phase="forward"):
             _, y = self.pipelined(x, lambda s, _: compute(s),
                                   scatter=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
