@@ -20,16 +20,27 @@ def positive_int(value, what):
 def int_pair(value, name, minimum, expected):
     """(a, b) from an int or a pair of ints, each >= minimum; else ValueError saying that `name`
     must be `expected` (e.g. "a positive integer") or a pair of them."""
-    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    return int_tuple(value, 2, name, minimum, expected)
+
+
+_TUPLE_WORDS = {1: "one", 2: "pair", 3: "triple"}
+
+
+def int_tuple(value, n, name, minimum, expected):
+    """An n-tuple of ints, each >= minimum, from an int (repeated n times) or n ints: the sizes
+    of a window over n spatial axes (a pair for images, a triple for volumes). Else ValueError
+    saying that `name` must be `expected` (e.g. "a positive integer") or a pair (triple) of them."""
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+    them = f"{expected} or a {_TUPLE_WORDS.get(n, f'{n}-tuple')} of them"
     try:
-        if len(items) != 2 or any(isinstance(v, bool) for v in items):
+        if len(items) != n or any(isinstance(v, bool) for v in items):
             raise TypeError
-        pair = tuple(operator.index(v) for v in items)
+        ints = tuple(operator.index(v) for v in items)
     except TypeError:
-        raise ValueError(f"{name} must be {expected} or a pair of them, got {value!r}") from None
-    if min(pair) < minimum:
-        raise ValueError(f"{name} must be {expected} or a pair of them, got {value!r}")
-    return pair
+        raise ValueError(f"{name} must be {them}, got {value!r}") from None
+    if min(ints) < minimum:
+        raise ValueError(f"{name} must be {them}, got {value!r}")
+    return ints
 
 
 def finite_number(value, what, minimum=None, above=None):

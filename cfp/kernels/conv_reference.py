@@ -130,3 +130,125 @@ def conv2d_backward_bias_loop(dy):
             for j in range(Wo):
                 db += dy[n, :, i, j]
     return db
+
+
+# -- any number of spatial axes: the volumes' convolution (N, C, D, H, W) and the transposed
+# convolution, written out the same way (padding: an int, one per axis, or 'same' / 'valid';
+# for cfp's own asymmetric padding, pad x with np.pad first).
+
+def _tuple(value, n):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+def _nd_sides(padding, kernel, dilation):
+    """((before, after), ...) per spatial axis."""
+    n = len(kernel)
+    if padding == "valid":
+        return ((0, 0),) * n
+    if padding == "same":
+        return tuple((d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for k, d in zip(kernel, dilation))
+    return tuple((p, p) for p in _tuple(padding, n))
+
+
+def _nd_window(a, n, channels, out, strides, dilations, kernel):
+    at = tuple(slice(o * s, o * s + d * (k - 1) + 1, d) for o, s, d, k in zip(out, strides, dilations, kernel))
+    return a[(n, channels) + at]
+
+
+def _nd_geometry(x_shape, w_shape, stride, padding, dilation):
+    kernel = tuple(w_shape[2:])
+    n = len(kernel)
+    strides, dilations = _tuple(stride, n), _tuple(dilation, n)
+    sides = _nd_sides(padding, kernel, dilations)
+    out = tuple((size + a + b - d * (k - 1) - 1) // s + 1
+                for size, (a, b), d, k, s in zip(x_shape[2:], sides, dilations, kernel, strides))
+    return kernel, strides, dilations, sides, out
+
+
+def convnd_forward_loop(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """y[n, f, o] = b[f] + sum_{c in f's group, k} xpad[n, c, o*s + k*d] w[f, c, k] over every
+    output position o and kernel offset k of any number of spatial axes (x (N, C, D, H, W) for
+    a volume, w (F, C/groups, Kd, Kh, Kw))."""
+    kernel, strides, dilations, sides, out = _nd_geometry(x.shape, w.shape, stride, padding, dilation)
+    xpad = np.pad(x, ((0, 0), (0, 0)) + sides, mode=_NUMPY_MODE[padding_mode])
+    N, F, Cg = x.shape[0], w.shape[0], w.shape[1]
+    Fg = F // groups
+    y = np.zeros((N, F) + out, np.result_type(x, w))
+    for n in range(N):
+        for f in range(F):
+            channels = slice(f // Fg * Cg, (f // Fg + 1) * Cg)
+            for o in np.ndindex(*out):
+                y[(n, f) + o] = np.sum(_nd_window(xpad, n, channels, o, strides, dilations, kernel) * w[f])
+    if b is not None:
+        y += b.reshape((1, F) + (1,) * len(out))
+    return y
+
+
+def _nd_fold(dxpad, x_shape, sides, padding_mode):
+    """The padded input's gradient added back onto the input position each padded one copied."""
+    mode = _NUMPY_MODE[padding_mode]
+    kwargs = {"constant_values": -1} if mode == "constant" else {}
+    sources = [np.pad(np.arange(size), side, mode=mode, **kwargs) for size, side in zip(x_shape[2:], sides)]
+    dx = np.zeros(x_shape, dxpad.dtype)
+    for p in np.ndindex(*dxpad.shape[2:]):
+        source = tuple(int(s[i]) for s, i in zip(sources, p))
+        if min(source) >= 0:
+            dx[(slice(None), slice(None)) + source] += dxpad[(slice(None), slice(None)) + p]
+    return dx
+
+
+def convnd_backward_data_loop(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """dx: each output position sends dy[n, f, o] * w[f] back to its window (any spatial axes)."""
+    kernel, strides, dilations, sides, out = _nd_geometry(x_shape, w.shape, stride, padding, dilation)
+    padded = tuple(size + a + b for size, (a, b) in zip(x_shape[2:], sides))
+    dxpad = np.zeros(tuple(x_shape[:2]) + padded, np.result_type(dy, w))
+    N, F, Cg = x_shape[0], w.shape[0], w.shape[1]
+    Fg = F // groups
+    for n in range(N):
+        for f in range(F):
+            channels = slice(f // Fg * Cg, (f // Fg + 1) * Cg)
+            for o in np.ndindex(*out):
+                _nd_window(dxpad, n, channels, o, strides, dilations, kernel)[...] += dy[(n, f) + o] * w[f]
+    return _nd_fold(dxpad, tuple(x_shape), sides, padding_mode)
+
+
+def convnd_backward_filter_loop(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """dw[f] = the sum over samples and output positions of dy[n, f, o] * window (any spatial axes)."""
+    kernel, strides, dilations, sides, out = _nd_geometry(x.shape, w_shape, stride, padding, dilation)
+    xpad = np.pad(x, ((0, 0), (0, 0)) + sides, mode=_NUMPY_MODE[padding_mode])
+    F, Cg = w_shape[0], w_shape[1]
+    Fg = F // groups
+    dw = np.zeros(tuple(w_shape), np.result_type(x, dy))
+    for n in range(x.shape[0]):
+        for f in range(F):
+            channels = slice(f // Fg * Cg, (f // Fg + 1) * Cg)
+            for o in np.ndindex(*out):
+                dw[f] += dy[(n, f) + o] * _nd_window(xpad, n, channels, o, strides, dilations, kernel)
+    return dw
+
+
+def conv_transpose_forward_loop(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
+    """PyTorch's ConvTranspose2d/3d by its definition, a scatter: each input position i of
+    x (N, C, ...) adds x[n, c, i] w[c, f] (w: (C, F/groups, K...)) onto the output window
+    starting at i*s - p, position i*s - p + k*d for kernel offset k; output positions outside
+    0..(size_in - 1) s - 2p + d (K - 1) + output_padding are dropped (what padding crops)."""
+    n_axes = x.ndim - 2
+    strides, pads, dilations = _tuple(stride, n_axes), _tuple(padding, n_axes), _tuple(dilation, n_axes)
+    extra = _tuple(output_padding, n_axes)
+    kernel = w.shape[2:]
+    out = tuple((i - 1) * s - 2 * p + d * (k - 1) + e + 1
+                for i, s, p, d, k, e in zip(x.shape[2:], strides, pads, dilations, kernel, extra))
+    N, C, Fg = x.shape[0], x.shape[1], w.shape[1]
+    Cg = C // groups
+    y = np.zeros((N, Fg * groups) + out, np.result_type(x, w))
+    for n in range(N):
+        for c in range(C):
+            filters = slice(c // Cg * Fg, (c // Cg + 1) * Fg)
+            for i in np.ndindex(*x.shape[2:]):
+                for k in np.ndindex(*kernel):
+                    at = tuple(a * s - p + b * d for a, s, p, b, d in zip(i, strides, pads, k, dilations))
+                    if all(0 <= a < size for a, size in zip(at, out)):
+                        y[(n, filters) + at] += x[(n, c) + i] * w[(c, slice(None)) + k]
+    if b is not None:
+        y += b.reshape((1, -1) + (1,) * n_axes)
+    return y

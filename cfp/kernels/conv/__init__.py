@@ -10,6 +10,8 @@ stride-1 layers with narrow groups (plane.py). The modules:
 
 geometry.py   the options and sizes of a convolution (ConvGeometry), argument checks
 padding.py    padding modes as index maps and their adjoint
+volume.py     3-D convolution (NCDHW) as one stacked 2-D convolution: depth columns
+transposed.py transposed convolution (2-D and 3-D) as the adjoint of the convolution
 paths.py      the path table: which path each pass takes, and the dispatch
 passes.py     the public passes and the workspace count
 im2col.py, plane.py, winograd.py, depthwise.py: the kernel families
@@ -24,9 +26,17 @@ from cfp.kernels.conv.padding import fold_index, pad_index
 from cfp.kernels.conv.passes import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,
                                      conv2d_forward, workspace_bytes)
 from cfp.kernels.conv.paths import PATHS, KernelPath, choose
+from cfp.kernels.conv.transposed import (conv_transpose_backward_bias, conv_transpose_backward_data,
+                                         conv_transpose_backward_filter, conv_transpose_forward,
+                                         conv_transpose_output_shape, transposed_geometry)
+from cfp.kernels.conv.volume import (conv3d_backward_bias, conv3d_backward_data, conv3d_backward_filter,
+                                     conv3d_flops, conv3d_forward, conv3d_output_shape, volume_geometry)
 from cfp.kernels.conv.winograd import winograd_matrices
 
 __all__ = ["PADDING_MODES", "ConvGeometry", "KernelPath", "PATHS", "choose", "conv2d_backward_bias",
            "conv2d_backward_data", "conv2d_backward_filter", "conv2d_flops", "conv2d_forward", "conv2d_output_shape",
            "conv_geometry", "conv_options", "fold_index", "pad_index", "winograd_matrices",
-           "workspace_bytes"]
+           "workspace_bytes", "conv3d_backward_bias", "conv3d_backward_data", "conv3d_backward_filter",
+           "conv3d_flops", "conv3d_forward", "conv3d_output_shape", "volume_geometry",
+           "conv_transpose_backward_bias", "conv_transpose_backward_data", "conv_transpose_backward_filter",
+           "conv_transpose_forward", "conv_transpose_output_shape", "transposed_geometry"]

@@ -1,0 +1,271 @@
+"""3-D convolution on one rank's NCDHW blocks: forward, backward-data, backward-filter, bias,
+with PyTorch's nn.Conv3d meanings of stride, padding, dilation, groups and padding_mode.
+
+A volume's convolution is computed as one 2-D convolution, so that every 2-D kernel path (the
+path table, kernels/conv/paths.py: Winograd for 3x3 planes, im2col, pointwise, plane columns,
+depthwise bands) serves volumes too: im2col along depth only ("depth columns"). Output plane o
+of y sums, over kernel planes k, the 2-D convolutions of input plane o*sd + k*dd - pf with
+w[:, :, k]. Stacking, for every output plane, its Kd input planes as channels,
+
+    stacked[n * Do + o, (g, k, c)] = x_padded[n, g * C/G + c, o * sd + k * dd]    (N Do, Kd C, H, W)
+    w2[f, (k, c)] = w[f, c, k]                                                   (F, Kd C/G, Kh, Kw)
+
+makes y[n, :, o] = conv2d(stacked, w2)[n * Do + o] with the layer's in-plane stride, padding,
+dilation and groups (channels stay group-major, (group, kernel plane, channel), so the 2-D
+groups are the layer's). Backward-filter is the 2-D backward-filter of the same pair, w2's
+gradient unstacked; backward-data the 2-D backward-data, each kernel plane's share of the
+stacked gradient added back onto the input planes it was copied from (col2im along depth).
+The stacked input is Kd times the input (Do/D of it at a depth stride): the copy im2col makes,
+along one axis.
+
+Padding along depth: zeros are never stored (the planes a window reads outside the input are
+zero planes of the stack); another mode pads the depth axis first, by the same index maps as
+the 2-D kernels' (kernels/conv/padding.py), then the in-plane padding is the 2-D pass's own.
+Both are separable, so this is PyTorch's padding of the whole volume.
+
+Shapes: x (N, C, D, H, W), w (F, C/groups, Kd, Kh, Kw), b (F,), y and dy (N, F, Do, Ho, Wo).
+Any of N, C, F may be 0 (empty shards of a distributed layer).
+"""
+from collections import namedtuple
+
+from cfp.backend import get_array_module, index_array
+from cfp.checks import float_dtype, int_pair, int_tuple, positive_int
+from cfp.kernels.conv import passes
+from cfp.kernels.conv.geometry import PADDING_MODES, conv_geometry
+from cfp.kernels.conv.padding import fold_index, pad_index
+
+VolumeGeometry = namedtuple("VolumeGeometry", "N C D F Kd sd pf pk dd mode Do plane", module=__name__)
+VolumeGeometry.__doc__ = """Sizes of one 3-D convolution along depth: input (N, C, D, ...), kernel
+(F, C/G, Kd, ...), depth stride sd, padding front and back (pf, pk), dilation dd, the padding
+mode, output depth Do; and `plane`, the ConvGeometry of the stacked 2-D convolution (its N is
+N Do, its C is Kd C, its H, W, Ho, Wo and in-plane options the layer's)."""
+
+
+def _shape5(shape, name, layout):
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError:
+        raise ValueError(f"{name} must be a 5-D shape {layout}, got {shape!r}") from None
+    if len(dims) != 5 or min(dims) < 0:
+        raise ValueError(f"{name} must be 5-D {layout}, got shape {tuple(shape)!r}")
+    return dims
+
+
+def volume_padding(padding, kernel, dilation, stride):
+    """(front, back, top, bottom, left, right) from an int, a triple, 'valid', 'same' (PyTorch's
+    meaning: the output as large as the input at stride 1, an even kernel's extra plane, row and
+    column at the back, bottom and right) or cfp's own 6 sides."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * 6
+        if padding != "same":
+            raise ValueError(f"padding {padding!r} is not one of 'valid', 'same', an integer or a triple")
+        if stride != (1, 1, 1):
+            raise ValueError(f"padding 'same' is not supported for strided convolutions (stride={stride})")
+        sides = ()
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            sides += (total // 2, total - total // 2)
+        return sides
+    if isinstance(padding, (tuple, list)) and len(padding) == 6:
+        return sum((int_pair(padding[i:i + 2], "padding", 0, "non-negative integers") for i in (0, 2, 4)), ())
+    pd, ph, pw = int_tuple(padding, 3, "padding", 0, "a non-negative integer, a triple, 'same' or 'valid'")
+    return pd, pd, ph, ph, pw, pw
+
+
+def volume_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """The VolumeGeometry of x_shape (N, C, D, H, W) convolved with w_shape (F, C/groups, Kd, Kh,
+    Kw), with PyTorch's nn.Conv3d meanings. Raises ValueError, naming the bad value, for what
+    PyTorch rejects (as conv_geometry does in 2-D), the depth's as the rows' and columns'."""
+    N, C, D, H, W = _shape5(x_shape, "x", "(N, C, D, H, W)")
+    F, Cw, Kd, Kh, Kw = _shape5(w_shape, "w", "(F, C / groups, Kd, Kh, Kw)")
+    G = positive_int(groups, "groups")
+    if C % G or F % G:
+        raise ValueError(f"groups={G} must divide the input channels C={C} and the filters F={F}")
+    if C // G != Cw:
+        grouped = f" ({C} channels in {G} groups)" if G > 1 else ""
+        raise ValueError(f"x has C={C} channels but w expects {Cw * G}{grouped} (w.shape={tuple(w_shape)})")
+    stride = int_tuple(stride, 3, "stride", 1, "a positive integer")
+    dilation = int_tuple(dilation, 3, "dilation", 1, "a positive integer")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
+    sides = volume_padding(padding, (Kd, Kh, Kw), dilation, stride)
+    (sd, dd), (pf, pk) = (stride[0], dilation[0]), sides[:2]
+    if padding_mode == "reflect" and max(pf, pk) >= D and pf + pk:
+        raise ValueError(f"padding {sides[:2]} (front, back) with padding_mode 'reflect' must be smaller than "
+                         f"the input depth D={D}")
+    if padding_mode == "circular" and max(pf, pk) > D:
+        raise ValueError(f"padding {sides[:2]} (front, back) with padding_mode 'circular' wraps around the "
+                         f"input depth D={D} more than once")
+    if padding_mode == "replicate" and D == 0 and pf + pk:
+        raise ValueError(f"padding_mode 'replicate' cannot pad an empty depth D={D}")
+    Dp, extent = D + pf + pk, dd * (Kd - 1) + 1
+    if Kd < 1 or extent > Dp:
+        dilated = f" with dilation {dd} (extent {extent})" if dd != 1 else ""
+        raise ValueError(f"kernel depth {Kd}{dilated} does not fit the padded input depth {Dp} (D={D}, "
+                         f"padding {(pf, pk)} front and back): it must be between 1 and the padded depth")
+    Do = (Dp - extent) // sd + 1
+    # the stacked 2-D convolution checks the channels, groups and in-plane sizes, in the 2-D words
+    try:
+        plane = conv_geometry((N * Do, Kd * C, H, W), (F, Kd * Cw, Kh, Kw), stride[1:], sides[2:],
+                              dilation[1:], G, padding_mode)
+    except ValueError as e:
+        raise ValueError(f"{e} (the rows and columns of the volume {D}x{H}x{W})") from None
+    return VolumeGeometry(N, C, D, F, Kd, sd, pf, pk, dd, padding_mode, Do, plane)
+
+
+def conv3d_output_shape(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """(N, F, Do, Ho, Wo) of conv3d_forward on x_shape (N, C, D, H, W) and w_shape (F, C/groups, Kd, Kh, Kw)."""
+    v = volume_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    return (v.N, v.F, v.Do, v.plane.Ho, v.plane.Wo)
+
+
+def conv3d_flops(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """2 N (C/G) F Do Ho Wo Kd Kh Kw: the multiply-adds, counted as 2 flops, of each pass."""
+    v = volume_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    g = v.plane
+    return 2 * v.N * (v.C // g.G) * v.F * v.Do * g.Ho * g.Wo * v.Kd * g.Kh * g.Kw
+
+
+def _require5(array, name, layout):
+    if getattr(array, "ndim", None) != 5:
+        raise ValueError(f"{name} must be a 5-D array {layout}, got shape {getattr(array, 'shape', None)!r}")
+    float_dtype(array.dtype, name)
+
+
+def _require_dy(dy, v):
+    _require5(dy, "dy", "(N, F, Do, Ho, Wo)")
+    expected = (v.N, v.F, v.Do, v.plane.Ho, v.plane.Wo)
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy has shape {tuple(dy.shape)} but the convolution output is {expected} (N, F, Do, Ho, Wo)")
+
+
+def _plane_options(v):
+    g = v.plane
+    return {"stride": (g.sh, g.sw), "padding": (g.pt, g.pb, g.pl, g.pr), "dilation": (g.dh, g.dw),
+            "groups": g.G, "padding_mode": g.mode}
+
+
+def _pad_depth(x, v, xp):
+    """x padded along depth in v's (non-zero) mode, and v without depth padding."""
+    at = index_array(pad_index(v.D, v.pf, v.pk, v.mode), xp)
+    return xp.ascontiguousarray(x[:, :, at]), v._replace(D=v.D + v.pf + v.pk, pf=0, pk=0)
+
+
+def _kernel_planes(v):
+    """(k, first, count, start) for each kernel plane k: the output planes start..start+count-1
+    whose window plane k reads inside the input, from input plane `first` on, every sd-th."""
+    for k in range(v.Kd):
+        offset = k * v.dd - v.pf  # the input plane output plane 0 reads with kernel plane k
+        start = -(offset // v.sd) if offset < 0 else 0  # ceil(-offset / sd)
+        stop = min(v.Do, (v.D - 1 - offset) // v.sd + 1) if v.D - 1 >= offset else 0
+        count = max(0, stop - start)
+        yield k, offset + start * v.sd, count, start
+
+
+def _stack(x, v, xp):
+    """stacked (N Do, G Kd C/G, H, W): each output plane's Kd input planes as channels."""
+    N, C, D, H, W = x.shape
+    G = v.plane.G
+    Cg = C // G
+    stacked = xp.empty((N, v.Do, G, v.Kd, Cg, H, W), x.dtype)
+    grouped = x.reshape(N, G, Cg, D, H, W)
+    for k, first, count, start in _kernel_planes(v):
+        stacked[:, :start, :, k] = 0
+        stacked[:, start + count:, :, k] = 0
+        planes = grouped[:, :, :, first:first + (count - 1) * v.sd + 1:v.sd] if count else grouped[:, :, :, :0]
+        stacked[:, start:start + count, :, k] = planes.transpose(0, 3, 1, 2, 4, 5)
+    return stacked.reshape(N * v.Do, G * v.Kd * Cg, H, W)
+
+
+def _unstack_add(d_stacked, v, xp, dtype, H, W):
+    """The adjoint of _stack: dx (N, C, D, H, W) with each kernel plane's share of the stacked
+    gradient added onto the input planes it was copied from."""
+    G = v.plane.G
+    Cg = v.C // G
+    d = d_stacked.reshape(v.N, v.Do, G, v.Kd, Cg, H, W)
+    dx = xp.zeros((v.N, G, Cg, v.D, H, W), dtype)
+    for k, first, count, start in _kernel_planes(v):
+        if count:
+            dx[:, :, :, first:first + (count - 1) * v.sd + 1:v.sd] += \
+                d[:, start:start + count, :, k].transpose(0, 2, 3, 1, 4, 5)
+    return dx.reshape(v.N, v.C, v.D, H, W)
+
+
+def _filters2(w, v):
+    """w (F, C/G, Kd, Kh, Kw) as the stacked convolution's (F, Kd C/G, Kh, Kw), (plane, channel)."""
+    F, Cg, Kd, Kh, Kw = w.shape
+    return w.transpose(0, 2, 1, 3, 4).reshape(F, Kd * Cg, Kh, Kw)
+
+
+def _planes_as_samples(a, xp):
+    """a (N, F, Do, Ho, Wo) as (N Do, F, Ho, Wo): each output plane a sample of the 2-D pass."""
+    N, F, Do, Ho, Wo = a.shape
+    return xp.ascontiguousarray(a.transpose(0, 2, 1, 3, 4)).reshape(N * Do, F, Ho, Wo)
+
+
+def conv3d_forward(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """y (N, F, Do, Ho, Wo) = x (N, C, D, H, W) cross-correlated with w (F, C/groups, Kd, Kh,
+    Kw), plus b (F,), as PyTorch's nn.Conv3d: stride and dilation an int or a triple (depth,
+    rows, columns); padding an int, a triple, 'valid', 'same' or (front, back, top, bottom,
+    left, right); groups; padding_mode 'zeros', 'reflect', 'replicate' or 'circular'."""
+    _require5(x, "x", "(N, C, D, H, W)")
+    _require5(w, "w", "(F, C / groups, Kd, Kh, Kw)")
+    v = volume_geometry(x.shape, w.shape, stride, padding, dilation, groups, padding_mode)
+    xp = get_array_module(x, w)
+    dtype = xp.result_type(x.dtype, w.dtype)
+    x = xp.ascontiguousarray(x, dtype=dtype)
+    if v.mode != "zeros" and v.pf + v.pk:
+        x, v = _pad_depth(x, v, xp)
+    g = v.plane
+    y2 = passes.conv2d_forward(_stack(x, v, xp), _filters2(w.astype(dtype, copy=False), v), b, **_plane_options(v))
+    return xp.ascontiguousarray(y2.reshape(v.N, v.Do, v.F, g.Ho, g.Wo).transpose(0, 2, 1, 3, 4))
+
+
+def conv3d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """dx (N, C, D, H, W) from dy (N, F, Do, Ho, Wo); x_shape is needed because with a stride
+    several input sizes give one output size. Positions no window reads get zero gradient;
+    under a padding mode other than zeros the border's gradient goes back to the positions it
+    copied."""
+    _require5(w, "w", "(F, C / groups, Kd, Kh, Kw)")
+    v = volume_geometry(x_shape, w.shape, stride, padding, dilation, groups, padding_mode)
+    _require_dy(dy, v)
+    xp = get_array_module(dy, w)
+    dtype = xp.result_type(dy.dtype, w.dtype)
+    H, W = v.plane.H, v.plane.W
+    if v.N * v.C * v.D * H * W == 0:
+        return xp.zeros((v.N, v.C, v.D, H, W), dtype)
+    padded = v.mode != "zeros" and v.pf + v.pk
+    u = v._replace(D=v.D + v.pf + v.pk, pf=0, pk=0) if padded else v
+    g = v.plane
+    d_stacked = passes.conv2d_backward_data(_planes_as_samples(dy.astype(dtype, copy=False), xp),
+                                            _filters2(w.astype(dtype, copy=False), v),
+                                            (g.N, g.C, H, W), **_plane_options(v))
+    dx = _unstack_add(d_stacked, u, xp, dtype, H, W)
+    if padded:
+        dx = fold_index(dx, pad_index(v.D, v.pf, v.pk, v.mode), v.D, 2)
+    return dx
+
+
+def conv3d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """dw (F, C/groups, Kd, Kh, Kw) from x (N, C, D, H, W) and dy (N, F, Do, Ho, Wo)."""
+    _require5(x, "x", "(N, C, D, H, W)")
+    v = volume_geometry(x.shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    _require_dy(dy, v)
+    xp = get_array_module(x, dy)
+    dtype = xp.result_type(x.dtype, dy.dtype)
+    x = xp.ascontiguousarray(x, dtype=dtype)
+    if v.mode != "zeros" and v.pf + v.pk:
+        x, v = _pad_depth(x, v, xp)
+    F, Cg, Kd, Kh, Kw = (int(s) for s in w_shape)
+    dw2 = passes.conv2d_backward_filter(_stack(x, v, xp), _planes_as_samples(dy.astype(dtype, copy=False), xp),
+                                        (F, Kd * Cg, Kh, Kw), **_plane_options(v))
+    return xp.ascontiguousarray(dw2.reshape(F, Kd, Cg, Kh, Kw).transpose(0, 2, 1, 3, 4))
+
+
+def conv3d_backward_bias(dy):
+    """db (F,) = dy (N, F, Do, Ho, Wo) summed over samples and output positions."""
+    _require5(dy, "dy", "(N, F, Do, Ho, Wo)")
+    xp = get_array_module(dy)
+    N, F = dy.shape[:2]
+    return xp.ascontiguousarray(dy).reshape(N, F, -1).sum(axis=2).sum(axis=0)
