@@ -214,13 +214,13 @@ class Layout:
         return f"Layout({self._text()})"
 
 
-def activation_layout(grid_shape, channel):
-    """The layout of an NCHW activation: split by sample, by `channel` over the channel axis
-    (a Shard, 'channel' or None), and by height and width where `grid_shape` ({axis: size} or
-    (axis, size) pairs) has those axes larger than 1."""
+def activation_layout(grid_shape, channel, axes=2):
+    """The layout of an NCHW activation (NCDHW with axes=3, its depth whole): split by sample,
+    by `channel` over the channel axis (a Shard, 'channel' or None), and by height and width
+    where `grid_shape` ({axis: size} or (axis, size) pairs) has those axes larger than 1."""
     shape = dict(grid_shape)
-    return Layout(("sample", channel, "height" if shape.get("height", 1) > 1 else None,
-                   "width" if shape.get("width", 1) > 1 else None))
+    return Layout(("sample", channel) + (None,) * (axes - 2) + ("height" if shape.get("height", 1) > 1 else None,
+                                                              "width" if shape.get("width", 1) > 1 else None))
 
 
 def _shape(grid):

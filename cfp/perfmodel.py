@@ -19,7 +19,8 @@ from .grid import AXES, coords_of, parse_grid_spec, process_ranks, rank_of
 from .io import load_json
 from .halo import halo_plan
 from .layout import piece_size
-from .kernels import conv2d_output_shape, conv_geometry, workspace_bytes
+from .kernels import conv_geometry, workspace_bytes
+from .kernels.conv import conv_op
 from .kernels.conv.paths import PASSES, geometry_key, rate_key  # the kernel path table: its passes and its choice
 from .partition import block_sizes, gather_group, scatter_group
 
@@ -45,7 +46,7 @@ def _allreduce(count, p, me, itemsize):
 
 def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0,
                   filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8,
-                  dilation=1, groups=1, padding_mode="zeros"):
+                  dilation=1, groups=1, padding_mode="zeros", op="conv2d", output_padding=0):
     """{phase: (bytes sent, bytes received)} of one forward and backward pass of a convolution:
     the sums over message_bytes, which takes the same arguments.
 
@@ -57,19 +58,22 @@ def predict_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     the row; gradient-sync, allreduce the dw and db shards over the P_n ranks sharing them.
     input_whole: x holds all C channels (no gather); need_dx=False: no backward-data (both
     so for the network's first layer). w_shape is (F, C/groups, Kh, Kw); a grouped layer under
-    channel/filter parallelism moves only its gradient (algorithms/grouped.py).
+    channel/filter parallelism moves only its gradient (algorithms/grouped.py). op: the kind
+    of convolution (kernels/conv/ops.py; a volume's x_shape is (N, C, D, H, W), a transposed
+    convolution's w_shape in the convolution's orientation (F, C/groups, *K)), output_padding
+    a transposed one's.
     """
     out = {phase: (0, 0) for phase in PHASES}
     for m, sent, received in message_bytes(algorithm, x_shape, w_shape, grid, coords, stride, padding,
                                            filter_groups, bias, input_whole, need_dx, itemsize,
-                                           dilation, groups, padding_mode):
+                                           dilation, groups, padding_mode, op, output_padding):
         out[m.phase] = (out[m.phase][0] + sent, out[m.phase][1] + received)
     return out
 
 
 def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0,
                   filter_groups=None, bias=True, input_whole=False, need_dx=True, itemsize=8,
-                  dilation=1, groups=1, padding_mode="zeros"):
+                  dilation=1, groups=1, padding_mode="zeros", op="conv2d", output_padding=0):
     """[(Message, bytes sent, bytes received)]: each collective the rank at `coords` takes
     part in during one forward and backward pass, in the order the layer runs them
     (algorithms.base.run_order: the halo exchange on a spatial grid, the algorithm's
@@ -81,9 +85,12 @@ def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     coords = {a: coords.get(a, 0) for a in AXES}
     P_c = shape["channel"]
     p_f = cls.filter_groups(P_c, filter_groups)
-    y_shape = conv2d_output_shape(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    op = conv_op(op)
+    options = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+    options.update(output_padding=output_padding) if op.transposed else options.update(padding_mode=padding_mode)
+    y_shape = op.output_shape(x_shape, w_shape, **options)
     # every block as the layer holds it: its layouts' index sets (Layout.indices)
-    layouts = cls.layouts({"height": shape["height"], "width": shape["width"]}, p_f, input_whole, groups)
+    layouts = cls.layouts({"height": shape["height"], "width": shape["width"]}, p_f, input_whole, groups, op.axes)
     x_ix = layouts["x"].indices(x_shape, shape, coords)
     y_ix = layouts["y"].indices(y_shape, shape, coords)
     halo = None
@@ -93,7 +100,8 @@ def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
         x_ix = halo["wanted"][rank_of(coords, shape)]
     # Per tensor of a message, the elements of one channel block of this rank's samples and
     # (extended) rows and columns: the member at channel coordinate k holds `channels(k)` of them.
-    per_channel = {"x": len(x_ix[0]) * len(x_ix[2]) * len(x_ix[3]), "y": len(y_ix[0]) * len(y_ix[2]) * len(y_ix[3])}
+    per_channel = {"x": math.prod(len(ix) for i, ix in enumerate(x_ix) if i != 1),
+                   "y": math.prod(len(ix) for i, ix in enumerate(y_ix) if i != 1)}
     channels = {"x": lambda k: len(layouts["x"].indices(x_shape, shape, {**coords, "channel": k})[1]),
                 "y": lambda k: len(layouts["y"].indices(y_shape, shape, {**coords, "channel": k})[1])}
     members = {"row": gather_group(coords["channel"], P_c, p_f), "column": scatter_group(coords["channel"], P_c, p_f)}

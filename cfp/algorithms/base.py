@@ -13,10 +13,9 @@ import functools
 import types
 
 from .. import backend, comm
-from ..checks import float_dtype, int_pair, positive_int
+from ..checks import float_dtype, int_tuple, positive_int
 from ..halo import Halo, window_options
-from ..kernels import (conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv2d_output_shape,
-                       conv_options)
+from ..kernels.conv import conv_op
 from ..layout import activation_layout
 from ..partition import block_range, block_sizes
 from ..tensor import DistTensor, Layout, check_blocks
@@ -81,16 +80,26 @@ class ConvAlgorithm:
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,
-                 dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1, halo_interior=False):
+                 dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1, halo_interior=False,
+                 op="conv2d", output_padding=0):
         self.grid = grid
+        # the kind of convolution (kernels/conv/ops.py): conv2d, conv3d, conv_transpose2d/3d, each
+        # with its weight in the convolution's orientation (F, C/groups, *K)
+        self.op = conv_op(op)
         # k: forward and backward run the block in k chunks of samples, the collectives of one
         # chunk in flight while the next computes (pipelined); 1 is one blocking call each
         self.chunks = positive_int(chunks, "chunks")
         self.C = positive_int(in_channels, "in_channels")
         self.F = positive_int(out_channels, "out_channels")
-        self.kernel_size = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
-        # PyTorch's nn.Conv2d options (kernels/conv/geometry.py): checked now, the shapes at forward
-        self.options = conv_options(stride, padding, dilation, groups, padding_mode)
+        self.kernel_size = int_tuple(kernel_size, self.op.axes, "kernel_size", 1, "a positive integer")
+        # PyTorch's nn.Conv2d (Conv3d, ConvTranspose2d/3d) options: checked now, the shapes at forward
+        if self.op.transposed:
+            self.options = self.op.options(stride, padding, dilation, groups, padding_mode, output_padding)
+        elif output_padding != 0:
+            raise ValueError(f"{layer}: output_padding={output_padding!r} applies to transposed convolutions only; "
+                             f"expected 0 for {self.op.name}")
+        else:
+            self.options = self.op.options(stride, padding, dilation, groups, padding_mode)
         self.stride, self.padding = self.options["stride"], self.options["padding"]
         self.groups = self.options["groups"]
         if self.C % self.groups or self.F % self.groups:
@@ -112,6 +121,10 @@ class ConvAlgorithm:
         # width (the classifier after global pooling): those ranks then hold copies
         self.P_h, self.P_w = (grid.axis_size("height"), grid.axis_size("width")) if split_image else (1, 1)
         self.spatial = self.P_h * self.P_w > 1
+        if self.spatial and self.op.name != "conv2d":
+            raise ValueError(f"{layer}: {self.op.name} on a grid splitting height or width "
+                             f"({grid.describe()}) is not supported yet: the halo exchange is 2-D convolutions' "
+                             f"only; expected a grid of sample and channel axes for this layer")
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
         self.p_f = self.filter_groups(self.P_c, filter_groups)
         c = grid.coord("channel")
@@ -119,7 +132,7 @@ class ConvAlgorithm:
         # the ranks holding the same shard: other samples and (when it splits the image) other blocks
         self.gradient_comm = grid.complement_comm("channel") if split_image else grid.axis_comm("sample")
         self.w_filters, self.w_channels, self.b_filters = self.shard_indices(c)
-        self.x_channels = list(self.input_layout.indices((1, self.C, 1, 1), grid, grid.coords)[1])
+        self.x_channels = list(self.input_layout.indices((1, self.C) + (1,) * self.op.axes, grid, grid.coords)[1])
         self._saved = None
         self._output_shape = None
         self._halo, self._halo_plans = None, {}
@@ -227,7 +240,7 @@ class ConvAlgorithm:
         return None if cls.weight_replicated else "channel"
 
     @classmethod
-    def layouts(cls, image_split, p_f, input_whole=False, groups=1):
+    def layouts(cls, image_split, p_f, input_whole=False, groups=1, axes=2):
         """{'x', 'y', 'w', 'b'}: the layouts of x, y (and dy), the weight and the bias of this
         algorithm with p_f filter groups, on a grid splitting the image as `image_split`
         ({'height': P_h, 'width': P_w}). Pure: the layer reads its layouts from here, and so
@@ -238,14 +251,16 @@ class ConvAlgorithm:
         by filter unless w is whole everywhere (output_channel), by height and width in
         blocks of the output. w (F, C/groups, Kh, Kw): as the algorithm declares it
         (weight_layout_of). b (F,): added where y's filter block is, so it follows y's filter
-        split."""
-        y = activation_layout(image_split, cls.output_channel(groups))
-        return {"x": activation_layout(image_split, cls.input_channel(input_whole, groups)), "y": y,
-                "w": cls.weight_layout_of(p_f, groups), "b": Layout((y.dims[1],))}
+        split. axes: the spatial axes (3 for volumes: a depth axis, whole, before the rows, and
+        a third kernel axis, whole)."""
+        y = activation_layout(image_split, cls.output_channel(groups), axes)
+        w = cls.weight_layout_of(p_f, groups)
+        return {"x": activation_layout(image_split, cls.input_channel(input_whole, groups), axes), "y": y,
+                "w": Layout(w.dims + (None,) * (axes - 2), w.partial), "b": Layout((y.dims[1],))}
 
     @property
     def _layouts(self):
-        return _layouts_of(type(self), self.P_h, self.P_w, self.p_f, self.input_whole, self.groups)
+        return _layouts_of(type(self), self.P_h, self.P_w, self.p_f, self.input_whole, self.groups, self.op.axes)
 
     @property
     def input_layout(self):
@@ -272,9 +287,10 @@ class ConvAlgorithm:
         """b's layout (layouts()['b'])."""
         return self._layouts["b"]
 
-    def output_hw(self, H, W):
-        """The output's (H', W') for an input of H x W."""
-        return conv2d_output_shape((1, 1, H, W), (1, 1) + self.kernel_size, **window_options(self.options))[2:]
+    def output_size(self, size):
+        """The output's spatial size (H', W') (or (D', H', W')) for an input of spatial `size`."""
+        return tuple(self.op.output_shape((1, 1) + tuple(size), (1, 1) + self.kernel_size,
+                                          **window_options(self.options))[2:])
 
     # -- spatial splits: the halo ---------------------------------------------------------------
 
@@ -313,17 +329,26 @@ class ConvAlgorithm:
         """The local kernel on x, this rank's extended block (padding None), or on a window of
         it given with its own zero padding (HaloInFlight's interior and border strips)."""
         if padding is None:
-            return conv2d_forward(self._padded(x), w, b, **self.kernel_args())
-        return conv2d_forward(x, w, b, **{**self.kernel_args(), "padding": padding})
+            return self.op.forward(self._padded(x), w, b, **self.kernel_args())
+        return self.op.forward(x, w, b, **{**self.kernel_args(), "padding": padding})
 
     def local_backward_data(self, dy, w, x_shape):
         if not self.spatial:
-            return conv2d_backward_data(dy, w, x_shape, **self.kernel_args())
-        d_padded = conv2d_backward_data(dy, w, self._halo.padded_shape(x_shape), **self.kernel_args())
+            return self.op.backward_data(dy, w, x_shape, **self.kernel_args())
+        d_padded = self.op.backward_data(dy, w, self._halo.padded_shape(x_shape), **self.kernel_args())
         return self._halo.fold(d_padded, x_shape)
 
     def local_backward_filter(self, x, dy, w_shape):
-        return conv2d_backward_filter(self._padded(x), dy, w_shape, **self.kernel_args())
+        return self.op.backward_filter(self._padded(x), dy, w_shape, **self.kernel_args())
+
+    def local_backward_bias(self, dy):
+        """db of this rank's block of dy: summed over its samples and positions."""
+        return self.op.backward_bias(dy)
+
+    def with_bias(self, y, b):
+        """y += b along the channel axis (y's block of filters), in place."""
+        y += b.reshape((1, -1) + (1,) * self.op.axes)
+        return y
 
     def _padded(self, x):
         return self._halo.pad(x) if self.spatial else x
@@ -338,10 +363,11 @@ class ConvAlgorithm:
             if a is not None and a.dtype != x.dtype:
                 raise ValueError(f"{self.layer}: {name} has dtype {a.dtype}, x has {x.dtype}; "
                                  f"expected one dtype for both")
-        if x.ndim != 4 or x.shape[1] != len(self.x_channels):
+        if x.ndim != 2 + self.op.axes or x.shape[1] != len(self.x_channels):
+            spatial = "D, H, W" if self.op.axes == 3 else "H, W"
             raise ValueError(
                 f"{self.layer}: x block has shape {tuple(x.shape)}, expected (n, "
-                f"{len(self.x_channels)}, H, W) for C={self.C} on {self.grid.describe()}"
+                f"{len(self.x_channels)}, {spatial}) for C={self.C} on {self.grid.describe()}"
             )
         if tuple(w.shape) != self.weight_shape:
             raise ValueError(f"{self.layer}: weight shard has shape {tuple(w.shape)}, "
@@ -356,10 +382,12 @@ class ConvAlgorithm:
                              f"(input_shape=), which a trusted caller passes")
         n = x.shape[0]
         filters = self.F if self.weight_replicated else len(self.b_filters)
-        H, W = (shape[2], shape[3]) if self.spatial else x.shape[2:]
-        self._halo = self.halo_plan((shape[0] if shape else n, self.C, H, W)) if self.spatial else None
-        rows, cols = (self._halo.out_rows, self._halo.out_cols) if self.spatial else self.output_hw(H, W)
-        self._output_shape = (n, filters, rows, cols)
+        if self.spatial:
+            self._halo = self.halo_plan((shape[0], self.C, shape[2], shape[3]))
+            self._output_shape = (n, filters, self._halo.out_rows, self._halo.out_cols)
+        else:
+            self._halo = None
+            self._output_shape = (n, filters) + self.output_size(x.shape[2:])
 
     @property
     def kept_bytes(self):
@@ -564,10 +592,10 @@ def overlapped_gradient_sync(bucket_bytes):
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts_of(cls, P_h, P_w, p_f, input_whole, groups):
+def _layouts_of(cls, P_h, P_w, p_f, input_whole, groups, axes):
     """cls.layouts of a layer with these settings, made once: a layer reads its layouts at
     every pass, and the layouts (immutable) depend on nothing else."""
-    return types.MappingProxyType(cls.layouts({"height": P_h, "width": P_w}, p_f, input_whole, groups))
+    return types.MappingProxyType(cls.layouts({"height": P_h, "width": P_w}, p_f, input_whole, groups, axes))
 
 
 def channel_block_sizes(extent, grid):

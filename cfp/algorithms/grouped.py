@@ -18,7 +18,6 @@ import functools
 import numpy as np
 
 from .. import backend, comm
-from ..kernels import conv2d_backward_bias
 from ..layout import Shard
 from ..tensor import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm
@@ -75,7 +74,7 @@ class GroupedChannels(ConvAlgorithm):
 
     def backward(self, dy):
         x, w = self.saved_for(dy)
-        db = conv2d_backward_bias(dy) if self.bias else None
+        db = self.local_backward_bias(dy) if self.bias else None
         if self.own_groups:
             dw = self.local_backward_filter(x, dy, w.shape)
             dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None

@@ -6,7 +6,6 @@ P_c > 1 runs P_c identical replicas; give it channel=1 to use every rank for sam
 x: (n, C, H, W) -> y: (n, F, H', W'), w: (F, C, Kh, Kw) on every rank.
 """
 from .. import comm
-from ..kernels import conv2d_backward_bias
 from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm
 
@@ -39,7 +38,7 @@ class SampleParallel(ConvAlgorithm):
 
     def backward(self, dy):
         x, w = self.saved_for(dy)
-        db = conv2d_backward_bias(dy) if self.bias else None
+        db = self.local_backward_bias(dy) if self.bias else None
         dw = self.local_backward_filter(x, dy, w.shape)
         dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None
         dw, db = self.sync_gradients(dw, db)

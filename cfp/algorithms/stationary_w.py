@@ -9,7 +9,6 @@ x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F / p_f, C / q, Kh, Kw): the
 column's F blocks and the channels of the row's C blocks (partition.union_of_blocks).
 """
 from .. import backend, comm
-from ..kernels import conv2d_backward_bias
 from ..layout import Layout, Shard
 from ..partition import block_size, check_filter_groups, default_filter_groups, gather_group, scatter_group
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message
@@ -52,13 +51,13 @@ class StationaryW(ConvAlgorithm):
                                       gather=None if self.input_whole else (self.row_comm, self.row_channel_sizes),
                                       scatter=(self.column_comm, self.column_filter_sizes))
         if self.bias:
-            y += b.reshape(1, -1, 1, 1)
+            self.with_bias(y, b)
         self._saved = (x_row, w)
         return y
 
     def backward(self, dy):
         x_row, w = self.saved_for(dy)
-        db = conv2d_backward_bias(dy) if self.bias else None
+        db = self.local_backward_bias(dy) if self.bias else None
         dx, dw = self.pipelined_backward(x_row, w, dy, gather=(self.column_comm, self.column_filter_sizes),
                                          scatter=(self.row_comm, self.row_channel_sizes))
         dw, db = self.sync_gradients(dw, db)

@@ -6,7 +6,6 @@ backward-data:    local dx with the gathered dy, no communication
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
 from .. import comm
-from ..kernels import conv2d_backward_bias
 from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
@@ -37,13 +36,13 @@ class StationaryX(ConvAlgorithm):
             _, y = self.pipelined(x, lambda s, _: compute(s),
                                   scatter=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
         if self.bias:
-            y += b.reshape(1, -1, 1, 1)
+            self.with_bias(y, b)
         self._saved = (extended(), w)
         return y
 
     def backward(self, dy):
         x, w = self.saved_for(dy)
-        db = conv2d_backward_bias(dy) if self.bias else None
+        db = self.local_backward_bias(dy) if self.bias else None
         # dy gathered over all filters; dx then needs no message
         dx, dw = self.pipelined_backward(x, w, dy, gather=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
         dw, db = self.sync_gradients(dw, db)

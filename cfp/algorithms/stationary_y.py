@@ -6,7 +6,6 @@ backward-data:    local partial dx over all C, reduce-scatter over P_c
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F_c, C, Kh, Kw).
 """
 from .. import comm
-from ..kernels import conv2d_backward_bias
 from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
@@ -45,7 +44,7 @@ class StationaryY(ConvAlgorithm):
 
     def backward(self, dy):
         x_all_channels, w = self.saved_for(dy)
-        db = conv2d_backward_bias(dy) if self.bias else None
+        db = self.local_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dw = self.local_backward_filter(x_all_channels, dy, w.shape)
         dx = None

@@ -1,4 +1,5 @@
-"""Conv2d and Linear layers: parameters around one of the paper's distributed algorithms.
+"""Conv2d, Conv3d, ConvTranspose2d/3d and Linear layers: parameters around one of the paper's
+distributed algorithms.
 
 Weights are initialised as one global tensor from a seed (the same on every rank and every
 grid) and each rank keeps its shard, so a model starts from the same numbers whatever the grid
@@ -10,7 +11,6 @@ import math
 import numpy as np
 
 from ..algorithms import make_conv
-from ..kernels import conv2d_output_shape
 from ..perfmodel import predict_bytes
 from .module import Module, Parameter
 
@@ -32,19 +32,20 @@ class Conv2d(Module):
     chunks: the layer's collectives pipelined over that many chunks of samples
     (ConvAlgorithm.pipelined; 1: blocking).
     """
+    op = "conv2d"  # the kind of convolution (kernels/conv/ops.py); Conv3d and the transposed layers differ
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  algorithm="y", filter_groups=None, input_whole=False, need_dx=True, name="conv", seed=0,
-                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1):
+                 dtype=np.float32, dilation=1, groups=1, padding_mode="zeros", split_image=True, chunks=1,
+                 **transposed):
         self.name, self.grid = name, grid
         self.algorithm = algorithm
         self.conv = make_conv(algorithm, grid, in_channels, out_channels, kernel_size,
                               filter_groups=filter_groups, stride=stride, padding=padding, bias=bias,
                               input_whole=input_whole, need_dx=need_dx, layer=name, dilation=dilation,
                               groups=groups, padding_mode=padding_mode, split_image=split_image,
-                              chunks=chunks)
-        kh, kw = self.conv.kernel_size
-        fan_in = in_channels // self.conv.groups * kh * kw
+                              chunks=chunks, op=self.op, **transposed)
+        fan_in = in_channels // self.conv.groups * math.prod(self.conv.kernel_size)
         rng = _init_rng(seed, name)
         # He (Kaiming) normal initialisation, for ReLU networks.
         w = rng.standard_normal(self.conv.w_global_shape) * math.sqrt(2.0 / fan_in)
@@ -68,7 +69,7 @@ class Conv2d(Module):
         return self.grid, self.conv.output_layout
 
     def output_shape(self, shape):
-        return conv2d_output_shape(tuple(shape), self.conv.w_global_shape, **self.conv.conv_args())
+        return self.conv.op.output_shape(tuple(shape), self.conv.w_global_shape, **self.conv.conv_args())
 
     def own_parameters(self):
         return [self.weight] + ([self.bias] if self.bias is not None else [])
@@ -84,7 +85,7 @@ class Conv2d(Module):
             coords.update(height=0, width=0)
         moved = predict_bytes(self.algorithm, x_shape, c.w_global_shape, shape, coords,
                               filter_groups=self.filter_groups, bias=c.bias, input_whole=c.input_whole,
-                              need_dx=c.need_dx, itemsize=itemsize, **c.conv_args())
+                              need_dx=c.need_dx, itemsize=itemsize, op=c.op.name, **c.conv_args())
         return {phase: v for phase, v in moved.items() if phase != "redistribute"}
 
     def forward(self, x):
@@ -96,6 +97,35 @@ class Conv2d(Module):
         if self.bias is not None:
             self.bias.grad = db
         return dx
+
+
+class Conv3d(Conv2d):
+    """x: (n, C_c, D, H, W) -> y: (n, F_c, D', H', W'): Conv2d's algorithms and options on
+    volumes, as PyTorch's nn.Conv3d (kernel_size, stride, dilation an int or a triple; padding
+    an int, a triple, 'same', 'valid' or six sides). Grids of sample and channel axes (a grid
+    splitting the volume is refused, for now)."""
+    op = "conv3d"
+
+
+class ConvTranspose2d(Conv2d):
+    """x: (n, C_c, H, W) -> y: (n, F_c, H', W') with H' = (H - 1) stride - 2 padding +
+    dilation (K - 1) + output_padding + 1, as PyTorch's nn.ConvTranspose2d (zero padding only),
+    on every algorithm of Conv2d. The weight is kept in the convolution's orientation, global
+    (out_channels, in_channels / groups, Kh, Kw), so that its shards, gradient allreduce and
+    checkpoints are a convolution's (kernels/conv/ops.py); PyTorch's (in_channels,
+    out_channels / groups, Kh, Kw) weight converts with cfp.kernels.conv.to_conv_weight (and
+    back with to_torch_weight)."""
+    op = "conv_transpose2d"
+
+    def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0,
+                 **kwargs):
+        super().__init__(grid, in_channels, out_channels, kernel_size, stride, padding,
+                         output_padding=output_padding, **kwargs)
+
+
+class ConvTranspose3d(ConvTranspose2d):
+    """ConvTranspose2d on volumes (n, C_c, D, H, W), as PyTorch's nn.ConvTranspose3d."""
+    op = "conv_transpose3d"
 
 
 class Linear(Conv2d):

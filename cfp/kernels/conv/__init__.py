@@ -12,6 +12,7 @@ geometry.py   the options and sizes of a convolution (ConvGeometry), argument ch
 padding.py    padding modes as index maps and their adjoint
 volume.py     3-D convolution (NCDHW) as one stacked 2-D convolution: depth columns
 transposed.py transposed convolution (2-D and 3-D) as the adjoint of the convolution
+ops.py        the kinds a distributed layer runs (conv2d, conv3d, conv_transpose2d/3d), one set of passes each
 paths.py      the path table: which path each pass takes, and the dispatch
 passes.py     the public passes and the workspace count
 im2col.py, plane.py, winograd.py, depthwise.py: the kernel families
@@ -25,6 +26,7 @@ from cfp.kernels.conv.geometry import (PADDING_MODES, ConvGeometry, conv2d_flops
 from cfp.kernels.conv.padding import fold_index, pad_index
 from cfp.kernels.conv.passes import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,
                                      conv2d_forward, workspace_bytes)
+from cfp.kernels.conv.ops import OPS, ConvOp, conv_op, to_conv_weight, to_torch_weight
 from cfp.kernels.conv.paths import PATHS, KernelPath, choose
 from cfp.kernels.conv.transposed import (conv_transpose_backward_bias, conv_transpose_backward_data,
                                          conv_transpose_backward_filter, conv_transpose_forward,
@@ -39,4 +41,5 @@ __all__ = ["PADDING_MODES", "ConvGeometry", "KernelPath", "PATHS", "choose", "co
            "workspace_bytes", "conv3d_backward_bias", "conv3d_backward_data", "conv3d_backward_filter",
            "conv3d_flops", "conv3d_forward", "conv3d_output_shape", "volume_geometry",
            "conv_transpose_backward_bias", "conv_transpose_backward_data", "conv_transpose_backward_filter",
-           "conv_transpose_forward", "conv_transpose_output_shape", "transposed_geometry"]
+           "conv_transpose_forward", "conv_transpose_output_shape", "transposed_geometry", "OPS", "ConvOp", "conv_op", "to_conv_weight",
+           "to_torch_weight"]

@@ -21,6 +21,8 @@ ConvTranspose3d.
 """
 from collections import namedtuple
 
+import numpy as np
+
 from cfp.backend import get_array_module
 from cfp.checks import float_dtype, int_tuple, positive_int
 from cfp.kernels.conv import passes, volume
@@ -173,4 +175,5 @@ def conv_transpose_backward_bias(dy):
     """db (F,) = dy summed over samples and output positions."""
     _require(dy, "dy")
     xp = get_array_module(dy)
-    return xp.ascontiguousarray(dy).reshape(dy.shape[0], dy.shape[1], -1).sum(axis=2).sum(axis=0)
+    positions = int(np.prod(dy.shape[2:]))
+    return xp.ascontiguousarray(dy).reshape(dy.shape[0], dy.shape[1], positions).sum(axis=2).sum(axis=0)

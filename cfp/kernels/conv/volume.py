@@ -267,5 +267,5 @@ def conv3d_backward_bias(dy):
     """db (F,) = dy (N, F, Do, Ho, Wo) summed over samples and output positions."""
     _require5(dy, "dy", "(N, F, Do, Ho, Wo)")
     xp = get_array_module(dy)
-    N, F = dy.shape[:2]
-    return xp.ascontiguousarray(dy).reshape(N, F, -1).sum(axis=2).sum(axis=0)
+    N, F, Do, Ho, Wo = dy.shape
+    return xp.ascontiguousarray(dy).reshape(N, F, Do * Ho * Wo).sum(axis=2).sum(axis=0)

@@ -1,0 +1,146 @@
+"""The kinds of convolution a distributed layer runs, each as one set of passes on one rank's
+blocks: 'conv2d', 'conv3d', 'conv_transpose2d', 'conv_transpose3d' (OPS).
+
+A distributed algorithm (cfp/algorithms) needs of its local kernel only that the layer's output
+is a sum over input channels of one kernel per (output, input) channel pair, so that channels
+and filters can be split and partial outputs summed. Every kind here is that, and each takes
+its weight in the convolution's orientation, (F, C/groups, *K): F the layer's output channels,
+C its input channels. A transposed convolution's weight as PyTorch holds it, (C, F/groups, *K),
+is the same numbers with the first two axes swapped within each group (to_conv_weight,
+to_torch_weight), so weight layouts, shards, gradient allreduces and checkpoints are the
+convolution's, and each algorithm's messages, stated in terms of the layer's input x and
+output y, are unchanged. What changes is which kernel each local pass is: the transposed
+forward is the convolution's backward-data kernel, its backward-data the convolution's
+forward kernel (kernels/conv/transposed.py).
+
+Each ConvOp's `options(...)` checks a layer's options without shapes (what a layer does when
+it is made) and puts them in the form its passes take.
+"""
+import typing
+
+from cfp.checks import int_tuple, positive_int
+from cfp.kernels.conv import passes, transposed, volume
+from cfp.kernels.conv.geometry import PADDING_MODES, conv2d_output_shape, conv_options
+
+
+def _volume_options(stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    stride = int_tuple(stride, 3, "stride", 1, "a positive integer")
+    dilation = int_tuple(dilation, 3, "dilation", 1, "a positive integer")
+    groups = positive_int(groups, "groups")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
+    if isinstance(padding, str) or (isinstance(padding, (tuple, list)) and len(padding) == 6):
+        volume.volume_padding(padding, (1, 1, 1), dilation, stride)  # the string's (or sides') own checks
+    else:
+        padding = int_tuple(padding, 3, "padding", 0, "a non-negative integer, a triple, 'same' or 'valid'")
+    return {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups,
+            "padding_mode": padding_mode}
+
+
+def _transposed_options(axes):
+    def options(stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros", output_padding=0):
+        if padding_mode != "zeros":
+            raise ValueError(f"padding_mode {padding_mode!r}: a transposed convolution pads with zeros only "
+                             f"(as PyTorch's ConvTranspose{axes}d)")
+        if isinstance(padding, str):
+            raise ValueError(f"padding {padding!r}: a transposed convolution takes integer padding (as PyTorch's "
+                             f"ConvTranspose{axes}d), not 'same' or 'valid'")
+        stride = int_tuple(stride, axes, "stride", 1, "a positive integer")
+        dilation = int_tuple(dilation, axes, "dilation", 1, "a positive integer")
+        output_padding = int_tuple(output_padding, axes, "output_padding", 0, "a non-negative integer")
+        for op, s, d in zip(output_padding, stride, dilation):
+            if op >= s and op >= d:
+                raise ValueError(f"output_padding {output_padding} must be smaller than the stride {stride} or the "
+                                 f"dilation {dilation} on each axis (PyTorch's rule)")
+        return {"stride": stride, "padding": int_tuple(padding, axes, "padding", 0, "a non-negative integer"),
+                "dilation": dilation, "groups": positive_int(groups, "groups"), "output_padding": output_padding}
+    return options
+
+
+def to_torch_weight(w, groups):
+    """A transposed convolution's weight from the convolution's orientation (F, C/G, *K) to
+    PyTorch's (C, F/G, *K): within each group, the first two axes swapped (a view where it
+    can be: copy it to keep it)."""
+    F, Cg = w.shape[:2]
+    Fg = F // groups
+    rest = tuple(w.shape[2:])
+    swapped = w.reshape((groups, Fg, Cg) + rest).swapaxes(1, 2)
+    return swapped.reshape((groups * Cg, Fg) + rest)
+
+
+def to_conv_weight(w, groups):
+    """PyTorch's transposed-convolution weight (C, F/G, *K) in the convolution's orientation
+    (F, C/G, *K): the inverse of to_torch_weight (the same swap, read the other way)."""
+    C, Fg = w.shape[:2]
+    Cg = C // groups
+    rest = tuple(w.shape[2:])
+    swapped = w.reshape((groups, Cg, Fg) + rest).swapaxes(1, 2)
+    return swapped.reshape((groups * Fg, Cg) + rest)
+
+
+def _torch_shape(w_shape, groups):
+    F, Cg = w_shape[:2]
+    return (groups * Cg, F // groups) + tuple(w_shape[2:])
+
+
+def _transposed_passes():
+    """The transposed passes with the weight in the convolution's orientation."""
+    def forward(x, w, b=None, groups=1, **options):
+        return transposed.conv_transpose_forward(x, to_torch_weight(w, groups), b, groups=groups, **options)
+
+    def backward_data(dy, w, x_shape, groups=1, **options):
+        return transposed.conv_transpose_backward_data(dy, to_torch_weight(w, groups), x_shape, groups=groups,
+                                                       **options)
+
+    def backward_filter(x, dy, w_shape, groups=1, **options):
+        dw = transposed.conv_transpose_backward_filter(x, dy, _torch_shape(w_shape, groups), groups=groups,
+                                                       **options)
+        return to_conv_weight(dw, groups).copy()
+
+    def output_shape(x_shape, w_shape, groups=1, **options):
+        return transposed.conv_transpose_output_shape(x_shape, _torch_shape(w_shape, groups), groups=groups,
+                                                      **options)
+    return forward, backward_data, backward_filter, output_shape
+
+
+class ConvOp(typing.NamedTuple):
+    """One kind of convolution: its name, spatial axes, whether transposed, and its passes on
+    NumPy/CuPy blocks, the weight in the convolution's orientation (F, C/groups, *K), keyword
+    arguments those `options` returns."""
+    name: str
+    axes: int
+    transposed: bool
+    options: typing.Callable
+    forward: typing.Callable
+    backward_data: typing.Callable
+    backward_filter: typing.Callable
+    backward_bias: typing.Callable
+    output_shape: typing.Callable
+
+    @property
+    def layout(self):
+        """The activation's axes in words: '(N, C, H, W)' or '(N, C, D, H, W)'."""
+        return "(N, C, D, H, W)" if self.axes == 3 else "(N, C, H, W)"
+
+
+_T = _transposed_passes()  # (any number of spatial axes: the arrays say)
+OPS = {
+    "conv2d": ConvOp("conv2d", 2, False, conv_options, passes.conv2d_forward, passes.conv2d_backward_data,
+                     passes.conv2d_backward_filter, passes.conv2d_backward_bias, conv2d_output_shape),
+    "conv3d": ConvOp("conv3d", 3, False, _volume_options, volume.conv3d_forward, volume.conv3d_backward_data,
+                     volume.conv3d_backward_filter, volume.conv3d_backward_bias, volume.conv3d_output_shape),
+    "conv_transpose2d": ConvOp("conv_transpose2d", 2, True, _transposed_options(2), *_T[:3],
+                               transposed.conv_transpose_backward_bias, _T[3]),
+    "conv_transpose3d": ConvOp("conv_transpose3d", 3, True, _transposed_options(3), *_T[:3],
+                               transposed.conv_transpose_backward_bias, _T[3]),
+}
+
+
+def conv_op(name):
+    """The ConvOp called `name`; ValueError naming the kinds for any other."""
+    if isinstance(name, ConvOp):
+        return name
+    if name not in OPS:
+        raise ValueError(f"unknown convolution kind {name!r}; expected one of {', '.join(OPS)}")
+    return OPS[name]
+

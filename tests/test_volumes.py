@@ -1,0 +1,160 @@
+"""Volumes and transposed convolutions on every algorithm and every sample x channel grid: Conv3d
+and ConvTranspose2d/3d forward and backward from the global tensors against the serial kernels
+(float64, 1e-10), the ledger equal to perfmodel.predict_bytes; the first layer (input whole);
+and the refusals of what is not supported yet (a grid that splits the image) or not meant
+(output_padding on a plain convolution)."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cfp import comm as C
+from cfp.algorithms import make_conv
+from cfp.grid import ProcessGrid
+from cfp.kernels.conv import OPS
+from cfp.nn import Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, ReLU, Sequential
+from cfp.perfmodel import ledger_bytes, predict_bytes
+from cfp.tensor import DistTensor
+from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from test_algorithms import CONFIGS, ids
+from test_nn import CASES as NN_CASES
+from test_nn import case_id, compare, data, fit
+
+pytestmark = pytest.mark.mpi
+
+# (op, N, C, F, spatial size, kernel, options): uneven channels and filters over 3 and 4 ranks,
+# strides, dilation, groups, output_padding, asymmetric sizes, one sample
+CASES = {
+    "conv3d": ("conv3d", 3, 5, 7, (4, 5, 6), 3, {"padding": 1}),
+    "conv3d-strided-dilated": ("conv3d", 2, 4, 6, (6, 5, 7), (3, 2, 3),
+                               {"stride": (2, 1, 2), "padding": (2, 0, 1), "dilation": (2, 1, 1)}),
+    "conv3d-groups-reflect": ("conv3d", 2, 6, 4, (4, 4, 5), 3,
+                              {"groups": 2, "padding": 1, "padding_mode": "reflect"}),
+    "conv3d-pointwise": ("conv3d", 1, 6, 10, (3, 4, 4), 1, {}),
+    "transpose2d": ("conv_transpose2d", 3, 5, 7, (4, 5), 3, {"stride": 2, "padding": 1, "output_padding": 1}),
+    "transpose2d-dilated-groups": ("conv_transpose2d", 2, 6, 4, (4, 3), (3, 2),
+                                   {"dilation": 2, "padding": (1, 0), "output_padding": (1, 0), "groups": 2}),
+    "transpose3d": ("conv_transpose3d", 2, 4, 6, (3, 4, 3), 3, {"stride": 2, "padding": 1, "output_padding": 1}),
+    "transpose3d-pointwise": ("conv_transpose3d", 1, 6, 5, (2, 3, 3), 1, {"stride": (1, 2, 2)}),
+}
+
+
+@pytest.fixture(scope="module")
+def grids():
+    made = {spec: ProcessGrid(spec) for spec in grid_specs()}
+    yield made
+    for g in made.values():
+        g.free()
+
+
+def problem(case, seed=0):
+    """The global x, w (the convolution's orientation), b, dy of a case, the same on every rank."""
+    op, N, Cin, F, size, K, opts = case
+    op = OPS[op]
+    K = (K,) * op.axes if isinstance(K, int) else K
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, Cin) + size)
+    w = rng.standard_normal((F, Cin // opts.get("groups", 1)) + K)
+    b = rng.standard_normal(F)
+    dy = rng.standard_normal(op.output_shape(x.shape, w.shape, **opts))
+    return op, x, w, b, dy
+
+
+def check_against_serial(grid, config, case, name, **conv_kwargs):
+    spec, algorithm, p_f = config
+    op, x, w, b, dy = problem(case)
+    opts = case[-1]
+    conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f, layer="conv",
+                     op=op.name, **opts, **conv_kwargs)
+    x_local = DistTensor.from_global(x, conv.input_layout, grid).local
+    dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        y_local = conv.forward(x_local, conv.shard_weight(w), conv.shard_bias(b))
+        dx_local, dw, db = conv.backward(dy_local)
+    got = {"y": DistTensor(y_local, dy.shape, conv.output_layout, grid).gather(),
+           "dw": conv.weight_tensor(dw).gather(), "db": conv.bias_tensor(db).gather()}
+    expected = {"y": op.forward(x, w, b, **opts), "dw": op.backward_filter(x, dy, w.shape, **opts),
+                "db": op.backward_bias(dy)}
+    if conv.need_dx:
+        got["dx"] = DistTensor(dx_local, x.shape, conv.input_layout, grid).gather()
+        expected["dx"] = op.backward_data(dy, w, x.shape, **opts)
+    for key in expected:
+        assert_all_ranks(got[key].shape == expected[key].shape, f"{name} {ids(config)} {key} shape")
+        assert_close_all_ranks(got[key], expected[key], 1e-10, f"{name} {ids(config)} {key}")
+    moved = {k: v for k, v in opts.items()}
+    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, filter_groups=p_f, itemsize=8,
+                              op=op.name, input_whole=conv.input_whole, need_dx=conv.need_dx, **moved)
+    measured = ledger_bytes(ledger, layer="conv")
+    assert_all_ranks(measured == predicted, f"{name} {ids(config)}: ledger {measured} != predicted {predicted}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("config", CONFIGS, ids=ids)
+def test_volumes_and_transposed_match_serial_and_predicted_bytes(grids, config, name):
+    check_against_serial(grids[config[0]], config, CASES[name], name)
+
+
+@pytest.mark.parametrize("name", ["conv3d", "transpose2d", "transpose3d"])
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] in ("sample", "y")], ids=ids)
+def test_first_layer(grids, config, name):
+    """The network's first layer: the input whole on every channel rank, no dx."""
+    check_against_serial(grids[config[0]], config, CASES[name], name, input_whole=True, need_dx=False)
+
+
+def test_refusals():
+    if SIZE > 1:
+        grid = ProcessGrid(f"height={SIZE}")
+        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv3d"),
+                            match=r"conv3d on a grid splitting height or width .* not supported yet")
+        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv_transpose2d"),
+                            match=r"conv_transpose2d on a grid splitting height or width")
+        grid.free()
+    whole = ProcessGrid(f"sample={SIZE}")
+    refused = [
+        (dict(output_padding=1), r"output_padding=1 applies to transposed convolutions only"),
+        (dict(op="conv_transpose2d", stride=2, output_padding=2),
+         r"output_padding \(2, 2\) must be smaller than the stride \(2, 2\)"),
+        (dict(op="conv_transpose3d", padding_mode="reflect"), r"pads with zeros only"),
+        (dict(op="conv_transpose2d", padding="same"), r"takes integer padding"),
+        (dict(op="conv4d"), r"unknown convolution kind 'conv4d'"),
+    ]
+    for kwargs, message in refused:
+        raises_on_all_ranks(ValueError, lambda: make_conv("sample", whole, 4, 4, 3, **kwargs), match=message)
+    raises_on_all_ranks(ValueError, lambda: make_conv("sample", whole, 4, 4, (3, 3), op="conv3d"),
+                        match=r"kernel_size must be a positive integer or a triple")
+    conv = make_conv("sample", whole, 4, 4, 3, op="conv3d")
+    raises_on_all_ranks(ValueError, lambda: conv.forward(np.zeros((2, 4, 5, 5)), np.zeros(conv.weight_shape),
+                                                         np.zeros(conv.bias_shape)),
+                        match=r"x block has shape \(2, 4, 5, 5\), expected \(n, 4, D, H, W\)")
+    whole.free()
+
+
+@pytest.fixture(scope="module")
+def layer_grids():
+    made = {spec: ProcessGrid(spec) for spec in grid_specs()}
+    made["serial"] = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
+    yield made
+    for g in made.values():
+        g.free()
+
+
+@pytest.mark.parametrize("case", NN_CASES, ids=case_id)
+def test_layers_end_to_end(layer_grids, case):
+    """Conv3d (first layer: input whole, no dx) -> ReLU -> ConvTranspose3d (stride 2,
+    output_padding 1), and ConvTranspose2d -> ReLU -> Conv2d, against the same layers on one rank."""
+    spec, alg, p_f = case
+    split = alg != "sample"
+
+    def volume(grid):
+        kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64)
+        return Sequential(Conv3d(grid, 2, 6, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw), ReLU(),
+                          ConvTranspose3d(grid, 6, 4, 3, stride=2, padding=1, output_padding=1, name="t2", **kw))
+
+    def image(grid):
+        kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64)
+        return Sequential(ConvTranspose2d(grid, 5, 6, 2, stride=2, name="t1", **kw), ReLU(),
+                          Conv2d(grid, 6, 3, 3, padding=1, name="c2", **kw))
+    compare(volume, layer_grids, spec, data((3, 2, 3, 4, 3), 1), data((3, 4, 6, 8, 6), 2), in_split=False,
+            out_split=split, what=f"volume {case_id(case)}")
+    compare(image, layer_grids, spec, data((3, 5, 3, 4), 3), data((3, 3, 6, 8), 4), in_split=split,
+            out_split=split, what=f"image {case_id(case)}")
