@@ -6,7 +6,10 @@ difference of each pass from the float64 im2col result, relative to its largest 
 `--sweep` times the convolutions of ResNet-50, VGG-16 and a U-Net at their natural image sizes
 (batches from `--batches`), and the half and quarter blocks that 2 and 4 ranks hold of their
 wide 3x3 layers, with a summary of the torch/cfp ratios. `--device gpu` times cfp on CuPy arrays
-against PyTorch on CUDA (cuDNN), each call synchronised before its clock stops.
+against PyTorch on CUDA (cuDNN), each call synchronised before its clock stops. A shape of
+seven sizes, N x C x F x D x H x W x K, is a volume's 3-D convolution (K x K x K kernel, against
+PyTorch's conv3d); its paths are those of the stacked 2-D convolution it runs as
+(kernels/conv/volume.py).
 """
 import argparse
 import re
@@ -29,7 +32,8 @@ from cfp.kernels import (
     conv2d_forward,
     conv_geometry,
 )
-from cfp.kernels.conv import paths
+from cfp.kernels.conv import conv3d_backward_data, conv3d_backward_filter, conv3d_flops, conv3d_forward, paths
+from cfp.kernels.conv import volume_geometry
 
 # N x C x F x H x W x K[gG][dD][sS]: the shapes BENCHMARKS.md reports (3x3 "same" convolutions on
 # a wide-ish and a very wide layer, a 1x1 channel-reducing layer; then a depthwise, a grouped
@@ -75,21 +79,25 @@ except ImportError:  # the comparison is optional: cfp is timed alone
 def parse_shape(text):
     """'32x64x64x32x32x3' -> (N, C, F, H, W, K, groups, dilation, stride), with 'g32', 'd2' and
     's2' after K for groups, dilation and stride; padding dilation * (K // 2) keeps H and W at
-    stride 1 ("same")."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)(?:g(\d+))?(?:d(\d+))?(?:s(\d+))?", text.lower())
-    dims = tuple(int(d) if d else 1 for d in match.groups()) if match else ()
-    if len(dims) != 9 or min(dims) < 1 or dims[1] % dims[6] or dims[2] % dims[6]:
+    stride 1 ("same"). A volume, 'N x C x F x D x H x W x K': the same with its depth D last."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:x(\d+))?x(\d+)x(\d+)x(\d+)(?:g(\d+))?(?:d(\d+))?(?:s(\d+))?",
+                         text.lower())
+    depth = int(match.group(4)) if match and match.group(4) else None
+    groups = match.groups()[:3] + match.groups()[4:] if match else ()
+    dims = tuple(int(d) if d else 1 for d in groups) + ((depth,) if depth is not None else ())
+    if len(dims) < 9 or min(dims) < 1 or dims[1] % dims[6] or dims[2] % dims[6]:
         raise argparse.ArgumentTypeError(
-            f"shape must be N x C x F x H x W x K with positive integers and optional gG (groups dividing "
-            f"C and F), dD (dilation) and sS (stride), e.g. 32x64x64x32x32x3 or 32x256x256x16x16x3g32, "
-            f"got {text!r}"
+            f"shape must be N x C x F x H x W x K (a volume: N x C x F x D x H x W x K) with positive integers "
+            f"and optional gG (groups dividing C and F), dD (dilation) and sS (stride), e.g. 32x64x64x32x32x3, "
+            f"32x256x256x16x16x3g32 or 1x32x32x64x64x64x3, got {text!r}"
         )
     return dims
 
 
 def shape_text(shape):
-    N, C, F, H, W, K, G, D, S = shape
-    return (f"{N}x{C}x{F}x{H}x{W}x{K}" + (f"g{G}" if G > 1 else "") + (f"d{D}" if D > 1 else "")
+    N, C, F, H, W, K, G, D, S = shape[:9]
+    sizes = (N, C, F) + tuple(shape[9:]) + (H, W, K)
+    return ("x".join(map(str, sizes)) + (f"g{G}" if G > 1 else "") + (f"d{D}" if D > 1 else "")
             + (f"s{S}" if S > 1 else ""))
 
 
@@ -153,10 +161,13 @@ def _synchronised(run, sync):
 def cfp_runs(x, w, dy, padding, groups, dilation, stride=1):
     """The three passes on x, w, dy (NumPy arrays, or CuPy arrays: each call then synchronised)."""
     kw = {"stride": stride, "padding": padding, "groups": groups, "dilation": dilation}
+    forward, backward_data, backward_filter = ((conv3d_forward, conv3d_backward_data, conv3d_backward_filter)
+                                               if x.ndim == 5 else
+                                               (conv2d_forward, conv2d_backward_data, conv2d_backward_filter))
     runs = {
-        "forward": lambda: conv2d_forward(x, w, **kw),
-        "backward_data": lambda: conv2d_backward_data(dy, w, x.shape, **kw),
-        "backward_filter": lambda: conv2d_backward_filter(x, dy, w.shape, **kw),
+        "forward": lambda: forward(x, w, **kw),
+        "backward_data": lambda: backward_data(dy, w, x.shape, **kw),
+        "backward_filter": lambda: backward_filter(x, dy, w.shape, **kw),
     }
     if not backend.is_device_array(x):
         return runs
@@ -165,19 +176,20 @@ def cfp_runs(x, w, dy, padding, groups, dilation, stride=1):
 
 def torch_runs(x, w, dy, padding, groups, dilation, stride=1, device="cpu"):
     tx, tw, tdy = (torch.from_numpy(a).to("cuda" if device == "gpu" else "cpu") for a in (x, w, dy))
+    axes = x.ndim - 2
+    convolution = torch.nn.functional.conv3d if axes == 3 else torch.nn.functional.conv2d
 
     def backward(which):
-        # aten.convolution_backward is what autograd calls for conv2d; the mask selects
-        # (input, weight, bias) gradients so each pass is timed on its own.
+        # aten.convolution_backward is what autograd calls for conv2d and conv3d; the mask
+        # selects (input, weight, bias) gradients so each pass is timed on its own.
         mask = [which == "data", which == "filter", False]
         return torch.ops.aten.convolution_backward(
-            tdy, tx, tw, None, [stride, stride], [padding, padding], [dilation, dilation], False, [0, 0],
+            tdy, tx, tw, None, [stride] * axes, [padding] * axes, [dilation] * axes, False, [0] * axes,
             groups, mask
         )
 
     runs = {
-        "forward": lambda: torch.nn.functional.conv2d(tx, tw, stride=stride, padding=padding, groups=groups,
-                                                      dilation=dilation),
+        "forward": lambda: convolution(tx, tw, stride=stride, padding=padding, groups=groups, dilation=dilation),
         "backward_data": lambda: backward("data"),
         "backward_filter": lambda: backward("filter"),
     }
@@ -198,13 +210,18 @@ def largest_error(x, w, dy, padding, groups, dilation, stride=1, xp=np):
 
 
 def bench_shape(shape, dtype, repeats, rng, xp=np):
-    N, C, F, H, W, K, G, D, S = shape
+    N, C, F, H, W, K, G, D, S = shape[:9]
     padding = D * (K // 2)
-    x = rng.standard_normal((N, C, H, W)).astype(dtype)
-    w = rng.standard_normal((F, C // G, K, K)).astype(dtype)
-    g = conv_geometry(x.shape, w.shape, S, padding, D, G)
-    dy = rng.standard_normal((N, F, g.Ho, g.Wo)).astype(dtype)
-    flops = conv2d_flops(x.shape, w.shape, S, padding, D, G)
+    depth = tuple(shape[9:])  # (D,) for a volume
+    x = rng.standard_normal((N, C) + depth + (H, W)).astype(dtype)
+    w = rng.standard_normal((F, C // G) + (K,) * len(depth) + (K, K)).astype(dtype)
+    if depth:
+        v = volume_geometry(x.shape, w.shape, S, padding, D, G)
+        g, out, flops = v.plane, (v.Do,), conv3d_flops(x.shape, w.shape, S, padding, D, G)
+    else:
+        g, out = conv_geometry(x.shape, w.shape, S, padding, D, G), ()
+        flops = conv2d_flops(x.shape, w.shape, S, padding, D, G)
+    dy = rng.standard_normal((N, F) + out + (g.Ho, g.Wo)).astype(dtype)
     row = {"shape": shape_text(shape), "padding": padding, "flops_per_pass": flops,
            "cfp_error": largest_error(x, w, dy, padding, G, D, S, xp), "paths": paths.taken(g, np.dtype(dtype))}
     implementations = {"cfp": cfp_runs(*(backend.from_host(a, xp) for a in (x, w, dy)), padding, G, D, S)}
@@ -224,7 +241,7 @@ def bench_shape(shape, dtype, repeats, rng, xp=np):
 
 def markdown_table(rows):
     names = ["cfp"] + (["torch"] if torch is not None else [])
-    header = ["shape N x C x F x H x W x K [groups, dilation, stride]", "pad"]
+    header = ["shape N x C x F x [D x] H x W x K [groups, dilation, stride]", "pad"]
     for name in names:
         header += [f"{name} fwd ms (GF/s)", f"{name} bwd-data ms (GF/s)",
                    f"{name} bwd-filter ms (GF/s)", f"{name} total ms"]

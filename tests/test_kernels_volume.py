@@ -313,3 +313,17 @@ def test_conv3d_refusals(x_shape, w_shape, options, message):
 def test_transposed_refusals(x_shape, w_shape, options, message):
     with pytest.raises(ValueError, match=message):
         conv_transpose_forward(np.zeros(x_shape), np.zeros(w_shape), **options)
+
+
+def test_bench_kernels_times_a_volume():
+    """bench_kernels takes N x C x F x D x H x W x K as a volume: parsed, named back, timed, its
+    float32 error against float64 at rounding."""
+    from conftest import load_script
+    bench = load_script("bench_kernels")
+    shape = bench.parse_shape("2x3x4x5x6x7x3s2")
+    assert shape == (2, 3, 4, 6, 7, 3, 1, 1, 2, 5)
+    assert bench.shape_text(shape) == "2x3x4x5x6x7x3s2"
+    assert bench.parse_shape("2x3x4x6x7x3") == (2, 3, 4, 6, 7, 3, 1, 1, 1)
+    row = bench.bench_shape(bench.parse_shape("1x4x4x4x5x6x3"), np.dtype(np.float32), 1, np.random.default_rng(0))
+    assert row["flops_per_pass"] == conv3d_flops((1, 4, 4, 5, 6), (4, 4, 3, 3, 3), padding=1)
+    assert row["cfp_error"] < 1e-5 and row["cfp_total_s"] > 0
