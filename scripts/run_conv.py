@@ -4,10 +4,14 @@
         --grad-output dy.npy [--bias b.npy] [--stride S|SH,SW] [--padding P|PH,PW|same|valid] \\
         [--dilation D|DH,DW] [--groups G] [--padding-mode zeros|reflect|replicate|circular] \\
         --algorithm {sample,x,y,w} --grid sample=A,channel=B [--filter-groups p_f] --out result.npz \\
-        [--allow-nonfinite] [--device cpu|gpu]
+        [--allow-nonfinite] [--device cpu|gpu] [--transposed [--output-padding OP]]
 
 The convolution's options mean what they mean to PyTorch's nn.Conv2d; the weight is
-(F, C / groups, Kh, Kw).
+(F, C / groups, Kh, Kw). A 5-D input (N, C, D, H, W) is a volume: nn.Conv3d's meaning, the
+weight (F, C / groups, Kd, Kh, Kw), the options an integer or three (depth, rows, columns).
+--transposed runs nn.ConvTranspose2d (ConvTranspose3d for a volume) with PyTorch's weight,
+(C, F / groups, *K), and writes dw in that orientation too (cfp's layer keeps it as the
+convolution's, kernels/conv/ops.py); --output-padding is its output_padding.
 
 Every rank reads the global tensors and takes its block; the results y, dx, dw (and db) are
 gathered and written by rank 0 to the .npz file, and the communication ledger is printed. Use
@@ -25,15 +29,15 @@ from cfp import backend, cli, comm
 from cfp.algorithms import ALGORITHMS, make_conv
 from cfp.grid import ProcessGrid
 from cfp.checks import alike_on_all_ranks
-from cfp.kernels.conv import PADDING_MODES
+from cfp.kernels.conv import OPS, PADDING_MODES, to_conv_weight, to_torch_weight
 from cfp.io import check_writable, load_array, save_npz
-from cfp.kernels import conv2d_output_shape
 from cfp.report import format_bytes, format_table
 from cfp.tensor import DistTensor
 
 
 def _ints(option, words=(), pairs=True):
-    """An argparse type: an integer, 'A,B' (when pairs), or one of `words`."""
+    """An argparse type: an integer, 'A,B' or 'A,B,C' (when pairs: per axis of an image or a
+    volume), or one of `words`."""
     def parse(text):
         if text in words:
             return text
@@ -42,9 +46,10 @@ def _ints(option, words=(), pairs=True):
             values = tuple(int(v) for v in parts)
         except ValueError:
             values = ()
-        if len(values) == 1 or pairs and len(values) == 2:
+        if len(values) == 1 or pairs and len(values) in (2, 3):
             return values[0] if len(values) == 1 else values
-        expected = "an integer" + (" or two, A,B" if pairs else "") + "".join(f" or {w!r}" for w in words)
+        expected = ("an integer" + (" or one per axis, A,B (A,B,C for a volume)" if pairs else "")
+                    + "".join(f" or {w!r}" for w in words))
         raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
     parse.__name__ = option.lstrip("-")
     return parse
@@ -52,9 +57,11 @@ def _ints(option, words=(), pairs=True):
 
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
-    p.add_argument("--input", required=True, help="x: (N, C, H, W) .npy")
-    p.add_argument("--weight", required=True, help="w: (F, C / groups, Kh, Kw) .npy")
-    p.add_argument("--grad-output", required=True, help="dy: (N, F, Ho, Wo) .npy")
+    p.add_argument("--input", required=True, help="x: (N, C, H, W) .npy, or a volume (N, C, D, H, W)")
+    p.add_argument("--weight", required=True,
+                   help="w: (F, C / groups, Kh, Kw) .npy ((F, C / groups, Kd, Kh, Kw) for a volume; "
+                        "with --transposed PyTorch's (C, F / groups, ...))")
+    p.add_argument("--grad-output", required=True, help="dy: (N, F, Ho, Wo) .npy (N, F, Do, Ho, Wo) for a volume")
     p.add_argument("--bias", help="b: (F,) .npy (optional)")
     p.add_argument("--stride", type=_ints("--stride"), default=1,
                    help="stride: S for rows and columns, or SH,SW")
@@ -65,6 +72,10 @@ def parse_args(argv):
     p.add_argument("--groups", type=_ints("--groups", pairs=False), default=1,
                    help="groups: C and F in G groups convolved apart (G = C: depthwise)")
     p.add_argument("--padding-mode", default="zeros", metavar=cli.one_of(PADDING_MODES), help="the padding's values")
+    p.add_argument("--transposed", action="store_true",
+                   help="a transposed convolution (nn.ConvTranspose2d / ConvTranspose3d), zero padding only")
+    p.add_argument("--output-padding", type=_ints("--output-padding"), default=0,
+                   help="the transposed convolution's output_padding (smaller than the stride or the dilation)")
     p.add_argument("--algorithm", required=True, metavar=cli.one_of(ALGORITHMS), help="the algorithm")
     p.add_argument("--grid", required=True, help="e.g. sample=2,channel=2")
     p.add_argument("--filter-groups", type=int, help="p_f of algorithm w (dividing P_c)")
@@ -96,10 +107,18 @@ def load_problem(args):
             if bad:
                 raise ValueError(f"{name} holds {bad} NaN or infinite value(s); pass --allow-nonfinite "
                                  f"to convolve them anyway")
-    if x.ndim != 4 or w.ndim != 4:
-        raise ValueError(f"input must be (N, C, H, W) and weight (F, C, Kh, Kw); got shapes "
-                         f"{x.shape} and {w.shape}")
-    y_shape = conv2d_output_shape(x.shape, w.shape, **options(args))
+    if x.ndim not in (4, 5) or w.ndim != x.ndim:
+        raise ValueError(f"input must be (N, C, H, W) and weight (F, C, Kh, Kw), or a volume (N, C, D, H, W) and "
+                         f"(F, C, Kd, Kh, Kw); got shapes {x.shape} and {w.shape}")
+    op = kind(args, x)
+    if op.transposed:
+        groups = args.groups if isinstance(args.groups, int) and args.groups >= 1 and w.shape[0] % args.groups == 0 \
+            else None
+        if groups is None:
+            raise ValueError(f"--groups {args.groups} must divide the weight's first dimension {w.shape[0]} "
+                             f"(the input channels of PyTorch's transposed weight (C, F / groups, ...))")
+        w = to_conv_weight(w, groups).copy()
+    y_shape = op.output_shape(x.shape, w.shape, **options(args))
     if dy.shape != y_shape:
         raise ValueError(f"grad-output has shape {dy.shape}; the convolution's output has shape {y_shape}")
     if b is not None and b.shape != (w.shape[0],):
@@ -107,10 +126,22 @@ def load_problem(args):
     return x, w, b, dy
 
 
+def kind(args, x):
+    """The ConvOp of the command line: a volume or an image, transposed or not."""
+    return OPS[("conv_transpose" if args.transposed else "conv") + ("3d" if x.ndim == 5 else "2d")]
+
+
 def options(args):
-    """The convolution's keyword arguments from the command line."""
-    return {"stride": args.stride, "padding": args.padding, "dilation": args.dilation, "groups": args.groups,
-            "padding_mode": args.padding_mode}
+    """The convolution's keyword arguments from the command line (a transposed one's with its
+    output_padding and no padding mode, which it must leave at zeros)."""
+    out = {"stride": args.stride, "padding": args.padding, "dilation": args.dilation, "groups": args.groups}
+    if args.transposed:
+        if args.padding_mode != "zeros":
+            raise ValueError(f"--padding-mode {args.padding_mode}: a transposed convolution pads with zeros only")
+        return {**out, "output_padding": args.output_padding}
+    if args.output_padding != 0:
+        raise ValueError(f"--output-padding {args.output_padding} applies to --transposed only")
+    return {**out, "padding_mode": args.padding_mode}
 
 
 def ledger_table(ledger, world):
@@ -141,8 +172,9 @@ def main(argv=None):
     xp, where = backend.use_device(args.device, world)
     x, w, b, dy = load_problem(args)
     grid = ProcessGrid(args.grid)
+    op = kind(args, x)
     conv = make_conv(args.algorithm, grid, x.shape[1], w.shape[0], w.shape[2:],
-                     filter_groups=args.filter_groups, bias=b is not None, layer="conv", **options(args))
+                     filter_groups=args.filter_groups, bias=b is not None, layer="conv", op=op.name, **options(args))
 
     x_local = backend.from_host(DistTensor.from_global(x, conv.input_layout, grid).local, xp)
     dy_local = backend.from_host(DistTensor.from_global(dy, conv.output_layout, grid).local, xp)
@@ -165,6 +197,8 @@ def main(argv=None):
     if b is not None:
         results["db"] = conv.bias_tensor(db).gather(root=0)
     results = {k: backend.to_host(v) for k, v in results.items()}
+    if op.transposed and rank == 0:  # dw in the orientation of the weight file (PyTorch's)
+        results["dw"] = np.ascontiguousarray(to_torch_weight(results["dw"], args.groups))
     table = ledger_table(ledger, world)
     if rank == 0:
         save_npz(args.out, **results)

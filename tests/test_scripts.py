@@ -107,6 +107,47 @@ def test_conv2d_options_from_the_command_line(tmp_path, nprocs, algorithm, grid,
             assert np.max(np.abs(result[name] - want)) / np.max(np.abs(want)) < 1e-10, name
 
 
+@pytest.mark.parametrize("nprocs,algorithm,grid,x_shape,w_shape,options", [
+    (2, "y", "channel=2", (2, 4, 5, 6, 7), (6, 4, 3, 3, 3), ["--stride", "2,1,2", "--padding", "1"]),
+    (3, "x", "sample=1,channel=3", (2, 6, 4, 5), (6, 2, 3, 3),
+     ["--transposed", "--stride", "2", "--padding", "1", "--output-padding", "1", "--groups", "3"]),
+    (4, "w", "sample=2,channel=2", (3, 4, 3, 4, 3), (4, 5, 2, 3, 3),
+     ["--transposed", "--stride", "2,2,1", "--padding", "0,1,1", "--output-padding", "1,0,0"]),
+])
+def test_volumes_and_transposed_from_the_command_line(tmp_path, nprocs, algorithm, grid, x_shape, w_shape, options):
+    """A 5-D input is a volume (nn.Conv3d); --transposed takes PyTorch's transposed weight
+    (C, F / groups, ...) and writes dw in it; against the serial kernels."""
+    from cfp.kernels.conv import (conv3d_backward_data, conv3d_backward_filter, conv3d_forward,
+                                  conv_transpose_backward_data, conv_transpose_backward_filter, conv_transpose_forward)
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    values = dict(zip(options[1::2], options[2::2]) if options[0] == "--transposed" else zip(options[::2], options[1::2]))
+    parsed = {k.lstrip("-").replace("-", "_"): tuple(int(v) for v in t.split(",")) if "," in t else int(t)
+              for k, t in values.items()}
+    if "--transposed" in options:
+        passes = (conv_transpose_forward, conv_transpose_backward_data, conv_transpose_backward_filter)
+        F = w_shape[1] * parsed.get("groups", 1)
+    else:
+        passes = (conv3d_forward, conv3d_backward_data, conv3d_backward_filter)
+        F = w_shape[0]
+    b = rng.standard_normal(F)
+    y = passes[0](x, w, b, **parsed)
+    dy = rng.standard_normal(y.shape)
+    for name, a in (("x", x), ("w", w), ("b", b), ("dy", dy)):
+        np.save(tmp_path / f"{name}.npy", a)
+    out = tmp_path / "result.npz"
+    proc, _ = run(nprocs, ["--input", str(tmp_path / "x.npy"), "--weight", str(tmp_path / "w.npy"),
+                           "--grad-output", str(tmp_path / "dy.npy"), "--bias", str(tmp_path / "b.npy"), *options,
+                           "--algorithm", algorithm, "--grid", grid, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = {"y": y, "dx": passes[1](dy, w, x.shape, **parsed), "dw": passes[2](x, dy, w.shape, **parsed),
+                "db": dy.sum(axis=tuple(i for i in range(dy.ndim) if i != 1))}
+    with np.load(out, allow_pickle=False) as result:
+        for name, want in expected.items():
+            assert result[name].shape == want.shape, name
+            assert np.max(np.abs(result[name] - want)) / np.max(np.abs(want)) < 1e-10, name
+
+
 def test_float32_stays_float32_and_bias_is_optional(tmp_path):
     args, expected = write_problem(tmp_path, dtype=np.float32, bias=False)
     out = tmp_path / "result.npz"
@@ -142,6 +183,9 @@ def bad_cases(tmp_path):
         (swap("--weight", str(garbage)) + base, "weight file .*garbage.npy' is not a readable .npy file"),
         (swap("--grad-output", str(wrong_dy)) + base,
          r"grad-output has shape \(3, 7, 2, 2\); the convolution's output has shape \(3, 7, 6, 5\)"),
+        (args + ["--output-padding", "1"] + base, "--output-padding 1 applies to --transposed only"),
+        (args + ["--transposed", "--padding-mode", "reflect"] + base,
+         "--padding-mode reflect: a transposed convolution pads with zeros only"),
     ]
 
 
