@@ -5,7 +5,6 @@ and the refusals of what is not supported yet (a grid that splits the image) or 
 (output_padding on a plain convolution)."""
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from cfp import comm as C
 from cfp.algorithms import make_conv
@@ -17,7 +16,7 @@ from cfp.tensor import DistTensor
 from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 from test_algorithms import CONFIGS, ids
 from test_nn import CASES as NN_CASES
-from test_nn import case_id, compare, data, fit
+from test_nn import case_id, compare, data, fit, grids  # noqa: F401 (grids: a fixture, every spec and "serial")
 
 pytestmark = pytest.mark.mpi
 
@@ -36,14 +35,6 @@ CASES = {
     "transpose3d": ("conv_transpose3d", 2, 4, 6, (3, 4, 3), 3, {"stride": 2, "padding": 1, "output_padding": 1}),
     "transpose3d-pointwise": ("conv_transpose3d", 1, 6, 5, (2, 3, 3), 1, {"stride": (1, 2, 2)}),
 }
-
-
-@pytest.fixture(scope="module")
-def grids():
-    made = {spec: ProcessGrid(spec) for spec in grid_specs()}
-    yield made
-    for g in made.values():
-        g.free()
 
 
 def problem(case, seed=0):
@@ -129,17 +120,8 @@ def test_refusals():
     whole.free()
 
 
-@pytest.fixture(scope="module")
-def layer_grids():
-    made = {spec: ProcessGrid(spec) for spec in grid_specs()}
-    made["serial"] = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
-    yield made
-    for g in made.values():
-        g.free()
-
-
 @pytest.mark.parametrize("case", NN_CASES, ids=case_id)
-def test_layers_end_to_end(layer_grids, case):
+def test_layers_end_to_end(grids, case):
     """Conv3d (first layer: input whole, no dx) -> ReLU -> ConvTranspose3d (stride 2,
     output_padding 1), and ConvTranspose2d -> ReLU -> Conv2d, against the same layers on one rank."""
     spec, alg, p_f = case
@@ -154,7 +136,7 @@ def test_layers_end_to_end(layer_grids, case):
         kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64)
         return Sequential(ConvTranspose2d(grid, 5, 6, 2, stride=2, name="t1", **kw), ReLU(),
                           Conv2d(grid, 6, 3, 3, padding=1, name="c2", **kw))
-    compare(volume, layer_grids, spec, data((3, 2, 3, 4, 3), 1), data((3, 4, 6, 8, 6), 2), in_split=False,
+    compare(volume, grids, spec, data((3, 2, 3, 4, 3), 1), data((3, 4, 6, 8, 6), 2), in_split=False,
             out_split=split, what=f"volume {case_id(case)}")
-    compare(image, layer_grids, spec, data((3, 5, 3, 4), 3), data((3, 3, 6, 8), 4), in_split=split,
+    compare(image, grids, spec, data((3, 5, 3, 4), 3), data((3, 3, 6, 8), 4), in_split=split,
             out_split=split, what=f"image {case_id(case)}")

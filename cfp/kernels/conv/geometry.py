@@ -21,13 +21,15 @@ stride (sh, sw), padding top, bottom, left, right (pt, pb, pl, pr), dilation (dh
 padding mode, and output (Ho, Wo)."""
 
 
-def _shape4(shape, name, layout):
+def _shape4(shape, name, layout, ndim=4):
+    """shape as a tuple of `ndim` non-negative ints (4 for an image, 5 for a volume); else
+    ValueError naming `name` and its `layout`."""
     try:
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
-        raise ValueError(f"{name} must be a 4-D shape {layout}, got {shape!r}") from None
-    if len(dims) != 4 or min(dims) < 0:
-        raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(shape)!r}")
+        raise ValueError(f"{name} must be a {ndim}-D shape {layout}, got {shape!r}") from None
+    if len(dims) != ndim or min(dims) < 0:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(shape)!r}")
     return dims
 
 

@@ -18,23 +18,8 @@ it is made) and puts them in the form its passes take.
 """
 import typing
 
-from cfp.checks import int_tuple, positive_int
 from cfp.kernels.conv import passes, transposed, volume
-from cfp.kernels.conv.geometry import PADDING_MODES, conv2d_output_shape, conv_options
-
-
-def _volume_options(stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
-    stride = int_tuple(stride, 3, "stride", 1, "a positive integer")
-    dilation = int_tuple(dilation, 3, "dilation", 1, "a positive integer")
-    groups = positive_int(groups, "groups")
-    if padding_mode not in PADDING_MODES:
-        raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
-    if isinstance(padding, str) or (isinstance(padding, (tuple, list)) and len(padding) == 6):
-        volume.volume_padding(padding, (1, 1, 1), dilation, stride)  # the string's (or sides') own checks
-    else:
-        padding = int_tuple(padding, 3, "padding", 0, "a non-negative integer, a triple, 'same' or 'valid'")
-    return {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups,
-            "padding_mode": padding_mode}
+from cfp.kernels.conv.geometry import conv2d_output_shape, conv_options
 
 
 def _transposed_options(axes):
@@ -42,40 +27,21 @@ def _transposed_options(axes):
         if padding_mode != "zeros":
             raise ValueError(f"padding_mode {padding_mode!r}: a transposed convolution pads with zeros only "
                              f"(as PyTorch's ConvTranspose{axes}d)")
-        if isinstance(padding, str):
-            raise ValueError(f"padding {padding!r}: a transposed convolution takes integer padding (as PyTorch's "
-                             f"ConvTranspose{axes}d), not 'same' or 'valid'")
-        stride = int_tuple(stride, axes, "stride", 1, "a positive integer")
-        dilation = int_tuple(dilation, axes, "dilation", 1, "a positive integer")
-        output_padding = int_tuple(output_padding, axes, "output_padding", 0, "a non-negative integer")
-        for op, s, d in zip(output_padding, stride, dilation):
-            if op >= s and op >= d:
-                raise ValueError(f"output_padding {output_padding} must be smaller than the stride {stride} or the "
-                                 f"dilation {dilation} on each axis (PyTorch's rule)")
-        return {"stride": stride, "padding": int_tuple(padding, axes, "padding", 0, "a non-negative integer"),
-                "dilation": dilation, "groups": positive_int(groups, "groups"), "output_padding": output_padding}
+        return transposed.transposed_options(axes, stride, padding, output_padding, dilation, groups)
     return options
 
 
 def to_torch_weight(w, groups):
     """A transposed convolution's weight from the convolution's orientation (F, C/G, *K) to
     PyTorch's (C, F/G, *K): within each group, the first two axes swapped (a view where it
-    can be: copy it to keep it)."""
-    F, Cg = w.shape[:2]
-    Fg = F // groups
+    can be: copy it to keep it). The same swap takes PyTorch's back (to_conv_weight)."""
+    A, B = w.shape[:2]
     rest = tuple(w.shape[2:])
-    swapped = w.reshape((groups, Fg, Cg) + rest).swapaxes(1, 2)
-    return swapped.reshape((groups * Cg, Fg) + rest)
+    swapped = w.reshape((groups, A // groups, B) + rest).swapaxes(1, 2)
+    return swapped.reshape((groups * B, A // groups) + rest)
 
 
-def to_conv_weight(w, groups):
-    """PyTorch's transposed-convolution weight (C, F/G, *K) in the convolution's orientation
-    (F, C/G, *K): the inverse of to_torch_weight (the same swap, read the other way)."""
-    C, Fg = w.shape[:2]
-    Cg = C // groups
-    rest = tuple(w.shape[2:])
-    swapped = w.reshape((groups, Cg, Fg) + rest).swapaxes(1, 2)
-    return swapped.reshape((groups * Fg, Cg) + rest)
+to_conv_weight = to_torch_weight  # PyTorch's (C, F/G, *K) to (F, C/G, *K): the same swap
 
 
 def _torch_shape(w_shape, groups):
@@ -127,7 +93,7 @@ _T = _transposed_passes()  # (any number of spatial axes: the arrays say)
 OPS = {
     "conv2d": ConvOp("conv2d", 2, False, conv_options, passes.conv2d_forward, passes.conv2d_backward_data,
                      passes.conv2d_backward_filter, passes.conv2d_backward_bias, conv2d_output_shape),
-    "conv3d": ConvOp("conv3d", 3, False, _volume_options, volume.conv3d_forward, volume.conv3d_backward_data,
+    "conv3d": ConvOp("conv3d", 3, False, volume.volume_options, volume.conv3d_forward, volume.conv3d_backward_data,
                      volume.conv3d_backward_filter, volume.conv3d_backward_bias, volume.conv3d_output_shape),
     "conv_transpose2d": ConvOp("conv_transpose2d", 2, True, _transposed_options(2), *_T[:3],
                                transposed.conv_transpose_backward_bias, _T[3]),

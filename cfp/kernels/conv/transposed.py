@@ -70,27 +70,37 @@ def transposed_geometry(x_shape, w_shape, stride=1, padding=0, output_padding=0,
     K, F = w_shape[2:], w_shape[1] * G
     if min(K) < 1:
         raise ValueError(f"the kernel {K} must be at least 1 on every axis")
-    stride = int_tuple(stride, n, "stride", 1, "a positive integer")
-    dilation = int_tuple(dilation, n, "dilation", 1, "a positive integer")
-    if isinstance(padding, str):
-        raise ValueError(f"padding {padding!r}: a transposed convolution takes integer padding (as PyTorch's "
-                         f"ConvTranspose{n}d), not 'same' or 'valid'")
-    padding = int_tuple(padding, n, "padding", 0, "a non-negative integer")
-    output_padding = int_tuple(output_padding, n, "output_padding", 0, "a non-negative integer")
-    for op, s, d in zip(output_padding, stride, dilation):
-        if op >= s and op >= d:
-            raise ValueError(f"output_padding {output_padding} must be smaller than the stride {stride} or the "
-                             f"dilation {dilation} on each axis (PyTorch's rule)")
+    options = transposed_options(n, stride, padding, output_padding, dilation, G)
+    stride, padding, dilation = options["stride"], options["padding"], options["dilation"]
+    output_padding = options.pop("output_padding")
     out = tuple((i - 1) * s - 2 * p + d * (k - 1) + op + 1
                 for i, s, p, d, k, op in zip(S, stride, padding, dilation, K, output_padding))
     if min(out) < 1 or min(S) < 1:
         raise ValueError(f"the transposed convolution of an input {S} with kernel {K}, stride {stride}, padding "
                          f"{padding}, dilation {dilation} and output_padding {output_padding} has output "
                          f"{out}: padding crops it all (each output side must be at least 1)")
-    options = {"stride": stride, "padding": padding, "dilation": dilation, "groups": G}
     out_shape = (N, F) + out
     conv_out = _conv_output(out_shape, w_shape, options)
     return TransposedGeometry(x_shape, w_shape, out_shape, tuple(o - i for o, i in zip(conv_out, S)), options)
+
+
+def transposed_options(axes, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
+    """A transposed convolution's options over `axes` spatial axes, checked and put in one form
+    (tuples per axis): integer padding only (no 'same' or 'valid', as PyTorch's), and
+    output_padding smaller than the stride or the dilation on each axis (PyTorch's rule)."""
+    stride = int_tuple(stride, axes, "stride", 1, "a positive integer")
+    dilation = int_tuple(dilation, axes, "dilation", 1, "a positive integer")
+    if isinstance(padding, str):
+        raise ValueError(f"padding {padding!r}: a transposed convolution takes integer padding (as PyTorch's "
+                         f"ConvTranspose{axes}d), not 'same' or 'valid'")
+    padding = int_tuple(padding, axes, "padding", 0, "a non-negative integer")
+    output_padding = int_tuple(output_padding, axes, "output_padding", 0, "a non-negative integer")
+    for op, s, d in zip(output_padding, stride, dilation):
+        if op >= s and op >= d:
+            raise ValueError(f"output_padding {output_padding} must be smaller than the stride {stride} or the "
+                             f"dilation {dilation} on each axis (PyTorch's rule)")
+    return {"stride": stride, "padding": padding, "dilation": dilation, "groups": positive_int(groups, "groups"),
+            "output_padding": output_padding}
 
 
 def _conv_output(shape, w_shape, options):

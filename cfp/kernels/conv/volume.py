@@ -31,7 +31,7 @@ from collections import namedtuple
 from cfp.backend import get_array_module, index_array
 from cfp.checks import float_dtype, int_pair, int_tuple, positive_int
 from cfp.kernels.conv import passes
-from cfp.kernels.conv.geometry import PADDING_MODES, conv_geometry
+from cfp.kernels.conv.geometry import PADDING_MODES, _shape4, conv_geometry
 from cfp.kernels.conv.padding import fold_index, pad_index
 
 VolumeGeometry = namedtuple("VolumeGeometry", "N C D F Kd sd pf pk dd mode Do plane", module=__name__)
@@ -39,16 +39,6 @@ VolumeGeometry.__doc__ = """Sizes of one 3-D convolution along depth: input (N, 
 (F, C/G, Kd, ...), depth stride sd, padding front and back (pf, pk), dilation dd, the padding
 mode, output depth Do; and `plane`, the ConvGeometry of the stacked 2-D convolution (its N is
 N Do, its C is Kd C, its H, W, Ho, Wo and in-plane options the layer's)."""
-
-
-def _shape5(shape, name, layout):
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError:
-        raise ValueError(f"{name} must be a 5-D shape {layout}, got {shape!r}") from None
-    if len(dims) != 5 or min(dims) < 0:
-        raise ValueError(f"{name} must be 5-D {layout}, got shape {tuple(shape)!r}")
-    return dims
 
 
 def volume_padding(padding, kernel, dilation, stride):
@@ -73,12 +63,29 @@ def volume_padding(padding, kernel, dilation, stride):
     return pd, pd, ph, ph, pw, pw
 
 
+def volume_options(stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
+    """A 3-D convolution's options checked without shapes and put in one form (what a layer
+    checks when it is made, as conv_options in 2-D): stride and dilation triples, padding a
+    triple, six sides, 'same' or 'valid', groups, padding_mode."""
+    stride = int_tuple(stride, 3, "stride", 1, "a positive integer")
+    dilation = int_tuple(dilation, 3, "dilation", 1, "a positive integer")
+    groups = positive_int(groups, "groups")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode {padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
+    if isinstance(padding, str) or (isinstance(padding, (tuple, list)) and len(padding) == 6):
+        volume_padding(padding, (1, 1, 1), dilation, stride)  # the string's (or the sides') own checks
+    else:
+        padding = int_tuple(padding, 3, "padding", 0, "a non-negative integer, a triple, 'same' or 'valid'")
+    return {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups,
+            "padding_mode": padding_mode}
+
+
 def volume_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """The VolumeGeometry of x_shape (N, C, D, H, W) convolved with w_shape (F, C/groups, Kd, Kh,
     Kw), with PyTorch's nn.Conv3d meanings. Raises ValueError, naming the bad value, for what
     PyTorch rejects (as conv_geometry does in 2-D), the depth's as the rows' and columns'."""
-    N, C, D, H, W = _shape5(x_shape, "x", "(N, C, D, H, W)")
-    F, Cw, Kd, Kh, Kw = _shape5(w_shape, "w", "(F, C / groups, Kd, Kh, Kw)")
+    N, C, D, H, W = _shape4(x_shape, "x", "(N, C, D, H, W)", ndim=5)
+    F, Cw, Kd, Kh, Kw = _shape4(w_shape, "w", "(F, C / groups, Kd, Kh, Kw)", ndim=5)
     G = positive_int(groups, "groups")
     if C % G or F % G:
         raise ValueError(f"groups={G} must divide the input channels C={C} and the filters F={F}")
