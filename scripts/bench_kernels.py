@@ -46,7 +46,7 @@ PASSES = ("forward", "backward_data", "backward_filter")
 # order the network meets them (a layer repeated in a network is listed once). ResNet-50 as
 # torchvision builds it (the stride on the bottleneck's 3x3 layer, 1x1 projections with stride
 # 2), VGG-16's thirteen 3x3 layers, and a U-Net on 256x256 images of one channel with 64 to 1024
-# channels (its 2x2 up-convolutions are transposed convolutions, which cfp does not have).
+# channels (its 2x2 up-convolutions, transposed convolutions, are not in the sweep: it times conv2d).
 SWEEP_NETWORKS = {
     "resnet50": ((3, 64, 224, 7, 2), (64, 64, 56, 1, 1), (64, 64, 56, 3, 1), (64, 256, 56, 1, 1),
                  (256, 64, 56, 1, 1), (256, 128, 56, 1, 1), (128, 128, 56, 3, 2), (256, 512, 56, 1, 2),
