@@ -5,9 +5,9 @@
 of a collective along it) and its complement (the ranks that share that axis' coordinate: for
 example the ranks holding the same channel shard, who allreduce its weight gradient).
 
-A grid's own ranks (`grid.comm`, `grid.rank`) are always ordered sample, height, width,
-channel, channel varying fastest: every layout, plan and message of cfp speaks of grid ranks
-and coordinates in that order. Which process of `comm` takes which grid rank is the grid's
+A grid's own ranks (`grid.comm`, `grid.rank`) are always ordered sample, depth, height, width,
+channel, channel varying fastest (depth splits volumes, N x C x D x H x W): every layout, plan
+and message of cfp speaks of grid ranks and coordinates in that order. Which process of `comm` takes which grid rank is the grid's
 *placement*: by default the same order (the process of rank r in `comm` is grid rank r), so
 the ranks of a channel group are neighbours in `comm` and share a node when the launcher packs
 ranks by node. `node_axes` chooses other axes to vary fastest in `comm`'s order, and so to
@@ -24,7 +24,7 @@ from mpi4py import MPI
 from .checks import positive_int
 from .partition import check_filter_groups, row_and_column
 
-AXES = ("sample", "height", "width", "channel")
+AXES = ("sample", "depth", "height", "width", "channel")
 
 
 def parse_grid_spec(spec):

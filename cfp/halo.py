@@ -1,5 +1,6 @@
-"""The halo exchange of a layer on a grid that splits the image over height and width: which
-input rows and columns each rank's windows read (halo_plan, pure arithmetic), and one rank's
+"""The halo exchange of a layer on a grid that splits the image over height and width (a volume
+also over depth): which input rows and columns (and planes) each rank's windows read
+(halo_plan, pure arithmetic), and one rank's
 exchange of them and its adjoint (Halo), and the exchange started with a block's interior
 computed while it moves (Halo.start, HaloInFlight). The convolutions (algorithms/base.py) and
 pooling (nn/layers.py) run it; perfmodel counts it and cfp.explain draws it (docs/design.md, 3b).
@@ -12,6 +13,7 @@ import numpy as np
 from . import backend, comm
 from .grid import coords_of
 from .kernels import conv_geometry, fold_index, pad_index
+from .kernels.conv import volume_geometry
 from .layout import gather_plan, index_set
 from .partition import block_range
 from .tensor import move, start_move
@@ -22,6 +24,28 @@ def window_options(options):
     (stride, padding, dilation, padding_mode), as a new dict: all but groups, which the halo
     and the output size never read."""
     return {k: v for k, v in options.items() if k != "groups"}
+
+
+def spatial_axes(ndim):
+    """The grid axes that split an activation of `ndim` dimensions' spatial ones, in order:
+    (height, width) of NCHW, (depth, height, width) of NCDHW."""
+    return ("depth", "height", "width")[5 - ndim:]
+
+
+def window_axes(x_shape, kernel_size, options):
+    """Per spatial axis of x_shape (NCHW or NCDHW), the windows of a kernel of kernel_size
+    with the spatial `options` (a dict: stride, padding, dilation, padding_mode): (grid axis,
+    extent, output extent, stride, dilation, kernel, padding before, padding after), and the
+    padding mode; from the kernels' own geometry, so that the halo and the kernels agree."""
+    if len(x_shape) == 5:
+        v = volume_geometry((1, 1) + tuple(x_shape[2:]), (1, 1) + tuple(kernel_size), **options)
+        g = v.plane
+        depth = [("depth", v.D, v.Do, v.sd, v.dd, v.Kd, v.pf, v.pk)]
+    else:
+        g = conv_geometry((1, 1) + tuple(x_shape[2:]), (1, 1) + tuple(kernel_size), **options)
+        depth = []
+    return depth + [("height", g.H, g.Ho, g.sh, g.dh, g.Kh, g.pt, g.pb),
+                    ("width", g.W, g.Wo, g.sw, g.dw, g.Kw, g.pl, g.pr)], g.mode
 
 
 @functools.lru_cache(maxsize=256)
@@ -44,15 +68,13 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     not hold arrives in one all-to-all from whichever ranks hold it, however wide the halo (no
     multi-hop); what it holds but does not need is skipped. (An empty output block, which
     ConvAlgorithm refuses, would need nothing.)"""
-    N, C, H, W = x_shape
     shape = dict(grid_shape)
-    g = conv_geometry((1, 1, H, W), (1, 1) + tuple(kernel_size), **dict(options))
+    geometry, mode = window_axes(x_shape, kernel_size, dict(options))
     spans = {}
-    for axis, extent, out, s, d, k, before, after in (("height", H, g.Ho, g.sh, g.dh, g.Kh, g.pt, g.pb),
-                                                      ("width", W, g.Wo, g.sw, g.dw, g.Kw, g.pl, g.pr)):
+    for axis, extent, out, s, d, k, before, after in geometry:
         spans[axis] = []
         # the image row each padded row copies, for a padding mode other than zeros
-        copies = None if g.mode == "zeros" else pad_index(extent, before, after, g.mode)
+        copies = None if mode == "zeros" else pad_index(extent, before, after, mode)
         for c in range(shape.get(axis, 1)):
             lo, hi = block_range(out, shape.get(axis, 1), c)
             if hi == lo:
@@ -75,21 +97,26 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     for r in range(math.prod(shape.values())):
         c = coords_of(r, shape)
         n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
-        wanted.append((n_ix, c_ix, spans["height"][c.get("height", 0)][1], spans["width"][c.get("width", 0)][1]))
+        wanted.append((n_ix, c_ix) + tuple(spans[axis][c.get(axis, 0)][1] for axis, *_ in geometry))
     wanted = tuple(wanted)
     return {"spans": spans, "wanted": wanted, "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
 
 
 def check_image_fits(plan, x_shape, grid_text, what):
-    """ValueError unless every rank of the height and width axes of halo_plan's `plan` computes
-    at least one output row and column: an image too small for the grid is refused."""
-    for axis, name in (("height", "rows"), ("width", "columns")):
+    """ValueError unless every rank of the depth, height and width axes of halo_plan's `plan`
+    computes at least one output plane, row and column: an image too small for the grid is
+    refused."""
+    for axis, name in (("depth", "planes"), ("height", "rows"), ("width", "columns")):
+        if axis not in plan["spans"]:
+            continue
         outs = [span[0] for span in plan["spans"][axis]]
         if min(outs) == 0:
+            size = "x".join(str(n) for n in x_shape[2:])
             raise ValueError(
-                f"{what}: an input of {x_shape[2]}x{x_shape[3]} gives {sum(outs)} output {name}, too few "
-                f"for the {len(outs)} ranks of the {axis} axis of grid {grid_text}: the image "
-                f"is too small for the grid; use at most {sum(outs)} ranks along {axis}")
+                f"{what}: an input of {size} gives {sum(outs)} output {name}, too few "
+                f"for the {len(outs)} ranks of the {axis} axis of grid {grid_text}: the "
+                f"{'volume' if len(x_shape) == 5 else 'image'} is too small for the grid; use at most "
+                f"{sum(outs)} ranks along {axis}")
 
 
 class Halo:
@@ -104,17 +131,36 @@ class Halo:
         plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
                          tuple(sorted(options.items())))
         check_image_fits(plan, x_shape, grid.describe(), what)
-        self.out_rows, need_rows, top, bottom, self.rows_at = plan["spans"]["height"][grid.coord("height")]
-        self.out_cols, need_cols, left, right, self.cols_at = plan["spans"]["width"][grid.coord("width")]
-        self.padding = (top, bottom, left, right)  # the local kernel's zero padding
+        geometry, _ = window_axes(x_shape, kernel_size, options)
+        # per spatial axis: (output extent, the rows needed (a range of the image's), the zero
+        # rows before and after them, the padded block's positions in the needed ones or None)
+        spans = [plan["spans"][axis][grid.coord(axis)] for axis, *_ in geometry]
+        self.out_size = tuple(span[0] for span in spans)  # this rank's output block, (D',) H', W'
+        self.at = tuple(span[4] for span in spans)
+        self.padding = tuple(side for span in spans for side in span[2:4])  # the local kernel's zero padding
         self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
         self.held = layout.indices(x_shape, grid, grid.coords)
         self.comm = grid.comm
-        g = conv_geometry((1, 1) + x_shape[2:], (1, 1) + tuple(kernel_size), **options)
         # per axis: stride, dilation, kernel, the padded block's zero rows before, the rows
-        # needed (a range of the image's), the zero rows after
-        self._axes = [(g.sh, g.dh, g.Kh, top, need_rows, bottom), (g.sw, g.dw, g.Kw, left, need_cols, right)]
+        # needed, the zero rows after
+        self._axes = [(s, d, k, span[2], span[1], span[3]) for (_, _, _, s, d, k, _, _), span in zip(geometry, spans)]
         self.interior = self._interior()
+
+    @property
+    def out_rows(self):
+        return self.out_size[-2]
+
+    @property
+    def out_cols(self):
+        return self.out_size[-1]
+
+    @property
+    def rows_at(self):
+        return self.at[-2]
+
+    @property
+    def cols_at(self):
+        return self.at[-1]
 
     def _interior(self):
         """(output rows, output columns) as ranges: the part of this rank's output block whose
@@ -127,10 +173,10 @@ class Halo:
         holds the first needed row and to its last where it holds the last. Output row o reads
         positions s*o .. s*o + d*(k - 1), so the interior rows are ceil(own_lo / s) ..
         (own_hi - 1 - d*(k - 1)) // s."""
-        if self.rows_at is not None or self.cols_at is not None:
+        if any(at is not None for at in self.at):
             return None
         spans = []
-        for (s, d, k, top, need, after), held, out in zip(self._axes, self.held[2:], (self.out_rows, self.out_cols)):
+        for (s, d, k, top, need, after), held, out in zip(self._axes, self.held[2:], self.out_size):
             own_lo = top + max(held.start, need.start) - need.start
             own_hi = top + min(held.stop, need.stop) - need.start
             if own_hi <= own_lo:
@@ -179,23 +225,20 @@ class Halo:
         extended block x (the rows and columns the padded ones copy): x itself where the
         padding is zeros (the kernel's own) or this block meets no border."""
         xp = backend.get_array_module(x)
-        if self.rows_at is not None:
-            x = x[:, :, backend.index_array(np.asarray(self.rows_at), xp)]
-        if self.cols_at is not None:
-            x = x[:, :, :, backend.index_array(np.asarray(self.cols_at), xp)]
+        for axis, at in enumerate(self.at, start=2):
+            if at is not None:
+                x = x[(slice(None),) * axis + (backend.index_array(np.asarray(at), xp),)]
         return x
 
     def padded_shape(self, shape):
         """The shape pad() gives an extended block of `shape`."""
-        n, c, h, w = shape
-        return (n, c, h if self.rows_at is None else len(self.rows_at),
-                w if self.cols_at is None else len(self.cols_at))
+        return tuple(shape[:2]) + tuple(n if at is None else len(at) for n, at in zip(shape[2:], self.at))
 
     def fold(self, d_padded, shape):
         """The adjoint of pad: the gradient of the padded block added onto the extended block's
         rows and columns (of `shape`) that its rows and columns copied."""
         d = d_padded
-        for axis, at in ((2, self.rows_at), (3, self.cols_at)):
+        for axis, at in enumerate(self.at, start=2):
             if at is not None:
                 d = fold_index(d, at, shape[axis], axis)
         return d

@@ -215,12 +215,12 @@ class Layout:
 
 
 def activation_layout(grid_shape, channel, axes=2):
-    """The layout of an NCHW activation (NCDHW with axes=3, its depth whole): split by sample,
-    by `channel` over the channel axis (a Shard, 'channel' or None), and by height and width
+    """The layout of an NCHW activation (NCDHW with axes=3): split by sample, by `channel` over
+    the channel axis (a Shard, 'channel' or None), and by depth (a volume's), height and width
     where `grid_shape` ({axis: size} or (axis, size) pairs) has those axes larger than 1."""
     shape = dict(grid_shape)
-    return Layout(("sample", channel) + (None,) * (axes - 2) + ("height" if shape.get("height", 1) > 1 else None,
-                                                              "width" if shape.get("width", 1) > 1 else None))
+    spatial = ("depth", "height", "width")[3 - axes:]
+    return Layout(("sample", channel) + tuple(a if shape.get(a, 1) > 1 else None for a in spatial))
 
 
 def _shape(grid):

@@ -90,11 +90,11 @@ def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     options.update(output_padding=output_padding) if op.transposed else options.update(padding_mode=padding_mode)
     y_shape = op.output_shape(x_shape, w_shape, **options)
     # every block as the layer holds it: its layouts' index sets (Layout.indices)
-    layouts = cls.layouts({"height": shape["height"], "width": shape["width"]}, p_f, input_whole, groups, op.axes)
+    layouts = cls.layouts({a: shape[a] for a in ("depth", "height", "width")}, p_f, input_whole, groups, op.axes)
     x_ix = layouts["x"].indices(x_shape, shape, coords)
     y_ix = layouts["y"].indices(y_shape, shape, coords)
     halo = None
-    if shape["height"] * shape["width"] > 1:  # x's block extended by its halo before the collectives
+    if shape["depth"] * shape["height"] * shape["width"] > 1:  # x's block extended by its halo first
         halo = _halo(layouts["x"], x_shape, w_shape, shape, stride=stride, padding=padding, dilation=dilation,
                      padding_mode=padding_mode)
         x_ix = halo["wanted"][rank_of(coords, shape)]

@@ -22,6 +22,9 @@ if not os.environ.get("CFP_CACHE_DIR"):
     atexit.register(shutil.rmtree, os.environ["CFP_CACHE_DIR"], True)
 
 
+IMAGE_AXES = ("sample", "height", "width", "channel")  # the grid axes of an image's layers (no depth)
+
+
 def grid_specs(naxes=2, axes=("sample", "channel")):
     """'sample=a,channel=b' for every factorization a * b of the world size."""
     return [",".join(f"{a}={n}" for a, n in zip(axes, f)) for f in factorizations(SIZE, naxes)]

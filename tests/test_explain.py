@@ -15,6 +15,7 @@ from cfp.grid import AXES, ProcessGrid, factorizations
 from cfp.models import layer_shapes
 from cfp.partition import check_filter_groups
 from cfp.perfmodel import predict_bytes
+from conftest import IMAGE_AXES
 from run_suite import ROOT, mpiexec, single_thread_env
 
 EXPLAIN = os.path.join(ROOT, "scripts", "explain.py")
@@ -22,8 +23,8 @@ LAYER = dict(x_shape=(4, 6, 8, 8), out_channels=8, kernel_size=3, padding=1)
 
 
 def grids(ranks):
-    """Every sample x height x width x channel grid of `ranks` ranks."""
-    return [dict(zip(AXES, f)) for f in factorizations(ranks, 4)]
+    """Every sample x height x width x channel grid of `ranks` ranks (an image's: no depth)."""
+    return [dict(zip(IMAGE_AXES, f)) for f in factorizations(ranks, 4)]
 
 
 def cases(ranks):
@@ -201,7 +202,7 @@ def test_trace_of_a_placed_grid_runs_as_explained():
     world = MPI.COMM_WORLD
     moved = []
     for g in grids(world.Get_size()):
-        for axis in [a for a in AXES if g[a] > 1]:
+        for axis in [a for a in IMAGE_AXES if g[a] > 1]:
             for algorithm, p_f in (("y", None), ("w", 1)):
                 trace = trace_layer(world, LAYER["x_shape"], 8, 3, algorithm, g, p_f, padding=1, seed=1,
                                     node_axes=axis)

@@ -8,18 +8,18 @@ import pytest
 
 from cfp import comm as C
 from cfp.algorithms import make_conv
-from cfp.grid import AXES, ProcessGrid
+from cfp.grid import ProcessGrid
 from cfp.halo import halo_plan
 from cfp.kernels import conv2d_backward_filter, conv2d_forward, fold_index
 from cfp.layout import activation_layout
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor
-from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import IMAGE_AXES, SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 from test_algorithm_options import check_against_serial, problem
 
 pytestmark = pytest.mark.mpi
 
-SPECS = [s for s in grid_specs(4, AXES) if "height=1,width=1" not in s or SIZE == 1]
+SPECS = [s for s in grid_specs(4, IMAGE_AXES) if "height=1,width=1" not in s or SIZE == 1]
 
 
 def configs():

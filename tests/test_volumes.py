@@ -1,8 +1,10 @@
-"""Volumes and transposed convolutions on every algorithm and every sample x channel grid: Conv3d
-and ConvTranspose2d/3d forward and backward from the global tensors against the serial kernels
+"""Volumes and transposed convolutions on every algorithm and every sample x channel grid, and
+volumes on grids that split depth (with height, width and channel): Conv3d and
+ConvTranspose2d/3d forward and backward from the global tensors against the serial kernels
 (float64, 1e-10), the ledger equal to perfmodel.predict_bytes; the first layer (input whole);
-and the refusals of what is not supported yet (a grid that splits the image) or not meant
-(output_padding on a plain convolution)."""
+and the refusals of what is not supported yet (a transposed convolution on a grid that splits
+the image) or not meant (output_padding on a plain convolution, a 2-D layer on a depth split,
+a volume too thin for its depth ranks)."""
 import numpy as np
 import pytest
 
@@ -85,6 +87,49 @@ def test_volumes_and_transposed_match_serial_and_predicted_bytes(grids, config, 
     check_against_serial(grids[config[0]], config, CASES[name], name)
 
 
+def depth_configs():
+    """(grid spec, algorithm, p_f) on grids that split a volume: depth with sample or channel,
+    and (at 4 ranks) depth with height, width and channel."""
+    specs = [s for s in grid_specs(2, ("sample", "depth")) + grid_specs(2, ("depth", "channel"))
+             if "depth=1" not in s]
+    if SIZE == 4:
+        specs += ["depth=2,height=2", "depth=2,width=2", "sample=1,depth=2,height=1,channel=2"]
+    if SIZE == 1:
+        specs = ["depth=1"]
+    out = []
+    for spec in dict.fromkeys(specs):
+        out += [(spec, a, None) for a in ("sample", "x", "y", "w")]
+    return out
+
+
+DEPTH_CASES = {
+    "conv3d": CASES["conv3d"],
+    "strided-dilated": ("conv3d", 2, 4, 6, (9, 5, 7), (3, 2, 3),
+                        {"stride": (2, 1, 2), "padding": (2, 0, 1), "dilation": (2, 1, 1)}),
+    "reflect": ("conv3d", 2, 3, 5, (6, 5, 4), 3, {"padding": (2, 1, 1), "padding_mode": "reflect"}),
+    "circular-same-groups": ("conv3d", 1, 4, 6, (5, 4, 4), (3, 3, 2),
+                             {"padding": "same", "padding_mode": "circular", "groups": 2}),
+    "six-sided": ("conv3d", 2, 3, 4, (6, 4, 5), 3, {"padding": (0, 2, 1, 0, 2, 1)}),
+}
+
+
+@pytest.fixture(scope="module")
+def depth_grids():
+    made = {spec: ProcessGrid(spec) for spec in dict.fromkeys(c[0] for c in depth_configs())}
+    yield made
+    for g in made.values():
+        g.free()
+
+
+@pytest.mark.parametrize("name", sorted(DEPTH_CASES))
+@pytest.mark.parametrize("config", depth_configs(), ids=ids)
+def test_depth_split_matches_serial_and_predicted_bytes(depth_grids, config, name):
+    """A volume split by depth (and height, width): the halo over planes, rows and columns,
+    the padding modes whose padded planes lie on other ranks, against serial; the ledger
+    (halo included) equal to predict_bytes."""
+    check_against_serial(depth_grids[config[0]], config, DEPTH_CASES[name], name)
+
+
 @pytest.mark.parametrize("name", ["conv3d", "transpose2d", "transpose3d"])
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] in ("sample", "y")], ids=ids)
 def test_first_layer(grids, config, name):
@@ -95,10 +140,23 @@ def test_first_layer(grids, config, name):
 def test_refusals():
     if SIZE > 1:
         grid = ProcessGrid(f"height={SIZE}")
-        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv3d"),
-                            match=r"conv3d on a grid splitting height or width .* not supported yet")
         raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv_transpose2d"),
-                            match=r"conv_transpose2d on a grid splitting height or width")
+                            match=r"conv_transpose2d on a grid splitting the image .* not supported yet")
+        grid.free()
+    if SIZE > 1:
+        grid = ProcessGrid(f"depth={SIZE}")
+        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3),
+                            match=r"conv2d on a grid splitting depth .*: depth splits volumes")
+        raises_on_all_ranks(ValueError, lambda: make_conv("y", grid, 4, 4, 3, op="conv_transpose3d"),
+                            match=r"conv_transpose3d on a grid splitting the image .* not supported yet")
+        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv3d", halo_interior=True),
+                            match=r"halo_interior is built for 2-D convolutions' halos only")
+        conv = make_conv("sample", grid, 2, 2, 3, op="conv3d", stride=(2, 1, 1))
+        too_thin = np.zeros((1, 2, 2 * SIZE - 1, 4, 4))
+        raises_on_all_ranks(ValueError, lambda: conv.forward(DistTensor.from_global(too_thin, conv.input_layout, grid).local,
+                                                             np.zeros(conv.weight_shape), np.zeros(conv.bias_shape)),
+                            match=r"an input of \d+x4x4 gives \d+ output planes, too few for the \d+ ranks of the depth axis"
+                                  r".*the volume is too small for the grid")
         grid.free()
     whole = ProcessGrid(f"sample={SIZE}")
     refused = [

@@ -120,11 +120,16 @@ class ConvAlgorithm:
         # split_image=False: a layer on a spatial grid whose input is not split over height and
         # width (the classifier after global pooling): those ranks then hold copies
         self.P_h, self.P_w = (grid.axis_size("height"), grid.axis_size("width")) if split_image else (1, 1)
-        self.spatial = self.P_h * self.P_w > 1
-        if self.spatial and self.op.name != "conv2d":
-            raise ValueError(f"{layer}: {self.op.name} on a grid splitting height or width "
-                             f"({grid.describe()}) is not supported yet: the halo exchange is 2-D convolutions' "
-                             f"only; expected a grid of sample and channel axes for this layer")
+        # depth splits volumes only: a 2-D layer on a depth-split grid is refused below
+        self.P_d = grid.axis_size("depth") if split_image else 1
+        self.spatial = self.P_d * self.P_h * self.P_w > 1
+        if self.P_d > 1 and self.op.axes != 3:
+            raise ValueError(f"{layer}: {self.op.name} on a grid splitting depth ({grid.describe()}): depth splits "
+                             f"volumes (N, C, D, H, W); expected a grid without a depth axis for an image's layer")
+        if self.spatial and self.op.transposed:
+            raise ValueError(f"{layer}: {self.op.name} on a grid splitting the image ({grid.describe()}) is not "
+                             f"supported yet: a transposed convolution's halo is not built; expected a grid of "
+                             f"sample and channel axes for this layer")
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
         self.p_f = self.filter_groups(self.P_c, filter_groups)
         c = grid.coord("channel")
@@ -149,6 +154,9 @@ class ConvAlgorithm:
 
     @halo_interior.setter
     def halo_interior(self, on):
+        if on and self.op.axes == 3:
+            raise ValueError(f"{self.layer}: halo_interior is built for 2-D convolutions' halos only, not "
+                             f"{self.op.name}'s: expected halo_interior=False here")
         if on and not self.convolves_own_block():
             raise ValueError(f"{self.layer}: halo_interior computes the interior of this rank's block while its halo "
                              f"moves; algorithm {self.name!r}"
@@ -260,7 +268,8 @@ class ConvAlgorithm:
 
     @property
     def _layouts(self):
-        return _layouts_of(type(self), self.P_h, self.P_w, self.p_f, self.input_whole, self.groups, self.op.axes)
+        return _layouts_of(type(self), self.P_d, self.P_h, self.P_w, self.p_f, self.input_whole, self.groups,
+                           self.op.axes)
 
     @property
     def input_layout(self):
@@ -274,8 +283,9 @@ class ConvAlgorithm:
 
     @property
     def image_split(self):
-        """{'height': P_h, 'width': P_w}: how this layer splits the image (1 x 1 when it does not)."""
-        return {"height": self.P_h, "width": self.P_w}
+        """{'depth': P_d, 'height': P_h, 'width': P_w}: how this layer splits the image (1 x 1 x 1
+        when it does not; depth only a volume's)."""
+        return {"depth": self.P_d, "height": self.P_h, "width": self.P_w}
 
     @property
     def weight_layout(self):
@@ -383,8 +393,8 @@ class ConvAlgorithm:
         n = x.shape[0]
         filters = self.F if self.weight_replicated else len(self.b_filters)
         if self.spatial:
-            self._halo = self.halo_plan((shape[0], self.C, shape[2], shape[3]))
-            self._output_shape = (n, filters, self._halo.out_rows, self._halo.out_cols)
+            self._halo = self.halo_plan((shape[0], self.C) + tuple(shape[2:]))
+            self._output_shape = (n, filters) + self._halo.out_size
         else:
             self._halo = None
             self._output_shape = (n, filters) + self.output_size(x.shape[2:])
@@ -592,10 +602,11 @@ def overlapped_gradient_sync(bucket_bytes):
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts_of(cls, P_h, P_w, p_f, input_whole, groups, axes):
+def _layouts_of(cls, P_d, P_h, P_w, p_f, input_whole, groups, axes):
     """cls.layouts of a layer with these settings, made once: a layer reads its layouts at
     every pass, and the layouts (immutable) depend on nothing else."""
-    return types.MappingProxyType(cls.layouts({"height": P_h, "width": P_w}, p_f, input_whole, groups, axes))
+    return types.MappingProxyType(cls.layouts({"depth": P_d, "height": P_h, "width": P_w}, p_f, input_whole,
+                                              groups, axes))
 
 
 def channel_block_sizes(extent, grid):
