@@ -5,7 +5,8 @@
         [--device cpu|gpu] [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
-the image split over height and width too) and each algorithm (stationary-w with every
+the image split over height and width too; for a volume, --shape N,C,F,D,H,W,K, P_n x P_d x
+P_h x P_w x P_c, split over depth as well) and each algorithm (stationary-w with every
 p_f dividing P_c): forward and backward time (median over repeats of the slowest rank),
 speedup over one rank (the serial kernels timed on rank 0 in the same run, while the other
 ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
@@ -28,8 +29,9 @@ from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int
 from cfp.grid import ProcessGrid, factorizations
 from cfp.io import check_writable, save_json
-from cfp.kernels import (conv2d_backward_bias, conv2d_backward_data, conv2d_backward_filter,
-                         conv2d_flops, conv2d_forward, conv2d_output_shape)
+from cfp.grid import AXES
+from cfp.kernels import conv2d_flops
+from cfp.kernels.conv import OPS, conv3d_flops
 
 MiB = 1024.0 ** 2
 
@@ -37,7 +39,8 @@ MiB = 1024.0 ** 2
 def parse_args(argv):
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--shape", required=True,
-                   help="N,C,F,H,W,K: batch, input channels, output channels, height, width, kernel K x K")
+                   help="N,C,F,H,W,K: batch, input channels, output channels, height, width, kernel K x K; "
+                        "a volume: N,C,F,D,H,W,K (depth D, kernel K x K x K)")
     p.add_argument("--stride", type=int, default=1, help="stride of the convolution")
     p.add_argument("--padding", type=int, help="zero padding on each side (default: K // 2)")
     p.add_argument("--repeats", type=int, default=5,
@@ -48,7 +51,8 @@ def parse_args(argv):
     p.add_argument("--algorithms", default="sample,x,y,w",
                    help=f"comma-separated algorithms to time, of {', '.join(ALGORITHMS)}")
     p.add_argument("--spatial", action="store_true",
-                   help="also split the image: every sample x height x width x channel factorization")
+                   help="also split the image: every sample x height x width x channel factorization (a "
+                        "volume's: sample x depth x height x width x channel)")
     p.add_argument("--halo-interior", action="store_true",
                    help="on grids that split the image, time each layer that can compute its interior while its "
                         "halo moves (sample, x; ConvAlgorithm.halo_interior) a second time doing so, beside the "
@@ -60,17 +64,24 @@ def parse_args(argv):
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     try:
-        args.N, args.C, args.F, args.H, args.W, args.K = (int(v) for v in args.shape.split(","))
+        sizes = [int(v) for v in args.shape.split(",")]
+        if len(sizes) not in (6, 7):
+            raise ValueError
     except ValueError:
-        raise ValueError(f"--shape must be N,C,F,H,W,K (six positive integers), got {args.shape!r}") from None
-    for name in "NCFHWK":
-        positive_int(getattr(args, name), f"--shape {args.shape}: {name}")
+        raise ValueError(f"--shape must be N,C,F,H,W,K (six positive integers) or a volume's N,C,F,D,H,W,K "
+                         f"(seven), got {args.shape!r}") from None
+    names = "NCFDHWK" if len(sizes) == 7 else "NCFHWK"
+    args.D = None
+    for name, size in zip(names, sizes):
+        setattr(args, name, positive_int(size, f"--shape {args.shape}: {name}"))
+    args.op = "conv3d" if args.D else "conv2d"  # the kind of convolution (kernels/conv/ops.py)
     int_options(args, positive=("stride", "repeats", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
+    if args.halo_interior and args.D:
+        raise ValueError("--halo-interior is built for images' halos only (N,C,F,H,W,K), not a volume's")
     try:  # the kernel must fit the padded input
-        conv2d_output_shape((args.N, args.C, args.H, args.W), (args.F, args.C, args.K, args.K),
-                            args.stride, args.padding)
+        OPS[args.op].output_shape(x_shape(args), w_shape(args), stride=args.stride, padding=args.padding)
     except ValueError as e:
         raise ValueError(f"--shape {args.shape} with --padding {args.padding}: {e}") from None
     wanted = args.algorithms.split(",")
@@ -79,6 +90,15 @@ def parse_args(argv):
         raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "
                          f"expected a comma-separated list of {', '.join(ALGORITHMS)}")
     return args
+
+
+def x_shape(args):
+    """(N, C, H, W), or a volume's (N, C, D, H, W)."""
+    return (args.N, args.C) + ((args.D,) if args.D else ()) + (args.H, args.W)
+
+
+def w_shape(args):
+    return (args.F, args.C) + (args.K,) * OPS[args.op].axes
 
 
 def serial_baseline(args, x, w, b, dy, xp=np):
@@ -90,12 +110,13 @@ def serial_baseline(args, x, w, b, dy, xp=np):
 
     def step():
         t0 = time.perf_counter()
-        y = conv2d_forward(x, w, b, args.stride, args.padding)
+        op, options = OPS[args.op], {"stride": args.stride, "padding": args.padding}
+        y = op.forward(x, w, b, **options)
         backend.synchronize(x)
         t1 = time.perf_counter()
-        db = conv2d_backward_bias(dy)
-        dw = conv2d_backward_filter(x, dy, w.shape, args.stride, args.padding)
-        dx = conv2d_backward_data(dy, w, x.shape, args.stride, args.padding)
+        db = op.backward_bias(dy)
+        dw = op.backward_filter(x, dy, w.shape, **options)
+        dx = op.backward_data(dy, w, x.shape, **options)
         backend.synchronize(x)
         t2 = time.perf_counter()
         del y, db, dw, dx
@@ -105,7 +126,7 @@ def serial_baseline(args, x, w, b, dy, xp=np):
 
 def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False):
     row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
-                       args.repeats, args.warmup, xp, halo_interior)
+                       args.repeats, args.warmup, xp, halo_interior, args.op)
     return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else "")
             + (" (interior while the halo moves)" if halo_interior else ""), **row}
 
@@ -137,12 +158,12 @@ def main(argv=None):
     xp, where = backend.use_device(args.device, world)
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.N, args.C, args.H, args.W)).astype(dtype)
-    w = rng.standard_normal((args.F, args.C, args.K, args.K)).astype(dtype)
+    x = rng.standard_normal(x_shape(args)).astype(dtype)
+    w = rng.standard_normal(w_shape(args)).astype(dtype)
     b = rng.standard_normal(args.F).astype(dtype)
-    y_shape = conv2d_output_shape(x.shape, w.shape, args.stride, args.padding)
+    y_shape = OPS[args.op].output_shape(x.shape, w.shape, stride=args.stride, padding=args.padding)
     dy = rng.standard_normal(y_shape).astype(dtype)
-    flops = 3 * conv2d_flops(x.shape, w.shape, args.stride, args.padding)
+    flops = 3 * (conv3d_flops if args.D else conv2d_flops)(x.shape, w.shape, args.stride, args.padding)
 
     baseline = on_rank0(world, lambda: serial_baseline(args, x, w, b, dy, xp))
     one_rank = baseline["forward"] + baseline["backward"]
@@ -150,9 +171,11 @@ def main(argv=None):
              "backward_s": baseline["backward"], "bytes_sent_per_rank": 0, "halo_bytes_per_rank": 0,
              "weight_bytes_per_rank": w.nbytes + b.nbytes, "kept_activation_bytes_per_rank": x.nbytes}]
     wanted = args.algorithms.split(",")
-    shapes = factorizations(P, 4) if args.spatial else [(n, 1, 1, c) for n, c in factorizations(P)]
-    for P_n, P_h, P_w, P_c in shapes:
-        grid = ProcessGrid({"sample": P_n, "height": P_h, "width": P_w, "channel": P_c})
+    split = [a for a in AXES if a != "depth" or args.D] if args.spatial else ["sample", "channel"]
+    for sizes in factorizations(P, len(split)):
+        shape = dict(zip(split, sizes))
+        P_h, P_w, P_c = (shape.get(a, 1) for a in ("height", "width", "channel"))
+        grid = ProcessGrid(shape)
         for algorithm in wanted:
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
@@ -166,7 +189,8 @@ def main(argv=None):
         row["gflops_per_s"] = flops / total / 1e9
 
     if rank == 0:
-        print(f"# conv N={args.N} C={args.C} F={args.F} {args.H}x{args.W} kernel {args.K}x{args.K} "
+        size = "x".join(str(n) for n in x_shape(args)[2:])
+        print(f"# conv N={args.N} C={args.C} F={args.F} {size} kernel {'x'.join([str(args.K)] * OPS[args.op].axes)} "
               f"stride {args.stride} padding {args.padding}, {args.dtype}, {P} ranks, {threads} BLAS "
               f"thread(s) per rank, median of {args.repeats} (after {args.warmup} warm-up), "
               f"time of the slowest rank" + (f", on GPU {where['index']} ({where['name']}) of each node-local "

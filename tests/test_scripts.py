@@ -271,6 +271,23 @@ def test_bench_conv_times_the_interior_beside_the_blocking_halo(tmp_path):
         assert r["halo_bytes_per_rank"] == blocking["halo_bytes_per_rank"] > 0
 
 
+def test_bench_conv_splits_a_volume_by_depth(tmp_path):
+    """bench_conv --shape N,C,F,D,H,W,K --spatial on 2 ranks: a volume's rows on every grid of
+    sample, depth, height, width and channel, the depth split's halo bytes those predict_bytes
+    gives."""
+    out = tmp_path / "bench.json"
+    proc, _ = run(2, ["--shape", "1,4,6,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "sample",
+                      "--spatial", "--json", str(out)], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        rows = {r["grid"]: r for r in json.load(f)["rows"]}
+    assert {"sample=2", "depth=2", "height=2", "width=2", "channel=2"} <= set(rows), sorted(rows)
+    from cfp.perfmodel import predict_bytes
+    halo = [predict_bytes("sample", (1, 4, 6, 5, 5), (6, 4, 3, 3, 3), "depth=2", {"depth": d}, padding=1,
+                          itemsize=4, op="conv3d")["halo"][0] for d in (0, 1)]
+    assert rows["depth=2"]["halo_bytes_per_rank"] == max(halo) > 0
+
+
 def test_the_progress_bar_shows_the_epoch(tmp_path):
     proc, _ = run(1, ["--epochs", "2", "--train-samples", "128", "--batch-size", "64"], script=TRAIN)
     assert proc.returncode == 0, proc.stderr
