@@ -12,13 +12,13 @@ from cfp import comm as C
 from cfp.algorithms import make_conv
 from cfp.grid import ProcessGrid
 from cfp.kernels.conv import OPS
-from cfp.nn import Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, ReLU, Sequential
+from cfp.nn import BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d, ReLU, Sequential
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor
 from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 from test_algorithms import CONFIGS, ids
 from test_nn import CASES as NN_CASES
-from test_nn import case_id, compare, data, fit, grids  # noqa: F401 (grids: a fixture, every spec and "serial")
+from test_nn import case_id, compare, data, fit, gather_parameter, grids  # noqa: F401 (grids: a fixture, every spec and "serial")
 
 pytestmark = pytest.mark.mpi
 
@@ -198,3 +198,43 @@ def test_layers_end_to_end(grids, case):
             out_split=split, what=f"volume {case_id(case)}")
     compare(image, grids, spec, data((3, 5, 3, 4), 3), data((3, 3, 6, 8), 4), in_split=split,
             out_split=split, what=f"image {case_id(case)}")
+
+
+@pytest.mark.parametrize("case", NN_CASES, ids=case_id)
+def test_volume_block_with_batch_norm_and_global_pooling(grids, case):
+    """Conv3d (first layer) -> BatchNorm3d -> ReLU -> Conv3d (stride 2) -> BatchNorm3d -> ReLU
+    -> GlobalAvgPool3d, against one rank: outputs, input-free gradients, batch-norm statistics
+    (two passes: the running statistics move)."""
+    spec, alg, p_f = case
+
+    def block(grid):
+        kw = dict(algorithm=alg, filter_groups=fit(p_f, grid), dtype=np.float64, bias=False)
+        c1 = Conv3d(grid, 2, 6, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw)
+        c2 = Conv3d(grid, 6, 4, 3, stride=2, padding=1, name="c2", **kw)
+        return Sequential(c1, BatchNorm3d(grid, 6, layout=c1.conv.output_layout, name="bn1", dtype=np.float64),
+                          ReLU(), c2, BatchNorm3d(grid, 4, layout=c2.conv.output_layout, name="bn2", dtype=np.float64),
+                          ReLU(), GlobalAvgPool3d())
+    compare(block, grids, spec, data((4, 2, 5, 6, 4), 5), data((4, 4), 6), in_split=False, out_split=alg != "sample",
+            what=f"volume block {case_id(case)}", train_passes=2)
+
+
+@pytest.mark.parametrize("config", [c for c in depth_configs() if c[1] in ("sample", "y")], ids=ids)
+def test_volume_block_on_a_depth_split(grids, depth_grids, config):
+    """The block on grids that split depth, placed (the containers insert what moves between
+    layers): BatchNorm3d's statistics and GlobalAvgPool3d's sums over the depth ranks too,
+    against one rank, forward and backward."""
+    spec, alg, _ = config
+    x, dy = data((3, 2, 6, 4, 5), 7), data((3, 4), 8)
+    out = {}
+    for which, grid in (("serial", grids["serial"]), (spec, depth_grids[spec])):
+        kw = dict(algorithm=alg, dtype=np.float64, bias=False)
+        c1 = Conv3d(grid, 2, 4, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw)
+        model = Sequential(c1, BatchNorm3d(grid, 4, layout=c1.conv.output_layout, name="bn", dtype=np.float64),
+                           ReLU(), GlobalAvgPool3d())
+        end = model.place((grid, c1.conv.input_layout))
+        y = model.forward(DistTensor.from_global(x, c1.conv.input_layout, grid))
+        model.backward(DistTensor.from_global(dy, end[1], grid))
+        out[which] = (y.gather(), {p.name: gather_parameter(p) for p in model.parameters()})
+    assert_close_all_ranks(out[spec][0], out["serial"][0], 1e-10, f"{spec} y")
+    for name, want in out["serial"][1].items():
+        assert_close_all_ranks(out[spec][1][name], want, 1e-10, f"{spec} {name}")

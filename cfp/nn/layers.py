@@ -93,10 +93,11 @@ class AvgPool2d(_PerPosition):
 
 
 class GlobalAvgPool2d(Module):
-    """(n, C, H, W) -> (n, C): the mean over all positions of each channel. On a grid that
-    splits the image, each rank sums its block and the sums are added over the height and
-    width axes (phase 'forward'), so every spatial rank holds the whole mean: the output is
-    replicated there, and its gradient, the same on every copy, spreads back locally."""
+    """(n, C, H, W) -> (n, C): the mean over all positions of each channel (of a volume's
+    (n, C, D, H, W) too: GlobalAvgPool3d). On a grid that splits the image, each rank sums its
+    block and the sums are added over the depth, height and width axes it splits (phase
+    'forward'), so every spatial rank holds the whole mean: the output is replicated there,
+    and its gradient, the same on every copy, spreads back locally."""
 
     def output_spec(self, spec):
         grid, layout = spec
@@ -110,21 +111,25 @@ class GlobalAvgPool2d(Module):
     def forward(self, x):
         self._x_shape = x.shape
         spatial = getattr(self, "_spatial", [])
+        positions = tuple(range(2, x.ndim))
         if not spatial:
-            return x.mean(axis=(2, 3))
-        sums = x.sum(axis=(2, 3))
+            return x.mean(axis=positions)
+        sums = x.sum(axis=positions)
         with comm.tag(layer="global-pool", phase="forward"):
             for axis in spatial:
                 sums = comm.allreduce(self._grid.axis_comm(axis), sums, donate=True)
-        H, W = self.input_shape[2:]
-        self._positions = H * W
-        return sums / (H * W)
+        self._positions = int(np.prod(self.input_shape[2:]))
+        return sums / self._positions
 
     def backward(self, dy):
-        n, c, h, w = self._x_shape
-        positions = self._positions if getattr(self, "_spatial", []) else h * w
+        positions = self._positions if getattr(self, "_spatial", []) else int(np.prod(self._x_shape[2:]))
         xp = backend.get_array_module(dy)
-        return xp.broadcast_to(dy[:, :, None, None] / positions, self._x_shape).copy()
+        spread = dy.reshape(dy.shape + (1,) * (len(self._x_shape) - 2))
+        return xp.broadcast_to(spread / positions, self._x_shape).copy()
+
+
+class GlobalAvgPool3d(GlobalAvgPool2d):
+    """(n, C, D, H, W) -> (n, C): GlobalAvgPool2d over a volume's positions."""
 
 
 class Flatten(Module):
@@ -147,7 +152,8 @@ class Flatten(Module):
 
 
 class BatchNorm2d(Module):
-    """Batch normalisation of (n, C_c, H, W) blocks over the global batch.
+    """Batch normalisation of (n, C_c, H, W) blocks over the global batch (of a volume's
+    (n, C_c, D, H, W) blocks: BatchNorm3d, whose default layout has the depth dimension).
 
     Statistics are per channel, so they are summed only over the ranks holding the same
     channels (the sample axis), never over the channel axis. layout: the activation's layout
@@ -157,15 +163,19 @@ class BatchNorm2d(Module):
     (PyTorch's convention).
     """
 
+    ndim = 4  # NCHW; BatchNorm3d's NCDHW
+
     def __init__(self, grid, num_features, layout=None, eps=1e-5, momentum=0.1, name="bn",
                  dtype=np.float32):
         self.name, self.eps, self.momentum = name, eps, momentum
         self.grid = grid
-        self.layout = Layout(("sample", "channel", None, None)) if layout is None else layout
-        if self.layout.ndim != 4 or self.layout.dims[0] is None or self.layout.dims[0].axis != "sample" \
+        self.layout = Layout(("sample", "channel") + (None,) * (self.ndim - 2)) if layout is None else layout
+        if self.layout.ndim != self.ndim or self.layout.dims[0] is None or self.layout.dims[0].axis != "sample" \
                 or self.layout.partial:
-            raise ValueError(f"{name}: batch norm takes NCHW activations split by sample (and perhaps "
-                             f"channel, height and width); got layout {self.layout}")
+            what = "NCDHW" if self.ndim == 5 else "NCHW"
+            raise ValueError(f"{name}: batch norm takes {what} activations split by sample (and perhaps "
+                             f"channel, {'depth, ' if self.ndim == 5 else ''}height and width); got layout "
+                             f"{self.layout}")
         # the ranks holding the same channels: those of other samples and other image blocks
         self.stats_comm = grid.complement_comm("channel")
         self._counts = {}  # local input shape -> positions in the global batch (_positions_in_batch)
@@ -213,11 +223,9 @@ class BatchNorm2d(Module):
         blocks' counts summed once per local shape over the ranks holding these channels, as
         Python integers (never a value read back from the device, never a message per step)."""
         if self.input_shape is not None:
-            N, _, H, W = self.input_shape
-            return N * H * W
+            return int(self.input_shape[0] * np.prod(self.input_shape[2:]))
         if local_shape not in self._counts:
-            n, _, h, w = local_shape
-            self._counts[local_shape] = self.stats_comm.allreduce(n * h * w)
+            self._counts[local_shape] = self.stats_comm.allreduce(int(local_shape[0] * np.prod(local_shape[2:])))
         return self._counts[local_shape]
 
     def _row(self, per_channel):
@@ -225,9 +233,9 @@ class BatchNorm2d(Module):
         return backend.get_array_module(per_channel).repeat(per_channel, self._positions).reshape(1, -1)
 
     def forward(self, x):
-        n, c, h, w = x.shape
-        self._channels, self._positions, self._shape = c, h * w, x.shape
-        rows = x.reshape(n, c * h * w)
+        n, c = x.shape[:2]
+        self._channels, self._positions, self._shape = c, int(np.prod(x.shape[2:])), x.shape
+        rows = x.reshape(n, c * self._positions)
         with comm.tag(layer=self.name, phase="forward"):
             if self.training:
                 total = self._positions_in_batch(tuple(x.shape))
@@ -274,3 +282,10 @@ class BatchNorm2d(Module):
         dx -= mean_dy
         dx *= scale
         return dx.reshape(dy.shape)
+
+
+class BatchNorm3d(BatchNorm2d):
+    """Batch normalisation of a volume's (n, C_c, D, H, W) blocks over the global batch, as
+    BatchNorm2d (statistics summed over the sample, depth, height and width ranks holding the
+    same channels)."""
+    ndim = 5
