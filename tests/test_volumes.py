@@ -238,3 +238,31 @@ def test_volume_block_on_a_depth_split(grids, depth_grids, config):
     assert_close_all_ranks(out[spec][0], out["serial"][0], 1e-10, f"{spec} y")
     for name, want in out["serial"][1].items():
         assert_close_all_ranks(out[spec][1][name], want, 1e-10, f"{spec} {name}")
+
+
+def test_a_volume_checkpoint_loads_on_another_grid(grids, mpi_tmp_path):
+    """Conv3d, ConvTranspose3d and BatchNorm3d shards saved on one grid (depth-split, or channel
+    at one rank) load on another (channel, and one rank), their global tensors unchanged."""
+    from cfp.checkpoint import load_checkpoint, save_checkpoint
+    from cfp.optim import SGD
+
+    def model(grid, seed):
+        c = Conv3d(grid, 2, 4, 3, padding=1, algorithm="y" if grid.shape["depth"] == 1 else "sample",
+                   input_whole=True, need_dx=False, name="c", seed=seed, dtype=np.float64)
+        t = ConvTranspose3d(grid, 4, 3, 2, stride=2, algorithm="y", name="t", seed=seed, dtype=np.float64,
+                            split_image=False)  # (a transposed layer on a depth split: copies along depth)
+        return Sequential(c, BatchNorm3d(grid, 4, layout=c.conv.output_layout, name="bn", dtype=np.float64), t)
+
+    def global_tensors(m):
+        return {p.name: gather_parameter(p, "data") for p in m.parameters()}
+    source = ProcessGrid(f"depth={SIZE}")
+    saved = model(source, seed=1)
+    path = save_checkpoint(str(mpi_tmp_path / "ckpt"), 1, saved, SGD(saved.parameters(), 0.1), source, {})
+    want = global_tensors(saved)
+    for target in (ProcessGrid(f"channel={SIZE}"), grids["serial"]):
+        loaded = model(target, seed=2)  # other numbers until the checkpoint is loaded
+        load_checkpoint(path, loaded, SGD(loaded.parameters(), 0.1))
+        got = global_tensors(loaded)
+        for name in want:
+            assert_all_ranks(np.array_equal(got[name], want[name]), f"{name} on {target.describe()}: not the saved tensor")
+    source.free()
