@@ -318,6 +318,13 @@ class ShardedLoader:
     Each `for` loop over the loader is one epoch and advances `epoch` (the epoch the next loop
     will use); set_epoch(e) chooses it, e.g. when resuming.
 
+    layout: a Layout of x's batches over the grid (its first dimension split by 'sample') that
+    splits more than the samples, the first layer's input layout on a grid that splits depth,
+    height, width or channels (ConvAlgorithm.input_layout): each rank then reads of each of its
+    samples only its block, by slices of x, so that x may be a memory-mapped .npy
+    (open_npy) of samples larger than a rank: no rank ever holds a whole sample. None: whole
+    samples, the rank's block of the batch's samples.
+
     augment=True (training only; x must be (n, C, H, W)): every batch goes through
     augment_batch, with a crop offset and a flip per sample drawn for the whole global batch
     from (seed, epoch, batch number) on every rank alike, of which each rank applies its rows'.
@@ -325,13 +332,22 @@ class ShardedLoader:
     b of an epoch (a resumed run) gives the batches an uninterrupted one gave.
     """
 
-    def __init__(self, x, y, batch_size, grid=None, shuffle=True, seed=0, drop_last=False, augment=False):
+    def __init__(self, x, y, batch_size, grid=None, shuffle=True, seed=0, drop_last=False, augment=False,
+                 layout=None):
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} samples, y has {len(y)}")
         int_at_least(batch_size, "batch size", 1)
         if augment and x.ndim != 4:
             raise ValueError(f"augmentation crops and flips images: x has shape {x.shape}; "
                              f"expected (N, C, H, W)")
+        if layout is not None:
+            if grid is None or layout.ndim != x.ndim or layout.dims[0] is None or layout.dims[0].axis != "sample":
+                raise ValueError(f"layout {layout}: a loader's blocks need a grid and a layout of x's {x.ndim} "
+                                 f"dimensions whose first is split by 'sample'")
+            if augment:
+                raise ValueError("augmentation crops and flips whole images; a loader with a layout reads blocks "
+                                 "of samples: expected augment=False with layout")
+        self.layout = layout
         self.x, self.y = x, y
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -382,16 +398,35 @@ class ShardedLoader:
 
     def _batches(self, order, epoch):
         for b in range(len(self)):
-            batch = order[b * self.batch_size:(b + 1) * self.batch_size]
-            n_global = len(batch)
-            # Only this rank's block is copied out, never the whole batch.
-            block = self.block(n_global)
-            rows = batch[block]
-            x_local = _take_rows(self.x, rows)
-            if self.augment:  # drawn for the whole batch, applied to this rank's block of it
-                offsets, flips = self.augmentation(epoch, b, n_global)
-                x_local = augment_batch(x_local, offsets[block], flips[block])
-            yield x_local, _take_rows(self.y, rows), n_global
+            # (made by a call, so that this frame keeps no reference to a batch once the next
+            # is asked for: one batch's blocks in memory at a time, not two)
+            yield self._batch(order, epoch, b)
+
+    def _batch(self, order, epoch, b):
+        batch = order[b * self.batch_size:(b + 1) * self.batch_size]
+        n_global = len(batch)
+        # Only this rank's block is copied out, never the whole batch.
+        block = self.block(n_global)
+        rows = batch[block]
+        x_local = _take_rows(self.x, rows) if self.layout is None else self._read_blocks(rows, n_global)
+        if self.augment:  # drawn for the whole batch, applied to this rank's block of it
+            offsets, flips = self.augmentation(epoch, b, n_global)
+            x_local = augment_batch(x_local, offsets[block], flips[block])
+        return x_local, _take_rows(self.y, rows), n_global
+
+    def _read_blocks(self, rows, n_global):
+        """(len(rows), ...) this rank's block of each sample of `rows` (layout's index sets
+        past the sample dimension), each read from x by slices (a memory map reads only
+        those pages) into one fresh array."""
+        ix = self.layout.indices((n_global,) + tuple(self.x.shape[1:]), self.grid, self.grid.coords)[1:]
+        at = tuple(slice(i.start, i.stop) if isinstance(i, range) and i.step == 1 else np.asarray(i) for i in ix)
+        blocks = np.empty((len(rows),) + tuple(len(i) for i in ix), self.x.dtype)
+        for k, r in enumerate(rows):
+            sample = self.x[int(r)]
+            for axis, a in enumerate(at):  # basic slices keep a view; an index set gathers
+                sample = sample[(slice(None),) * axis + (a,)]
+            blocks[k] = sample
+        return blocks
 
     def block(self, n_global):
         """This rank's rows of a batch of n_global samples: the sample layout's block."""
@@ -399,6 +434,21 @@ class ShardedLoader:
             return slice(0, n_global)
         (rows,) = SAMPLES.indices((n_global,), self.grid, self.grid.coords)
         return slice(rows.start, rows.stop)
+
+
+def open_npy(path, what="input"):
+    """The array of the .npy file `path` memory-mapped read-only (nothing read until sliced),
+    for a ShardedLoader with a layout: ValueError naming the file when it is missing or not a
+    single .npy array."""
+    if not os.path.exists(path):
+        raise ValueError(f"{what} file {path!r} does not exist")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as e:  # numpy raises ValueError, OSError or EOFError for bad files
+        raise ValueError(f"{what} file {path!r} is not a readable .npy file: {e}") from None
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"{what} file {path!r} holds several arrays (.npz); expected one .npy array")
+    return array
 
 
 def _take_rows(array, rows):

@@ -15,7 +15,7 @@ from cfp.kernels.conv import OPS
 from cfp.nn import BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d, ReLU, Sequential
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor
-from conftest import SIZE, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 from test_algorithms import CONFIGS, ids
 from test_nn import CASES as NN_CASES
 from test_nn import case_id, compare, data, fit, gather_parameter, grids  # noqa: F401 (grids: a fixture, every spec and "serial")
@@ -266,3 +266,45 @@ def test_a_volume_checkpoint_loads_on_another_grid(grids, mpi_tmp_path):
         for name in want:
             assert_all_ranks(np.array_equal(got[name], want[name]), f"{name} on {target.describe()}: not the saved tensor")
     source.free()
+
+
+def test_sharded_loader_reads_only_each_ranks_block(mpi_tmp_path):
+    """Samples in a memory-mapped .npy, read by a loader with the first layer's input layout on
+    a depth split (and, at 4 ranks, depth x height): each rank's batches are the blocks whole
+    loading gives (DistTensor.from_global of the batch), and with more than one depth rank its
+    peak of allocated memory (tracemalloc) while it reads a batch of one sample stays below
+    one sample."""
+    import tracemalloc
+
+    from cfp.data import ShardedLoader, open_npy
+    rng = np.random.default_rng(11)
+    x, y = rng.standard_normal((4, 2, 16, 32, 32)), rng.integers(0, 3, 4)  # 256 KiB a sample
+    path = str(mpi_tmp_path / "volumes.npy")
+    if WORLD.Get_rank() == 0:
+        np.save(path, x)
+    WORLD.Barrier()
+    spec = "depth=2,height=2" if SIZE == 4 else f"depth={SIZE}"
+    grid = ProcessGrid(spec)
+    conv = make_conv("sample", grid, 2, 4, 3, op="conv3d", padding=1)
+    mapped = open_npy(path)
+    whole = ShardedLoader(x, y, 1, grid, seed=4)
+    expected = [(DistTensor.from_global(xb, conv.input_layout, grid).local, yb, n) for xb, yb, n in whole]
+    sharded = ShardedLoader(mapped, y, 1, grid, seed=4, layout=conv.input_layout)
+    batches = iter(sharded)
+    tracemalloc.start()  # (what was allocated before is not traced: the expected blocks)
+    peak = 0
+    for b, (want, y_whole, n_whole) in enumerate(expected):
+        tracemalloc.reset_peak()
+        x_local, y_local, n = next(batches)
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        assert_all_ranks(n == n_whole and np.array_equal(y_local, y_whole) and np.array_equal(x_local, want),
+                         f"batch {b}: a block that is not whole loading's")
+        del x_local, y_local  # before the next batch is read, as a training step would
+    tracemalloc.stop()
+    if SIZE > 1:
+        assert_all_ranks(peak < 0.75 * x[0].nbytes, f"peak {peak} bytes, one sample is {x[0].nbytes}")
+    raises_on_all_ranks(ValueError, lambda: ShardedLoader(mapped, y, 2, grid, layout=conv.input_layout, augment=True),
+                        match="augmentation crops and flips")
+    raises_on_all_ranks(ValueError, lambda: open_npy(str(mpi_tmp_path / "missing.npy")), match="does not exist")
+    del mapped, sharded
+    grid.free()
