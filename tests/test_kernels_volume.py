@@ -327,3 +327,49 @@ def test_bench_kernels_times_a_volume():
     row = bench.bench_shape(bench.parse_shape("1x4x4x4x5x6x3"), np.dtype(np.float32), 1, np.random.default_rng(0))
     assert row["flops_per_pass"] == conv3d_flops((1, 4, 4, 5, 6), (4, 4, 3, 3, 3), padding=1)
     assert row["cfp_error"] < 1e-5 and row["cfp_total_s"] > 0
+
+
+def _pool3d_loops(x, dy, kernel, stride, padding, kind):
+    """Max or average pooling of a volume written out: each output position's cubic window."""
+    fill = -np.inf if kind == "max" else 0.0
+    xp = np.pad(x, ((0, 0), (0, 0)) + ((padding, padding),) * 3, constant_values=fill)
+    y, dxp = np.zeros(dy.shape), np.zeros(xp.shape)
+    for n, c, *o in np.ndindex(*dy.shape):
+        at = (n, c) + tuple(slice(i * stride, i * stride + kernel) for i in o)
+        win = xp[at]
+        if kind == "max":
+            k = np.unravel_index(np.argmax(win), win.shape)  # the first maximum, as PyTorch
+            y[(n, c, *o)] = win[k]
+            dxp[(n, c) + tuple(i * stride + a for i, a in zip(o, k))] += dy[(n, c, *o)]
+        else:
+            y[(n, c, *o)] = win.mean()
+            dxp[at] += dy[(n, c, *o)] / kernel ** 3
+    D, H, W = x.shape[2:]
+    return y, dxp[:, :, padding:padding + D, padding:padding + H, padding:padding + W]
+
+
+@pytest.mark.parametrize("kernel, stride, padding", [(2, 2, 0), (3, 1, 1), (3, 2, 1), (2, 1, 0)])
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pool3d_matches_loops(kernel, stride, padding, kind):
+    from cfp.kernels.pool import avg_pool3d_backward, avg_pool3d_forward, max_pool3d_backward, max_pool3d_forward
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 3, 5, 4, 6))
+    if kind == "max":
+        y, argmax = max_pool3d_forward(x, kernel, stride, padding)
+        dy = rng.standard_normal(y.shape)
+        dx = max_pool3d_backward(dy, argmax, x.shape, kernel, stride, padding)
+    else:
+        y = avg_pool3d_forward(x, kernel, stride, padding)
+        dy = rng.standard_normal(y.shape)
+        dx = avg_pool3d_backward(dy, x.shape, kernel, stride, padding)
+    y_loop, dx_loop = _pool3d_loops(x, dy, kernel, stride, padding, kind)
+    assert relative_error(y, y_loop) < TOLERANCE and relative_error(dx, dx_loop) < TOLERANCE
+
+
+def test_pool3d_matches_torch(torch):
+    from cfp.kernels.pool import avg_pool3d_forward, max_pool3d_forward
+    x = np.random.default_rng(13).standard_normal((2, 3, 6, 5, 7))
+    tx = torch.tensor(x)
+    assert relative_error(max_pool3d_forward(x, 3, 2, 1)[0],
+                          torch.nn.functional.max_pool3d(tx, 3, 2, 1).numpy()) < TOLERANCE
+    assert relative_error(avg_pool3d_forward(x, 2, 1, 0), torch.nn.functional.avg_pool3d(tx, 2, 1, 0).numpy()) < TOLERANCE

@@ -12,7 +12,8 @@ from cfp import comm as C
 from cfp.algorithms import make_conv
 from cfp.grid import ProcessGrid
 from cfp.kernels.conv import OPS
-from cfp.nn import BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d, ReLU, Sequential
+from cfp.nn import (AvgPool3d, BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d,
+                    MaxPool3d, ReLU, Sequential)
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.tensor import DistTensor
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
@@ -220,17 +221,18 @@ def test_volume_block_with_batch_norm_and_global_pooling(grids, case):
 
 @pytest.mark.parametrize("config", [c for c in depth_configs() if c[1] in ("sample", "y")], ids=ids)
 def test_volume_block_on_a_depth_split(grids, depth_grids, config):
-    """The block on grids that split depth, placed (the containers insert what moves between
-    layers): BatchNorm3d's statistics and GlobalAvgPool3d's sums over the depth ranks too,
-    against one rank, forward and backward."""
+    """Conv3d -> BatchNorm3d -> ReLU -> MaxPool3d -> AvgPool3d -> GlobalAvgPool3d on grids that
+    split depth, placed (the containers insert what moves between layers): batch norm's
+    statistics and global pooling's sums over the depth ranks too, the pooling layers' halos
+    over planes, against one rank, forward and backward."""
     spec, alg, _ = config
-    x, dy = data((3, 2, 6, 4, 5), 7), data((3, 4), 8)
+    x, dy = data((3, 2, 10, 8, 6), 7), data((3, 4), 8)
     out = {}
     for which, grid in (("serial", grids["serial"]), (spec, depth_grids[spec])):
         kw = dict(algorithm=alg, dtype=np.float64, bias=False)
         c1 = Conv3d(grid, 2, 4, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw)
         model = Sequential(c1, BatchNorm3d(grid, 4, layout=c1.conv.output_layout, name="bn", dtype=np.float64),
-                           ReLU(), GlobalAvgPool3d())
+                           ReLU(), MaxPool3d(3, 2, 1), AvgPool3d(2, 1), GlobalAvgPool3d())
         end = model.place((grid, c1.conv.input_layout))
         y = model.forward(DistTensor.from_global(x, c1.conv.input_layout, grid))
         model.backward(DistTensor.from_global(dy, end[1], grid))

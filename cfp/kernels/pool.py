@@ -1,102 +1,114 @@
-"""Local pooling on NCHW blocks: max and average pooling, forward and backward.
+"""Local pooling on NCHW blocks (and a volume's NCDHW): max and average pooling, forward and
+backward.
 
 Pooling acts on each channel alone, so under any channel or sample split it needs no
-communication: the distributed layers call these on their local blocks. Square windows of
-`kernel`, `stride` and `padding` (padding counts as -inf for max, as 0 for the average, as in
-PyTorch's defaults). padding may also be (top, bottom, left, right): the local pooling of a
-block of a split image pads only where the block meets the image's border.
+communication: the distributed layers call these on their local blocks. Square (cubic) windows
+of `kernel`, `stride` and `padding` (padding counts as -inf for max, as 0 for the average, as
+in PyTorch's defaults). padding may also be given per side, (top, bottom, left, right) (a
+volume's (front, back, top, bottom, left, right)): the local pooling of a block of a split
+image pads only where the block meets the image's border. The spatial axes are x's past the
+first two, two for an image and three for a volume, and every function takes either.
 """
+import itertools
+
 from cfp.backend import get_array_module
 
 
-def _sides(padding):
-    """(top, bottom, left, right) from an int or a 4-tuple."""
-    return tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * 4
+def _sides(padding, axes):
+    """((before, after), ...) per spatial axis from an int or 2 * axes sides."""
+    sides = tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * (2 * axes)
+    if len(sides) != 2 * axes:
+        raise ValueError(f"pooling padding {padding!r}: expected an integer or {2 * axes} sides")
+    return tuple(zip(sides[::2], sides[1::2]))
 
 
 def pool_geometry(x_shape, kernel, stride, padding):
-    """(Ho, Wo, window) where window(i, j) slices the padded input at offset (i, j) of every window."""
-    N, C, H, W = x_shape
-    top, bottom, left, right = _sides(padding)
-    if kernel > H + top + bottom or kernel > W + left + right:
-        raise ValueError(f"pooling window {kernel} is larger than the padded input "
-                         f"{H + top + bottom}x{W + left + right}")
-    Ho, Wo = (H + top + bottom - kernel) // stride + 1, (W + left + right - kernel) // stride + 1
+    """(output size per spatial axis, offsets, window) where window(offset) slices the padded
+    input at kernel offset `offset` (a tuple, one per axis) of every window, and offsets are
+    the kernel's offsets in the order the passes visit them."""
+    size = tuple(x_shape[2:])
+    sides = _sides(padding, len(size))
+    padded = tuple(n + a + b for n, (a, b) in zip(size, sides))
+    if any(kernel > p for p in padded):
+        raise ValueError(f"pooling window {kernel} is larger than the padded input {'x'.join(map(str, padded))}")
+    out = tuple((p - kernel) // stride + 1 for p in padded)
 
-    def window(i, j):
-        return (slice(None), slice(None), slice(i, i + stride * (Ho - 1) + 1, stride),
-                slice(j, j + stride * (Wo - 1) + 1, stride))
-    return Ho, Wo, window
+    def window(offset):
+        return (slice(None), slice(None)) + tuple(slice(i, i + stride * (o - 1) + 1, stride)
+                                                  for i, o in zip(offset, out))
+    return out, list(itertools.product(range(kernel), repeat=len(size))), window
 
 
 def _pad(x, padding, fill):
-    top, bottom, left, right = _sides(padding)
-    if not (top or bottom or left or right):
+    sides = _sides(padding, x.ndim - 2)
+    if not any(a or b for a, b in sides):
         return x
     xp = get_array_module(x)
-    N, C, H, W = x.shape
-    padded = xp.full((N, C, H + top + bottom, W + left + right), fill, dtype=x.dtype)
-    padded[:, :, top:top + H, left:left + W] = x
+    padded = xp.full(x.shape[:2] + tuple(n + a + b for n, (a, b) in zip(x.shape[2:], sides)), fill, dtype=x.dtype)
+    padded[_interior(x.shape, sides)] = x
     return padded
 
 
+def _interior(x_shape, sides):
+    return (slice(None), slice(None)) + tuple(slice(a, a + n) for n, (a, _) in zip(x_shape[2:], sides))
+
+
 def _padded_zeros(x_shape, padding, xp, dtype):
-    top, bottom, left, right = _sides(padding)
-    N, C, H, W = x_shape
-    return xp.zeros((N, C, H + top + bottom, W + left + right), dtype=dtype)
+    sides = _sides(padding, len(x_shape) - 2)
+    return xp.zeros(tuple(x_shape[:2]) + tuple(n + a + b for n, (a, b) in zip(x_shape[2:], sides)), dtype=dtype)
 
 
 def _unpad(dpadded, x_shape, padding):
-    top, _, left, _ = _sides(padding)
-    H, W = x_shape[2:]
-    return dpadded[:, :, top:top + H, left:left + W]
+    return dpadded[_interior(x_shape, _sides(padding, len(x_shape) - 2))]
 
 
 def max_pool2d_forward(x, kernel, stride, padding=0):
-    """y (N, C, Ho, Wo) and each window's argmax offset i * kernel + j, kept for backward."""
+    """y (N, C, *out) and each window's argmax, the number of its kernel offset (in
+    pool_geometry's order), kept for backward."""
     xp = get_array_module(x)
-    Ho, Wo, window = pool_geometry(x.shape, kernel, stride, padding)
+    out, offsets, window = pool_geometry(x.shape, kernel, stride, padding)
     padded = _pad(x, padding, -xp.inf)
-    y = xp.full((x.shape[0], x.shape[1], Ho, Wo), -xp.inf, dtype=x.dtype)
+    y = xp.full(x.shape[:2] + out, -xp.inf, dtype=x.dtype)
     argmax = xp.zeros(y.shape, dtype=xp.int32)
-    for i in range(kernel):
-        for j in range(kernel):
-            candidate = padded[window(i, j)]
-            better = candidate > y  # the first maximum wins ties, as in PyTorch
-            y = xp.where(better, candidate, y)
-            argmax = xp.where(better, i * kernel + j, argmax)
+    for number, offset in enumerate(offsets):
+        candidate = padded[window(offset)]
+        better = candidate > y  # the first maximum wins ties, as in PyTorch
+        y = xp.where(better, candidate, y)
+        argmax = xp.where(better, number, argmax)
     return y, argmax
 
 
 def max_pool2d_backward(dy, argmax, x_shape, kernel, stride, padding=0):
     """dx: each window's gradient goes to the input position that was its maximum."""
     xp = get_array_module(dy)
-    _, _, window = pool_geometry(x_shape, kernel, stride, padding)
+    _, offsets, window = pool_geometry(x_shape, kernel, stride, padding)
     dpadded = _padded_zeros(x_shape, padding, xp, dy.dtype)
-    for i in range(kernel):
-        for j in range(kernel):
-            dpadded[window(i, j)] += xp.where(argmax == i * kernel + j, dy, 0)
+    for number, offset in enumerate(offsets):
+        dpadded[window(offset)] += xp.where(argmax == number, dy, 0)
     return _unpad(dpadded, x_shape, padding)
 
 
 def avg_pool2d_forward(x, kernel, stride, padding=0):
-    """y (N, C, Ho, Wo): the mean of each window."""
+    """y (N, C, *out): the mean of each window."""
     xp = get_array_module(x)
-    Ho, Wo, window = pool_geometry(x.shape, kernel, stride, padding)
+    out, offsets, window = pool_geometry(x.shape, kernel, stride, padding)
     padded = _pad(x, padding, 0)
-    y = xp.zeros((x.shape[0], x.shape[1], Ho, Wo), dtype=x.dtype)
-    for i in range(kernel):
-        for j in range(kernel):
-            y += padded[window(i, j)]
-    return y / (kernel * kernel)
+    y = xp.zeros(x.shape[:2] + out, dtype=x.dtype)
+    for offset in offsets:
+        y += padded[window(offset)]
+    return y / len(offsets)
 
 
 def avg_pool2d_backward(dy, x_shape, kernel, stride, padding=0):
     xp = get_array_module(dy)
-    _, _, window = pool_geometry(x_shape, kernel, stride, padding)
+    _, offsets, window = pool_geometry(x_shape, kernel, stride, padding)
     dpadded = _padded_zeros(x_shape, padding, xp, dy.dtype)
-    share = dy / (kernel * kernel)
-    for i in range(kernel):
-        for j in range(kernel):
-            dpadded[window(i, j)] += share
+    share = dy / len(offsets)
+    for offset in offsets:
+        dpadded[window(offset)] += share
     return _unpad(dpadded, x_shape, padding)
+
+
+# a volume's passes are the same functions (the spatial axes are x's past the first two)
+max_pool3d_forward, max_pool3d_backward = max_pool2d_forward, max_pool2d_backward
+avg_pool3d_forward, avg_pool3d_backward = avg_pool2d_forward, avg_pool2d_backward

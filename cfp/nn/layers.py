@@ -29,10 +29,10 @@ class _PerPosition(Module):
     'halo'), and its gradient goes back by the adjoint."""
 
     def output_shape(self, shape):
-        """(N, C, Ho, Wo) as the pooling kernel computes it (padding an int or (top, bottom,
-        left, right))."""
-        Ho, Wo, _ = pool_geometry(shape, self.kernel, self.stride, self.padding)
-        return (shape[0], shape[1], Ho, Wo)
+        """(N, C, Ho, Wo) (a volume's (N, C, Do, Ho, Wo)) as the pooling kernel computes it
+        (padding an int or one pair of sides per spatial axis)."""
+        out, _, _ = pool_geometry(shape, self.kernel, self.stride, self.padding)
+        return tuple(shape[:2]) + out
 
     def output_spec(self, spec):
         grid, layout = spec
@@ -46,8 +46,8 @@ class _PerPosition(Module):
         if getattr(self, "_split", None) is None:
             return x, self.padding
         options = {"dilation": 1, "padding": self.padding, "padding_mode": "zeros", "stride": self.stride}
-        self._plan = Halo(self.input_shape, self._layout, self._split, (self.kernel, self.kernel), options,
-                          self.describe())
+        self._plan = Halo(self.input_shape, self._layout, self._split, (self.kernel,) * (len(self.input_shape) - 2),
+                          options, self.describe())
         return self._plan.exchange(x, self.describe()), self._plan.padding
 
     def _halo_back(self, dx):
@@ -90,6 +90,15 @@ class AvgPool2d(_PerPosition):
     def backward(self, dy):
         return self._halo_back(avg_pool2d_backward(dy, self._x_shape, self.kernel, self.stride,
                                                    self._local_padding))
+
+
+class MaxPool3d(MaxPool2d):
+    """MaxPool2d over a volume's (n, C, D, H, W) blocks: cubic windows, a halo over depth,
+    height and width where the grid splits them."""
+
+
+class AvgPool3d(AvgPool2d):
+    """AvgPool2d over a volume's (n, C, D, H, W) blocks."""
 
 
 class GlobalAvgPool2d(Module):
