@@ -15,7 +15,8 @@ from cfp.kernels.conv import OPS
 from cfp.nn import (AvgPool3d, BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d,
                     MaxPool3d, ReLU, Sequential)
 from cfp.perfmodel import ledger_bytes, predict_bytes
-from cfp.tensor import DistTensor
+from cfp.nn import SoftmaxCrossEntropy
+from cfp.tensor import DistTensor, Layout
 from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
 from test_algorithms import CONFIGS, ids
 from test_nn import CASES as NN_CASES
@@ -310,3 +311,28 @@ def test_sharded_loader_reads_only_each_ranks_block(mpi_tmp_path):
     raises_on_all_ranks(ValueError, lambda: open_npy(str(mpi_tmp_path / "missing.npy")), match="does not exist")
     del mapped, sharded
     grid.free()
+
+
+@pytest.mark.parametrize("spec", sorted({c[0] for c in depth_configs()} | {f"sample={SIZE}", f"height={SIZE}"}))
+def test_per_voxel_cross_entropy_on_any_split(grids, spec):
+    """Segmentation's loss, per voxel (and per pixel): logits split by sample, depth, height
+    and width, whole over classes; the loss, the correct count and dlogits equal one rank's."""
+    rng = np.random.default_rng(14)
+    for shape in ((3, 4, 6, 4, 5), (3, 4, 6, 5)):
+        if "depth" in spec and len(shape) == 4:
+            continue
+        logits, labels = rng.standard_normal(shape), rng.integers(0, shape[1], (shape[0],) + shape[2:])
+        grid = ProcessGrid(spec)
+        layout = Layout(("sample", None) + tuple(a if grid.shape[a] > 1 else None
+                                                for a in ("depth", "height", "width")[5 - len(shape):]))
+        label_layout = Layout(layout.dims[:1] + layout.dims[2:])
+        loss_fn = SoftmaxCrossEntropy(grid, layout=layout)
+        loss, correct = loss_fn.forward(DistTensor.from_global(logits, layout, grid).local,
+                                        DistTensor.from_global(labels, label_layout, grid).local)
+        d = DistTensor(loss_fn.backward(), logits.shape, layout, grid).gather()
+        serial = SoftmaxCrossEntropy(grids["serial"])
+        want_loss, want_correct = serial.forward(logits, labels)
+        assert_close_all_ranks(np.array([loss]), np.array([want_loss]), 1e-12, f"{spec} loss")
+        assert_all_ranks(correct == want_correct, f"{spec}: {correct} correct, one rank {want_correct}")
+        assert_close_all_ranks(d, serial.backward(), 1e-12, f"{spec} dlogits")
+        grid.free()

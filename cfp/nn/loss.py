@@ -1,5 +1,8 @@
 """The end of a network: the softmax cross-entropy averaged over the global batch, of logits
-split by sample and whole over the channel axis (Network's last Redistribute puts them so)."""
+split by sample and whole over the channel axis (Network's last Redistribute puts them so);
+per position (pixel, voxel) for segmentation, of logits that the grid may also split over
+depth, height and width."""
+
 import numpy as np
 
 from .. import backend, comm
@@ -10,16 +13,26 @@ class SoftmaxCrossEntropy:
 
     forward(logits (n, K), labels (n,)) -> (loss, correct): the loss (the same value on every
     rank) and the number of correct predictions in the global batch; backward() -> dlogits.
-    The sums run over the ranks holding different samples (the grid's sample axis).
+    Per position, for segmentation: logits (n, K, *S) (S: the image's H, W or a volume's D, H,
+    W) and labels (n, *S), the mean over every sample's every position of the global batch,
+    `correct` counting positions. The sums run over the ranks holding different logits: the
+    grid's sample axis, and the spatial axes that `layout` (the logits' layout on the grid,
+    its class dimension whole) splits; the ranks of the other axes hold copies.
     """
 
-    def __init__(self, grid, name="loss"):
+    def __init__(self, grid, name="loss", layout=None):
         self.grid = grid
-        self.comm = grid.axis_comm("sample")  # the ranks of other samples (the rest hold copies)
+        spatial = [d.axis for d in layout.on(grid).dims[2:] if d is not None] if layout is not None else []
+        self.comms = [grid.axis_comm(a) for a in ["sample"] + spatial]
         self.name = name
 
     def forward(self, logits, labels):
         xp = backend.get_array_module(logits)
+        self._shape = logits.shape
+        if logits.ndim > 2:  # one row of K logits per position, as per sample
+            K = logits.shape[1]
+            logits = xp.moveaxis(logits, 1, -1).reshape(-1, K)
+            labels = labels.reshape(-1)
         n, K = logits.shape
         shifted = logits - logits.max(axis=1, keepdims=True) if n else logits
         log_z = xp.log(xp.exp(shifted).sum(axis=1))
@@ -29,7 +42,9 @@ class SoftmaxCrossEntropy:
             local[0], local[1] = (log_z - picked).sum(), (shifted.argmax(axis=1) == labels).sum()
         local[2] = n
         with comm.tag(layer=self.name, phase="forward"):
-            total_loss, correct, count = (float(v) for v in backend.to_host(comm.allreduce(self.comm, local)))
+            for group in self.comms:
+                local = comm.allreduce(group, local)
+        total_loss, correct, count = (float(v) for v in backend.to_host(local))
         self._saved = (shifted, log_z, labels, count)  # count: a Python float, so float32 stays float32
         return total_loss / count, int(correct)
 
@@ -38,4 +53,8 @@ class SoftmaxCrossEntropy:
         xp = backend.get_array_module(shifted)
         probs = xp.exp(shifted - log_z[:, None])
         probs[xp.arange(len(labels)), labels] -= 1
-        return probs / count
+        grad = probs / count
+        if len(self._shape) > 2:  # back to (n, K, *S)
+            n, K = self._shape[:2]
+            grad = xp.ascontiguousarray(xp.moveaxis(grad.reshape((n,) + self._shape[2:] + (K,)), -1, 1))
+        return grad
