@@ -253,8 +253,9 @@ def load_cifar10(directory, dtype=np.float32):
     return x_train, y_train, x_test, parts[5][1], 10
 
 
-def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32):
-    """Random images x (n, channels, height, width) and int64 labels y (n,) that can be learnt.
+def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32, depth=None):
+    """Random images x (n, channels, height, width) (with depth, volumes (n, channels, depth,
+    height, width)) and int64 labels y (n,) that can be learnt.
 
     Each class k has a fixed random mean image mu_k = o_k + pattern_k (o_k: (channels, 1, 1),
     one offset per channel, so that even a model that averages over space can tell the classes
@@ -262,14 +263,16 @@ def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32):
     noise. Labels are drawn uniformly. Everything is generated in float64 from `seed`, so the
     data are the same for every dtype up to rounding.
     """
-    for value, what in ((n, "n"), (channels, "channels"), (height, "height"), (width, "width"),
-                        (classes, "classes")):
+    sizes = ((n, "n"), (channels, "channels")) + (((depth, "depth"),) if depth is not None else ()) + (
+        (height, "height"), (width, "width"), (classes, "classes"))
+    for value, what in sizes:
         int_at_least(value, f"synthetic: {what}", 1)
+    space = ((depth,) if depth is not None else ()) + (height, width)
     rng = np.random.default_rng(seed)
-    offsets = rng.standard_normal((classes, channels, 1, 1))
-    patterns = rng.standard_normal((classes, channels, height, width))
+    offsets = rng.standard_normal((classes, channels) + (1,) * len(space))
+    patterns = rng.standard_normal((classes, channels) + space)
     y = rng.integers(0, classes, size=n, dtype=np.int64)
-    x = offsets[y] + patterns[y] + rng.standard_normal((n, channels, height, width))
+    x = offsets[y] + patterns[y] + rng.standard_normal((n, channels) + space)
     return x.astype(dtype), y
 
 

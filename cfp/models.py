@@ -1,6 +1,7 @@
 """Model definitions from cfp.nn: a small ResNet for 8x8 to 32x32 images with a width
-multiplier, a wide plain CNN whose width shows channel/filter parallelism at work, and a
-MobileNet-like stack of depthwise, dilated and grouped convolutions.
+multiplier, a wide plain CNN whose width shows channel/filter parallelism at work, a
+MobileNet-like stack of depthwise, dilated and grouped convolutions, and a small 3-D CNN for
+volumes (whose grids may split depth).
 
 Each convolution and the classifier run on a grid (a factorization of the ranks) with an
 algorithm ('sample', 'x', 'y' or 'w' with p_f): one for all layers, or per layer from a plan
@@ -15,8 +16,8 @@ import numpy as np
 from .checks import positive_int
 from .grid import Grids
 from .kernels import workspace
-from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, Linear, MaxPool2d, Module, Network, ReLU,
-                 Residual, Sequential)
+from .nn import (BatchNorm2d, BatchNorm3d, Conv2d, Conv3d, GlobalAvgPool2d, GlobalAvgPool3d, Linear, MaxPool2d,
+                 MaxPool3d, Module, Network, ReLU, Residual, Sequential)
 from .perfmodel import LayerShape
 from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 
@@ -43,8 +44,13 @@ class _Builder:
     `filter_groups`; plan_choice). Batch norm follows the convolution before it; ReLU and
     pooling take whatever comes."""
 
-    def __init__(self, grids, grid, algorithm, filter_groups, seed, dtype, plan=None):
+    # the layers of an image's model, or (volumes=True) of a volume's
+    VOLUME = {False: (Conv2d, BatchNorm2d, MaxPool2d, GlobalAvgPool2d), True: (Conv3d, BatchNorm3d, MaxPool3d,
+                                                                               GlobalAvgPool3d)}
+
+    def __init__(self, grids, grid, algorithm, filter_groups, seed, dtype, plan=None, volumes=False):
         self.grids, self.seed, self.dtype = grids, seed, dtype
+        self.conv_class, self.bn_class, self.pool_class, self.global_pool_class = self.VOLUME[volumes]
         self.plan = dict(plan or {})
         self.current = {"grid": grid.describe(), "algorithm": algorithm, "filter_groups": filter_groups,
                         "node_axes": grid.node_axes}
@@ -79,24 +85,24 @@ class _Builder:
         return layer
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False, groups=1, dilation=1):
-        return self._layer(Conv2d, name, cin, cout, first, kernel_size=kernel, stride=stride,
+        return self._layer(self.conv_class, name, cin, cout, first, kernel_size=kernel, stride=stride,
                            padding=dilation * (kernel // 2), bias=False, groups=groups, dilation=dilation)
 
     def bn(self, name, channels):
         grid, layout = self.last.output_spec(None)
-        return BatchNorm2d(grid, channels, layout=layout, name=name, dtype=self.dtype)
+        return self.bn_class(grid, channels, layout=layout, name=name, dtype=self.dtype)
 
     def relu(self):
         return ReLU()
 
     def pool(self, kernel):
-        return MaxPool2d(kernel)
+        return self.pool_class(kernel)
 
     def residual(self, body, shortcut, name):
         return Residual(body, shortcut, name=name)
 
     def head(self, channels, classes):
-        return [GlobalAvgPool2d(), self._layer(Linear, "fc", channels, classes)]
+        return [self.global_pool_class(), self._layer(Linear, "fc", channels, classes)]
 
 
 def _check_width(value, what, narrowest, grid, algorithm):
@@ -184,6 +190,27 @@ def _mobile_layers(b, width, in_channels, classes, image):
     return layers + b.head(top, classes)
 
 
+def volume_cnn(grid, width=1, in_channels=1, classes=10, algorithm="y", filter_groups=None, seed=0,
+               dtype=np.float32, image=8, plan=None, grids=None, planned=None):
+    """A small 3-D CNN for volumes of image^3 voxels: a 3x3x3 stem to 8 x width channels, a
+    3x3x3 convolution to 16 x width with stride 2, a 2x2x2 max pool, a 3x3x3 convolution at 16
+    x width (each convolution with batch norm and ReLU), then the classifier. Its grids may
+    split depth, height and width as well as samples and channels."""
+    if plan is None:
+        _check_width(width, "width", 8 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
+    b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan, volumes=True)
+    return _finish(_volume_layers(b, width, in_channels, classes, image), b, planned)
+
+
+def _volume_layers(b, width, in_channels, classes, image):
+    base = 8 * width
+    size = _after(image, 3, 2)
+    return [b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), b.relu(),
+            b.conv("down.conv", base, 2 * base, 3, 2, image), b.bn("down.bn", 2 * base), b.relu(), b.pool(2),
+            b.conv("body.conv", 2 * base, 2 * base, 3, 1, size // 2), b.bn("body.bn", 2 * base), b.relu(),
+            *b.head(2 * base, classes)]
+
+
 def _wide_layers(b, width, depth, in_channels, classes, image):
     size = image
     layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), b.relu()]
@@ -265,15 +292,17 @@ class _ShapeRecorder:
 class ModelKind:
     """A model cfp builds: `build` makes it (a Network on a grid), `layers` is the recipe of its
     layers, which `build` runs with a real builder and layer_shapes with a shape recorder;
-    `depth`: whether it takes a depth (the wide CNN's number of wide layers)."""
+    `depth`: whether it takes a depth (the wide CNN's number of wide layers); `volumes`: whether
+    its inputs are volumes (N, C, D, H, W) (the planner and cost model price 2-D layers only)."""
     build: object
     layers: object
     depth: bool = False
+    volumes: bool = False
 
 
 # The one registry of models, by name: build_model, layer_shapes, train.py and the scripts read it.
 MODELS = {"resnet": ModelKind(small_resnet, _resnet_layers), "wide": ModelKind(wide_cnn, _wide_layers, depth=True),
-          "mobile": ModelKind(mobile_cnn, _mobile_layers)}
+          "mobile": ModelKind(mobile_cnn, _mobile_layers), "volume": ModelKind(volume_cnn, _volume_layers, volumes=True)}
 
 
 def model_kind(name):
@@ -288,6 +317,10 @@ def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8
     for what, value in (("width", width), ("depth", depth), ("batch", batch), ("image", image)):
         positive_int(value, what)
     kind = model_kind(name)
+    if kind.volumes:
+        raise ValueError(f"model {name!r} convolves volumes, which the planner and cost model do not price yet "
+                         f"(their layers are 2-D): give it a --grid and an --algorithm (sample, x, y, w), not "
+                         f"'auto' or a plan")
     recorder = _ShapeRecorder(batch)
     kind.layers(recorder, width, *((depth,) if kind.depth else ()), in_channels, classes, image)
     return recorder.shapes

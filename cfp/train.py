@@ -196,7 +196,15 @@ def _check_trained_alike(path, meta, cfg):
 def _dataset(cfg, dtype):
     """(x_train, y_train, x_test, y_test, classes, what was read: a line for the user)."""
     classes = 10
-    if cfg.dataset == "digits":
+    if MODELS[cfg.model].volumes:
+        if cfg.dataset != "synthetic":
+            raise ValueError(f"--model {cfg.model} convolves volumes: expected --dataset synthetic (generated volumes), "
+                             f"got {cfg.dataset!r}")
+        side = 8 * cfg.upsample
+        x, y = synthetic(600, 1, side, side, 10, seed=cfg.seed, dtype=dtype, depth=side)
+        x_train, y_train, x_test, y_test = x[:500], y[:500], x[500:], y[500:]
+        split = "the last 100 of 600 generated"
+    elif cfg.dataset == "digits":
         x_train, y_train, x_test, y_test = load_digits(upsample=cfg.upsample, seed=cfg.seed, dtype=dtype)
         split = f"a stratified 20% test split (seed {cfg.seed})"
     elif cfg.dataset.startswith("npz:"):
@@ -220,8 +228,9 @@ def _dataset(cfg, dtype):
         x_train, y_train = x_train[:cfg.train_samples], y_train[:cfg.train_samples]
         split += f"; the first {cfg.train_samples} training samples (--train-samples)"
     shape = "x".join(str(n) for n in x_train.shape[1:])
-    read = (f"dataset {cfg.dataset}: {len(x_train)} training and {len(x_test)} test images of {shape} "
-            f"(C x H x W), {classes} classes; test set: {split}")
+    kind = "volumes" if x_train.ndim == 5 else "images"
+    read = (f"dataset {cfg.dataset}: {len(x_train)} training and {len(x_test)} test {kind} of {shape} "
+            f"({'C x D x H x W' if x_train.ndim == 5 else 'C x H x W'}), {classes} classes; test set: {split}")
     return x_train, y_train, x_test, y_test, classes, read
 
 
@@ -340,7 +349,7 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
     xp = backend.get_array_module(*(p.data for p in model.parameters()))
     for start in range(0, len(x), batch_size):
         n_global = min(batch_size, len(x) - start)
-        (rows, *_) = layout.indices((n_global, 1, 1, 1), grid, grid.coords)
+        (rows, *_) = layout.indices((n_global,) + (1,) * (layout.ndim - 1), grid, grid.coords)
         x_local, y_local = (backend.from_host(a[start + rows.start:start + rows.stop], xp) for a in (x, y))
         check_batch(grid, x_local, y_local)
         with comm.inputs_checked():

@@ -142,10 +142,12 @@ def test_profile_formats():
 
 
 def model_layers():
-    """Every convolution of every model at batch 8 (width 2; the wide CNN 32 channels)."""
+    """Every convolution of every model of images at batch 8 (width 2; the wide CNN 32
+    channels); the volume model is not priced yet (layer_shapes refuses it)."""
     out = []
     for name, kind in MODELS.items():
-        out += layer_shapes(name, 8, 32 if kind.depth else 2)
+        if not kind.volumes:
+            out += layer_shapes(name, 8, 32 if kind.depth else 2)
     return out
 
 

@@ -336,3 +336,46 @@ def test_per_voxel_cross_entropy_on_any_split(grids, spec):
         assert_all_ranks(correct == want_correct, f"{spec}: {correct} correct, one rank {want_correct}")
         assert_close_all_ranks(d, serial.backward(), 1e-12, f"{spec} dlogits")
         grid.free()
+
+
+def volume_grids():
+    """(grid, algorithm) of the volume model's training test at this rank count: samples,
+    channels, depth, and depth with channels or height where the ranks allow."""
+    if SIZE == 1:
+        return [("sample=1", "y")]
+    out = [(f"sample={SIZE}", "sample"), (f"channel={SIZE}", "y"), (f"depth={SIZE}", "y"), (f"depth={SIZE}", "sample")]
+    if SIZE == 4:
+        out += [("depth=2,channel=2", "w"), ("sample=2,depth=2", "x"), ("depth=2,height=2", "y")]
+    return out
+
+
+_one_rank_volume = {}
+
+
+@pytest.mark.parametrize("grid, algorithm", volume_grids())
+def test_volume_model_trains_like_one_rank(grid, algorithm):
+    """--model volume: 20 float64 steps of the 3-D CNN (Conv3d, BatchNorm3d, MaxPool3d,
+    GlobalAvgPool3d, Linear) on synthetic volumes, on grids that split samples, channels,
+    depth and height, equal one rank's losses and final weights."""
+    from cfp.train import TrainConfig, train_model
+    from test_train import assert_trains_like, weights
+
+    def cfg(**grid_and_algorithm):
+        # (16^3 voxels where 3 or 4 ranks split depth: the pooled body keeps a plane a rank)
+        return TrainConfig(model="volume", dataset="synthetic", width=1, epochs=1, batch_size=8, train_samples=160,
+                           max_steps=20, lr=0.05, dtype="float64", progress=False, seed=1,
+                           upsample=2 if SIZE > 2 else 1, **grid_and_algorithm)
+    if not _one_rank_volume:
+        result, model = train_model(cfg(grid="sample=1", algorithm="y"), world=WORLD.Split(WORLD.Get_rank()))
+        _one_rank_volume["run"] = ([h["loss"] for h in result["history"]], weights(model))
+    result, model = train_model(cfg(grid=grid, algorithm=algorithm))
+    assert_all_ranks(len(result["history"]) == 20, "20 steps")
+    assert_trains_like(result, model, _one_rank_volume["run"], f"volume model on {grid}, {algorithm}", tol=1e-10)
+
+
+def test_volume_model_refuses_the_planner_and_other_datasets():
+    from cfp.train import TrainConfig, train
+    for options, message in ((dict(algorithm="auto"), r"model 'volume' convolves volumes, which the planner"),
+                             (dict(dataset="digits"), r"--model volume convolves volumes: expected --dataset synthetic")):
+        base = dict(model="volume", dataset="synthetic", epochs=1, batch_size=8, train_samples=16, progress=False)
+        raises_on_all_ranks(ValueError, lambda: train(TrainConfig(**{**base, **options})), match=message)

@@ -175,8 +175,8 @@ def walk(module):
 class Network(Sequential):
     """A whole model: its layers and where its data enters and leaves.
 
-    The input is a batch of images split by sample on the grid of the first layer and whole
-    over every other axis (`input_spec`), which is also where the logits end, whole over the
+    The input is a batch of images (or volumes) split by sample on the grid of the first layer
+    and whole over every other axis (`input_spec`), which is also where the logits end, whole over the
     channel axis, for the loss and the labels (`output_spec`): place() adds the Redistribute
     steps between, a last one named 'loss' included. forward(x, n) takes this rank's block of
     a global batch of n samples and returns its block of the logits; backward(dlogits) the
@@ -192,7 +192,8 @@ class Network(Sequential):
         self.grids, self.layers, self.plan = grids, dict(layers), plan
         first = next(m for m in walk(self) if m is not self and getattr(m, "input_spec", None) is not None)
         self.grid = first.input_spec[0]
-        self.input_spec = (self.grid, Layout(("sample", None, None, None)))
+        # NCHW images, or a volume's NCDHW (as many dimensions as the first layer takes)
+        self.input_spec = (self.grid, Layout(("sample",) + (None,) * (first.input_spec[1].ndim - 1)))
         self.logits_spec = (self.grid, Layout(("sample", None)))
         self.place(self.input_spec)
 
