@@ -16,12 +16,12 @@ import pytest
 from mpi4py import MPI
 
 from cfp import backend
-from cfp.grid import AXES, ProcessGrid
+from cfp.grid import ProcessGrid
 from cfp.nn import BatchNorm2d, Conv2d, Linear, SoftmaxCrossEntropy
 from cfp.optim import Optimizer
 from cfp.tensor import DistTensor, Layout
 from cfp.train import TrainConfig, train
-from conftest import assert_all_ranks, assert_close_all_ranks, grid_specs, rel_err
+from conftest import IMAGE_AXES, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks, rel_err
 from test_kernels_conv import numerical_gradient
 
 
@@ -79,8 +79,20 @@ def bn_by_hand():
     return batches, running
 
 
-BN_SPECS = grid_specs(4, AXES)
+BN_SPECS = grid_specs(4, IMAGE_AXES)
 BN_LAYOUT = Layout(("sample", "channel", "height", "width"))
+
+
+@pytest.mark.mpi
+def test_batchnorm_refuses_a_layout_that_leaves_copies():
+    """An image's batch norm on a grid that splits depth (whose ranks would hold copies of
+    each block) is refused, not summed twice."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("one rank splits nothing")
+    grid = ProcessGrid(f"depth={MPI.COMM_WORLD.Get_size()}")
+    raises_on_all_ranks(ValueError, lambda: BatchNorm2d(grid, 4, layout=Layout(("sample", None, None, None))),
+                        match=r"leaves the depth axis holding copies of each block")
+    grid.free()
 
 
 @pytest.mark.mpi

@@ -192,8 +192,9 @@ class Network(Sequential):
         self.grids, self.layers, self.plan = grids, dict(layers), plan
         first = next(m for m in walk(self) if m is not self and getattr(m, "input_spec", None) is not None)
         self.grid = first.input_spec[0]
-        # NCHW images, or a volume's NCDHW (as many dimensions as the first layer takes)
-        self.input_spec = (self.grid, Layout(("sample",) + (None,) * (first.input_spec[1].ndim - 1)))
+        # NCHW images, or volumes (NCDHW) where the first layer that places its input takes them
+        ndim = 5 if first.input_spec[1].ndim == 5 else 4
+        self.input_spec = (self.grid, Layout(("sample",) + (None,) * (ndim - 1)))
         self.logits_spec = (self.grid, Layout(("sample", None)))
         self.place(self.input_spec)
 

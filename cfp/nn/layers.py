@@ -185,7 +185,14 @@ class BatchNorm2d(Module):
             raise ValueError(f"{name}: batch norm takes {what} activations split by sample (and perhaps "
                              f"channel, {'depth, ' if self.ndim == 5 else ''}height and width); got layout "
                              f"{self.layout}")
-        # the ranks holding the same channels: those of other samples and other image blocks
+        # the ranks holding the same channels: those of other samples and other image blocks,
+        # whose statistics are summed; an axis other than the channel one holding copies of
+        # the block would count it twice, so it is refused
+        copies = [a for a in self.layout.replica_axes(grid) if a != "channel"]
+        if copies:
+            raise ValueError(f"{name}: layout {self.layout} on grid {grid.describe()} leaves the {', '.join(copies)} "
+                             f"axis holding copies of each block, which batch norm's statistics would count more "
+                             f"than once; expected a layout that splits every axis of the grid but the channel one")
         self.stats_comm = grid.complement_comm("channel")
         self._counts = {}  # local input shape -> positions in the global batch (_positions_in_batch)
         channel_layout = Layout(self.layout.dims[1:2])
