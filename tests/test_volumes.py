@@ -379,3 +379,66 @@ def test_volume_model_refuses_the_planner_and_other_datasets():
                              (dict(dataset="digits"), r"--model volume convolves volumes: expected --dataset synthetic")):
         base = dict(model="volume", dataset="synthetic", epochs=1, batch_size=8, train_samples=16, progress=False)
         raises_on_all_ranks(ValueError, lambda: train(TrainConfig(**{**base, **options})), match=message)
+
+
+def _group_norm_by_hand(x, dy, G, w, b, eps=1e-5):
+    """GroupNorm's forward and its gradients, written out in float64 on whole tensors."""
+    n, C = x.shape[:2]
+    xs = x.reshape(n, G, -1)
+    mean, var = xs.mean(axis=2, keepdims=True), xs.var(axis=2, keepdims=True)
+    x_hat = ((xs - mean) / np.sqrt(var + eps)).reshape(x.shape)
+    shape = (1, C) + (1,) * (x.ndim - 2)
+    y = x_hat * w.reshape(shape) + b.reshape(shape)
+    axes = (0,) + tuple(range(2, x.ndim))
+    g = (dy * w.reshape(shape)).reshape(n, G, -1)
+    xh = x_hat.reshape(n, G, -1)
+    dx = (g - g.mean(axis=2, keepdims=True) - xh * (g * xh).mean(axis=2, keepdims=True)) / np.sqrt(var + eps)
+    return y, dx.reshape(x.shape), dy.sum(axis=axes), (dy * x_hat).sum(axis=axes)
+
+
+@pytest.mark.parametrize("spec", sorted({f"channel={SIZE}", f"sample={SIZE}", f"depth={SIZE}"}
+                                        | ({"depth=2,channel=2", "sample=2,channel=2"} if SIZE == 4 else set())))
+@pytest.mark.parametrize("G, C", [(3, 6), (2, 6), (6, 6), (1, 5)])
+def test_group_norm_matches_its_formula_on_every_split(spec, G, C):
+    """GroupNorm of a volume (and, off depth grids, an image) split by sample, channel (groups
+    spanning channel ranks: 6 channels in 3 or 2 groups over 4 ranks) and depth: y, dx and the
+    parameters' gradients equal the formula on the whole tensors (and PyTorch's group_norm
+    where installed); the ledger names the layer's phases."""
+    from cfp.nn import GroupNorm
+    rng = np.random.default_rng(15)
+    grid = ProcessGrid(spec)
+    shapes = [(3, C, 4, 3, 5)] + ([] if "depth" in spec else [(3, C, 4, 5)])
+    for shape in shapes:
+        x, dy = rng.standard_normal(shape), rng.standard_normal(shape)
+        w, b = rng.standard_normal(C), rng.standard_normal(C)
+        spatial = ("depth", "height", "width")[5 - len(shape):]
+        layout = Layout(("sample", "channel") + tuple(a if grid.shape[a] > 1 else None for a in spatial))
+        if grid.shape["channel"] > C:
+            continue
+        gn = GroupNorm(grid, G, C, layout=layout, dtype=np.float64)
+        gn.weight.data, gn.bias.data = gn.weight.take(w), gn.bias.take(b)
+        y = DistTensor(gn.forward(DistTensor.from_global(x, layout, grid).local), shape, layout, grid).gather()
+        dx = DistTensor(gn.backward(DistTensor.from_global(dy, layout, grid).local), shape, layout, grid).gather()
+        want = _group_norm_by_hand(x, dy, G, w, b)
+        for got, expected, what in zip((y, dx, gather_parameter(gn.bias), gather_parameter(gn.weight)), want,
+                                       ("y", "dx", "dbias", "dweight")):
+            assert_close_all_ranks(got, expected, 1e-11, f"{spec} G={G} {shape} {what}")
+        try:
+            import torch
+        except ImportError:
+            continue
+        ty = torch.nn.functional.group_norm(torch.tensor(x), G, torch.tensor(w), torch.tensor(b), 1e-5).numpy()
+        assert_close_all_ranks(y, ty, 1e-11, f"{spec} G={G} {shape} y against torch")
+    grid.free()
+
+
+def test_group_norm_refusals():
+    from cfp.nn import GroupNorm
+    grid = ProcessGrid(f"sample={SIZE}")
+    raises_on_all_ranks(ValueError, lambda: GroupNorm(grid, 4, 6), match=r"num_groups=4 must be a positive integer dividing num_channels=6")
+    if SIZE > 1:
+        depth = ProcessGrid(f"depth={SIZE}")
+        raises_on_all_ranks(ValueError, lambda: GroupNorm(depth, 2, 6, layout=Layout(("sample", None, None, None))),
+                            match=r"leaves the depth axis holding copies")
+        depth.free()
+    grid.free()

@@ -305,3 +305,103 @@ class BatchNorm3d(BatchNorm2d):
     BatchNorm2d (statistics summed over the sample, depth, height and width ranks holding the
     same channels)."""
     ndim = 5
+
+
+class GroupNorm(Module):
+    """Group normalisation (PyTorch's nn.GroupNorm) of (n, C_c, ...) blocks, images or volumes:
+    per sample, the mean and variance over each group's C / num_groups channels and every
+    position, then a per-channel affine map.
+
+    A group may span channel ranks (balanced channel blocks need not follow the groups), and
+    a rank may hold parts of several: each rank sums, per sample, its channels' part of each
+    group (an (n, G) array, zero for the groups it holds none of), and the sums are added over
+    the channel axis and the spatial axes the layout splits, so that every rank holding a part
+    of a group sees the group's statistics. The parameters' gradients are summed, as batch
+    norm's, over the ranks holding the same channels. `layout`: the activation's layout on
+    `grid` (default NCHW split by sample and channel); an axis other than the channel one that
+    holds copies of the blocks is refused, as in batch norm.
+    """
+
+    def __init__(self, grid, num_groups, num_channels, layout=None, eps=1e-5, name="gn", dtype=np.float32):
+        self.name, self.eps, self.grid = name, eps, grid
+        G = num_groups
+        if not isinstance(G, (int, np.integer)) or G < 1 or num_channels % G:
+            raise ValueError(f"{name}: num_groups={num_groups!r} must be a positive integer dividing "
+                             f"num_channels={num_channels}")
+        self.groups, self.C = int(G), int(num_channels)
+        self.layout = Layout(("sample", "channel", None, None)) if layout is None else layout
+        if self.layout.ndim not in (4, 5) or self.layout.dims[0] is None or self.layout.dims[0].axis != "sample" \
+                or self.layout.partial:
+            raise ValueError(f"{name}: group norm takes NCHW or NCDHW activations split by sample (and perhaps "
+                             f"channel, depth, height and width); got layout {self.layout}")
+        copies = [a for a in self.layout.replica_axes(grid) if a != "channel"]
+        if copies:
+            raise ValueError(f"{name}: layout {self.layout} on grid {grid.describe()} leaves the {', '.join(copies)} "
+                             f"axis holding copies of each block, which group norm's statistics would count more "
+                             f"than once; expected a layout that splits every axis of the grid but the channel one")
+        on = self.layout.on(grid)
+        # the ranks that hold other parts of a sample's groups: other channels, other image blocks
+        self.group_comms = [grid.axis_comm(d.axis) for d in on.dims[1:] if d is not None]
+        self.param_comm = grid.complement_comm("channel")
+        channel_layout = Layout(self.layout.dims[1:2])
+        (channels,) = channel_layout.indices((self.C,), grid, grid.coords)
+        self.group_of = np.asarray([c // (self.C // self.groups) for c in channels], dtype=np.intp)
+        n = len(channels)
+        self.weight, self.bias = (Parameter(f"{name}.{what}", init(n, dtype), (self.C,), channel_layout, grid)
+                                  for what, init in (("weight", np.ones), ("bias", np.zeros)))
+
+    @property
+    def input_spec(self):
+        return self.grid, self.layout
+
+    def own_parameters(self):
+        return [self.weight, self.bias]
+
+    def _membership(self, xp, dtype):
+        """(C_c, G): 1 where this rank's channel belongs to the group."""
+        m = np.zeros((len(self.group_of), self.groups))
+        m[np.arange(len(self.group_of)), self.group_of] = 1
+        return backend.from_host(m.astype(dtype), xp)
+
+    def _group_sums(self, rows, member, extra=None, phase="forward"):
+        """(n, G) sums over this rank's channels and positions of rows (n, C_c, P), added over
+        the ranks holding the groups' other parts; `extra` (a (k, G) array) rides along."""
+        xp = backend.get_array_module(rows)
+        sums = xp.einsum("ncp,cg->ng", rows, member)
+        if extra is not None:
+            sums = xp.concatenate([sums, extra], axis=0)
+        with comm.tag(layer=self.name, phase=phase):
+            for group in self.group_comms:
+                sums = comm.allreduce(group, sums, donate=True)
+        return sums
+
+    def forward(self, x):
+        xp = backend.get_array_module(x)
+        n, c = x.shape[:2]
+        positions = int(np.prod(x.shape[2:]))
+        rows = x.reshape(n, c, positions)
+        member = self._membership(xp, x.dtype)
+        counts = member.sum(axis=0, keepdims=True) * positions  # (1, G): this rank's part of each group
+        totals = self._group_sums(rows, member, extra=counts)
+        self._count = totals[n:]  # (1, G): each group's values per sample, C/G times the positions
+        mean = totals[:n] / self._count
+        centred = rows - mean[:, self.group_of, None]
+        var = self._group_sums(centred * centred, member) / self._count
+        self._inv_std = 1.0 / xp.sqrt(var + self.eps)  # (n, G)
+        self._x_hat = centred * self._inv_std[:, self.group_of, None]
+        self._member, self._shape = member, x.shape
+        y = self._x_hat * self.weight.data[None, :, None] + self.bias.data[None, :, None]
+        return y.reshape(x.shape)
+
+    def backward(self, dy):
+        n, c = dy.shape[:2]
+        rows = dy.reshape(n, c, int(np.prod(dy.shape[2:])))
+        with comm.tag(layer=self.name, phase="backward-data"):
+            db, dg = rows.sum(axis=(0, 2)), (rows * self._x_hat).sum(axis=(0, 2))
+            self.bias.grad, self.weight.grad = comm.allreduce(self.param_comm, [db, dg], donate=True)
+        g = rows * self.weight.data[None, :, None]
+        mean_g = self._group_sums(g, self._member, phase="backward-data") / self._count
+        mean_gx = self._group_sums(g * self._x_hat, self._member, phase="backward-data") / self._count
+        at = self.group_of
+        dx = self._inv_std[:, at, None] * (g - mean_g[:, at, None] - self._x_hat * mean_gx[:, at, None])
+        return dx.reshape(self._shape)
