@@ -26,12 +26,6 @@ def window_options(options):
     return {k: v for k, v in options.items() if k != "groups"}
 
 
-def spatial_axes(ndim):
-    """The grid axes that split an activation of `ndim` dimensions' spatial ones, in order:
-    (height, width) of NCHW, (depth, height, width) of NCDHW."""
-    return ("depth", "height", "width")[5 - ndim:]
-
-
 def window_axes(x_shape, kernel_size, options):
     """Per spatial axis of x_shape (NCHW or NCDHW), the windows of a kernel of kernel_size
     with the spatial `options` (a dict: stride, padding, dilation, padding_mode): (grid axis,
@@ -50,8 +44,9 @@ def window_axes(x_shape, kernel_size, options):
 
 @functools.lru_cache(maxsize=256)
 def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
-    """The halo exchange of a convolution whose input (global x_shape, NCHW) is laid out by
-    `layout` on a grid of `grid_shape` ((axis, size) pairs) that splits height and width, for
+    """The halo exchange of a convolution whose input (global x_shape, NCHW, or a volume's
+    NCDHW) is laid out by `layout` on a grid of `grid_shape` ((axis, size) pairs) that splits
+    height and width (and a volume's depth), for
     kernel_size and the spatial `options` ((name, value) pairs: stride, padding, dilation,
     padding_mode): per axis and coordinate (output extent, input indices needed, zero padding
     before, zero padding after, the padded block's positions in the needed ones or None), the

@@ -63,8 +63,9 @@ def message_sent(message, input_whole, need_dx):
 
 
 class ConvAlgorithm:
-    """Base of the distributed convolutions on a ProcessGrid of sample x height x width x
-    channel axes (the image split over height and width by a halo exchange, cfp/halo.py).
+    """Base of the distributed convolutions on a ProcessGrid of sample x depth x height x width
+    x channel axes (the image split over height and width, a volume's also over depth, by a
+    halo exchange, cfp/halo.py; depth splits volumes only).
 
     Subclasses set `name` and `messages`, declare their weight layout (`weight_layout_of`) and
     their filter groups (`filter_groups`), and implement `forward(x, w, b)` and `backward(dy)`;
