@@ -160,6 +160,17 @@ class Flatten(Module):
         return dy.reshape(self._x_shape)
 
 
+def refuse_copies(what, layout, grid):
+    """ValueError unless `layout` splits every axis of `grid` but the channel one: a
+    normalisation sums its statistics over the ranks outside the channel axis, and an axis
+    holding copies of each block would count it more than once."""
+    copies = [a for a in layout.replica_axes(grid) if a != "channel"]
+    if copies:
+        raise ValueError(f"{what}: layout {layout} on grid {grid.describe()} leaves the {', '.join(copies)} "
+                         f"axis holding copies of each block, which its statistics would count more than once; "
+                         f"expected a layout that splits every axis of the grid but the channel one")
+
+
 class BatchNorm2d(Module):
     """Batch normalisation of (n, C_c, H, W) blocks over the global batch (of a volume's
     (n, C_c, D, H, W) blocks: BatchNorm3d, whose default layout has the depth dimension).
@@ -186,13 +197,8 @@ class BatchNorm2d(Module):
                              f"channel, {'depth, ' if self.ndim == 5 else ''}height and width); got layout "
                              f"{self.layout}")
         # the ranks holding the same channels: those of other samples and other image blocks,
-        # whose statistics are summed; an axis other than the channel one holding copies of
-        # the block would count it twice, so it is refused
-        copies = [a for a in self.layout.replica_axes(grid) if a != "channel"]
-        if copies:
-            raise ValueError(f"{name}: layout {self.layout} on grid {grid.describe()} leaves the {', '.join(copies)} "
-                             f"axis holding copies of each block, which batch norm's statistics would count more "
-                             f"than once; expected a layout that splits every axis of the grid but the channel one")
+        # whose statistics are summed
+        refuse_copies(f"{name}: batch norm", self.layout, grid)
         self.stats_comm = grid.complement_comm("channel")
         self._counts = {}  # local input shape -> positions in the global batch (_positions_in_batch)
         channel_layout = Layout(self.layout.dims[1:2])
@@ -334,11 +340,7 @@ class GroupNorm(Module):
                 or self.layout.partial:
             raise ValueError(f"{name}: group norm takes NCHW or NCDHW activations split by sample (and perhaps "
                              f"channel, depth, height and width); got layout {self.layout}")
-        copies = [a for a in self.layout.replica_axes(grid) if a != "channel"]
-        if copies:
-            raise ValueError(f"{name}: layout {self.layout} on grid {grid.describe()} leaves the {', '.join(copies)} "
-                             f"axis holding copies of each block, which group norm's statistics would count more "
-                             f"than once; expected a layout that splits every axis of the grid but the channel one")
+        refuse_copies(f"{name}: group norm", self.layout, grid)
         on = self.layout.on(grid)
         # the ranks that hold other parts of a sample's groups: other channels, other image blocks
         self.group_comms = [grid.axis_comm(d.axis) for d in on.dims[1:] if d is not None]
