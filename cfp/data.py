@@ -13,6 +13,7 @@ import numpy as np
 
 from .backend import get_array_module
 from .checks import int_at_least
+from .io import load_array
 from .layout import Layout
 
 
@@ -440,18 +441,9 @@ class ShardedLoader:
 
 
 def open_npy(path, what="input"):
-    """The array of the .npy file `path` memory-mapped read-only (nothing read until sliced),
-    for a ShardedLoader with a layout: ValueError naming the file when it is missing or not a
-    single .npy array."""
-    if not os.path.exists(path):
-        raise ValueError(f"{what} file {path!r} does not exist")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except Exception as e:  # numpy raises ValueError, OSError or EOFError for bad files
-        raise ValueError(f"{what} file {path!r} is not a readable .npy file: {e}") from None
-    if not isinstance(array, np.ndarray):
-        raise ValueError(f"{what} file {path!r} holds several arrays (.npz); expected one .npy array")
-    return array
+    """The array of the .npy file `path` memory-mapped read-only, for a ShardedLoader with a
+    layout (io.load_array's checks and messages)."""
+    return load_array(path, what, mmap_mode="r")
 
 
 def _take_rows(array, rows):

@@ -94,7 +94,8 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
         n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
         wanted.append((n_ix, c_ix) + tuple(spans[axis][c.get(axis, 0)][1] for axis, *_ in geometry))
     wanted = tuple(wanted)
-    return {"spans": spans, "wanted": wanted, "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
+    return {"axes": geometry, "spans": spans, "wanted": wanted,
+            "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
 
 
 def check_image_fits(plan, x_shape, grid_text, what):
@@ -116,7 +117,7 @@ def check_image_fits(plan, x_shape, grid_text, what):
 
 class Halo:
     """One rank's halo exchange for one global input shape (from halo_plan): its output block
-    (out_rows x out_cols), the zero padding of its local kernel (top, bottom, left, right), and
+    (out_size: (D',) H', W'), the zero padding of its local kernel (two sides an axis), and
     the exchange and its adjoint. `what` names the layer in the refusal of an image too small
     for the grid (fewer output rows or columns than ranks along that axis). Used by the
     convolutions and by pooling."""
@@ -126,7 +127,7 @@ class Halo:
         plan = halo_plan(x_shape, layout, tuple(grid.shape.items()), tuple(kernel_size),
                          tuple(sorted(options.items())))
         check_image_fits(plan, x_shape, grid.describe(), what)
-        geometry, _ = window_axes(x_shape, kernel_size, options)
+        geometry = plan["axes"]
         # per spatial axis: (output extent, the rows needed (a range of the image's), the zero
         # rows before and after them, the padded block's positions in the needed ones or None)
         spans = [plan["spans"][axis][grid.coord(axis)] for axis, *_ in geometry]
@@ -140,22 +141,6 @@ class Halo:
         # needed, the zero rows after
         self._axes = [(s, d, k, span[2], span[1], span[3]) for (_, _, _, s, d, k, _, _), span in zip(geometry, spans)]
         self.interior = self._interior()
-
-    @property
-    def out_rows(self):
-        return self.out_size[-2]
-
-    @property
-    def out_cols(self):
-        return self.out_size[-1]
-
-    @property
-    def rows_at(self):
-        return self.at[-2]
-
-    @property
-    def cols_at(self):
-        return self.at[-1]
 
     def _interior(self):
         """(output rows, output columns) as ranges: the part of this rank's output block whose
@@ -270,11 +255,12 @@ class HaloInFlight:
         inner = conv(x[s][:, :, r, c], padding)
         extended = self.wait()[s]
         xp = backend.get_array_module(inner)
-        y = xp.empty(inner.shape[:2] + (halo.out_rows, halo.out_cols), inner.dtype)
+        out_rows, out_cols = halo.out_size  # (an image's: volumes refuse halo_interior)
+        y = xp.empty(inner.shape[:2] + (out_rows, out_cols), inner.dtype)
         y[:, :, rows.start:rows.stop, cols.start:cols.stop] = inner
-        every_col = range(halo.out_cols)
-        for strip_rows, strip_cols in ((range(0, rows.start), every_col), (range(rows.stop, halo.out_rows), every_col),
-                                       (rows, range(0, cols.start)), (rows, range(cols.stop, halo.out_cols))):
+        every_col = range(out_cols)
+        for strip_rows, strip_cols in ((range(0, rows.start), every_col), (range(rows.stop, out_rows), every_col),
+                                       (rows, range(0, cols.start)), (rows, range(cols.stop, out_cols))):
             if len(strip_rows) and len(strip_cols):
                 r, c, padding = halo.window(strip_rows, strip_cols)
                 y[:, :, strip_rows.start:strip_rows.stop, strip_cols.start:strip_cols.stop] = \

@@ -8,12 +8,13 @@ import tempfile
 import numpy as np
 
 
-def load_array(path, what="array"):
-    """The array in the .npy file `path`; ValueError naming the file when missing or malformed."""
+def load_array(path, what="array", mmap_mode=None):
+    """The array in the .npy file `path` (memory-mapped with mmap_mode 'r': nothing read until
+    sliced); ValueError naming the file when missing or malformed."""
     if not os.path.exists(path):
         raise ValueError(f"{what} file {path!r} does not exist")
     try:
-        array = np.load(path, allow_pickle=False)
+        array = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
     except Exception as e:  # numpy raises ValueError, OSError or EOFError for bad files
         raise ValueError(f"{what} file {path!r} is not a readable .npy file: {e}") from None
     if not isinstance(array, np.ndarray):

@@ -134,11 +134,12 @@ def conv2d_flops(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, pa
     return 2 * g.N * (g.C // g.G) * g.F * g.Ho * g.Wo * g.Kh * g.Kw
 
 
-def require_ndim4(array, name, layout):
-    """A 4-D float32 or float64 array (integers and complex numbers are not convolved here)."""
-    if getattr(array, "ndim", None) != 4:
+def require_ndim4(array, name, layout, ndim=4):
+    """A 4-D (a volume's: ndim=5) float32 or float64 array (integers and complex numbers are not
+    convolved here)."""
+    if getattr(array, "ndim", None) != ndim:
         shape = getattr(array, "shape", None)
-        raise ValueError(f"{name} must be a 4-D array {layout}, got shape {shape!r}")
+        raise ValueError(f"{name} must be a {ndim}-D array {layout}, got shape {shape!r}")
     float_dtype(array.dtype, name)
 
 

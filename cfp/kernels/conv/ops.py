@@ -49,24 +49,24 @@ def _torch_shape(w_shape, groups):
     return (groups * Cg, F // groups) + tuple(w_shape[2:])
 
 
-def _transposed_passes():
-    """The transposed passes with the weight in the convolution's orientation."""
-    def forward(x, w, b=None, groups=1, **options):
-        return transposed.conv_transpose_forward(x, to_torch_weight(w, groups), b, groups=groups, **options)
+# The transposed passes with the weight in the convolution's orientation (any number of spatial
+# axes: the arrays say).
 
-    def backward_data(dy, w, x_shape, groups=1, **options):
-        return transposed.conv_transpose_backward_data(dy, to_torch_weight(w, groups), x_shape, groups=groups,
-                                                       **options)
+def _transposed_forward(x, w, b=None, groups=1, **options):
+    return transposed.conv_transpose_forward(x, to_torch_weight(w, groups), b, groups=groups, **options)
 
-    def backward_filter(x, dy, w_shape, groups=1, **options):
-        dw = transposed.conv_transpose_backward_filter(x, dy, _torch_shape(w_shape, groups), groups=groups,
-                                                       **options)
-        return to_conv_weight(dw, groups).copy()
 
-    def output_shape(x_shape, w_shape, groups=1, **options):
-        return transposed.conv_transpose_output_shape(x_shape, _torch_shape(w_shape, groups), groups=groups,
-                                                      **options)
-    return forward, backward_data, backward_filter, output_shape
+def _transposed_backward_data(dy, w, x_shape, groups=1, **options):
+    return transposed.conv_transpose_backward_data(dy, to_torch_weight(w, groups), x_shape, groups=groups, **options)
+
+
+def _transposed_backward_filter(x, dy, w_shape, groups=1, **options):
+    dw = transposed.conv_transpose_backward_filter(x, dy, _torch_shape(w_shape, groups), groups=groups, **options)
+    return to_conv_weight(dw, groups).copy()
+
+
+def _transposed_output_shape(x_shape, w_shape, groups=1, **options):
+    return transposed.conv_transpose_output_shape(x_shape, _torch_shape(w_shape, groups), groups=groups, **options)
 
 
 class ConvOp(typing.NamedTuple):
@@ -83,22 +83,16 @@ class ConvOp(typing.NamedTuple):
     backward_bias: typing.Callable
     output_shape: typing.Callable
 
-    @property
-    def layout(self):
-        """The activation's axes in words: '(N, C, H, W)' or '(N, C, D, H, W)'."""
-        return "(N, C, D, H, W)" if self.axes == 3 else "(N, C, H, W)"
 
-
-_T = _transposed_passes()  # (any number of spatial axes: the arrays say)
+_TRANSPOSED = (_transposed_forward, _transposed_backward_data, _transposed_backward_filter,
+               transposed.conv_transpose_backward_bias, _transposed_output_shape)
 OPS = {
     "conv2d": ConvOp("conv2d", 2, False, conv_options, passes.conv2d_forward, passes.conv2d_backward_data,
                      passes.conv2d_backward_filter, passes.conv2d_backward_bias, conv2d_output_shape),
     "conv3d": ConvOp("conv3d", 3, False, volume.volume_options, volume.conv3d_forward, volume.conv3d_backward_data,
                      volume.conv3d_backward_filter, volume.conv3d_backward_bias, volume.conv3d_output_shape),
-    "conv_transpose2d": ConvOp("conv_transpose2d", 2, True, _transposed_options(2), *_T[:3],
-                               transposed.conv_transpose_backward_bias, _T[3]),
-    "conv_transpose3d": ConvOp("conv_transpose3d", 3, True, _transposed_options(3), *_T[:3],
-                               transposed.conv_transpose_backward_bias, _T[3]),
+    "conv_transpose2d": ConvOp("conv_transpose2d", 2, True, _transposed_options(2), *_TRANSPOSED),
+    "conv_transpose3d": ConvOp("conv_transpose3d", 3, True, _transposed_options(3), *_TRANSPOSED),
 }
 
 

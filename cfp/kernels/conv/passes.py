@@ -76,9 +76,18 @@ def conv2d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
 def conv2d_backward_bias(dy):
     """db (F,) = dy (N, F, Ho, Wo) summed over samples and output positions."""
     require_ndim4(dy, "dy", "(N, F, Ho, Wo)")
+    return sum_over_positions(dy)
+
+
+def sum_over_positions(dy):
+    """(F,): dy (N, F, ...) summed over samples and every position (any number of spatial
+    axes): the bias gradient of every kind of convolution."""
     xp = get_array_module(dy)
-    N, F, Ho, Wo = dy.shape
-    return xp.ascontiguousarray(dy).reshape(N, F, Ho * Wo).sum(axis=2).sum(axis=0)
+    N, F = dy.shape[:2]
+    positions = 1
+    for n in dy.shape[2:]:
+        positions *= int(n)
+    return xp.ascontiguousarray(dy).reshape(N, F, positions).sum(axis=2).sum(axis=0)
 
 
 def workspace_bytes(x_shape, w_shape, dtype="float32", stride=1, padding=0, dilation=1, groups=1,

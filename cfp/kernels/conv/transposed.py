@@ -21,8 +21,6 @@ ConvTranspose3d.
 """
 from collections import namedtuple
 
-import numpy as np
-
 from cfp.backend import get_array_module
 from cfp.checks import float_dtype, int_tuple, positive_int
 from cfp.kernels.conv import passes, volume
@@ -184,6 +182,4 @@ def conv_transpose_backward_filter(x, dy, w_shape, stride=1, padding=0, output_p
 def conv_transpose_backward_bias(dy):
     """db (F,) = dy summed over samples and output positions."""
     _require(dy, "dy")
-    xp = get_array_module(dy)
-    positions = int(np.prod(dy.shape[2:]))
-    return xp.ascontiguousarray(dy).reshape(dy.shape[0], dy.shape[1], positions).sum(axis=2).sum(axis=0)
+    return passes.sum_over_positions(dy)

@@ -29,9 +29,9 @@ Any of N, C, F may be 0 (empty shards of a distributed layer).
 from collections import namedtuple
 
 from cfp.backend import get_array_module, index_array
-from cfp.checks import float_dtype, int_pair, int_tuple, positive_int
+from cfp.checks import int_pair, int_tuple, positive_int
 from cfp.kernels.conv import passes
-from cfp.kernels.conv.geometry import PADDING_MODES, _shape4, conv_geometry
+from cfp.kernels.conv.geometry import PADDING_MODES, _shape4, conv_geometry, require_ndim4
 from cfp.kernels.conv.padding import fold_index, pad_index
 
 VolumeGeometry = namedtuple("VolumeGeometry", "N C D F Kd sd pf pk dd mode Do plane", module=__name__)
@@ -134,14 +134,8 @@ def conv3d_flops(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, pa
     return 2 * v.N * (v.C // g.G) * v.F * v.Do * g.Ho * g.Wo * v.Kd * g.Kh * g.Kw
 
 
-def _require5(array, name, layout):
-    if getattr(array, "ndim", None) != 5:
-        raise ValueError(f"{name} must be a 5-D array {layout}, got shape {getattr(array, 'shape', None)!r}")
-    float_dtype(array.dtype, name)
-
-
 def _require_dy(dy, v):
-    _require5(dy, "dy", "(N, F, Do, Ho, Wo)")
+    require_ndim4(dy, "dy", "(N, F, Do, Ho, Wo)", ndim=5)
     expected = (v.N, v.F, v.Do, v.plane.Ho, v.plane.Wo)
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy has shape {tuple(dy.shape)} but the convolution output is {expected} (N, F, Do, Ho, Wo)")
@@ -216,8 +210,8 @@ def conv3d_forward(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padd
     Kw), plus b (F,), as PyTorch's nn.Conv3d: stride and dilation an int or a triple (depth,
     rows, columns); padding an int, a triple, 'valid', 'same' or (front, back, top, bottom,
     left, right); groups; padding_mode 'zeros', 'reflect', 'replicate' or 'circular'."""
-    _require5(x, "x", "(N, C, D, H, W)")
-    _require5(w, "w", "(F, C / groups, Kd, Kh, Kw)")
+    require_ndim4(x, "x", "(N, C, D, H, W)", ndim=5)
+    require_ndim4(w, "w", "(F, C / groups, Kd, Kh, Kw)", ndim=5)
     v = volume_geometry(x.shape, w.shape, stride, padding, dilation, groups, padding_mode)
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
@@ -234,7 +228,7 @@ def conv3d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
     several input sizes give one output size. Positions no window reads get zero gradient;
     under a padding mode other than zeros the border's gradient goes back to the positions it
     copied."""
-    _require5(w, "w", "(F, C / groups, Kd, Kh, Kw)")
+    require_ndim4(w, "w", "(F, C / groups, Kd, Kh, Kw)", ndim=5)
     v = volume_geometry(x_shape, w.shape, stride, padding, dilation, groups, padding_mode)
     _require_dy(dy, v)
     xp = get_array_module(dy, w)
@@ -256,7 +250,7 @@ def conv3d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
 
 def conv3d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """dw (F, C/groups, Kd, Kh, Kw) from x (N, C, D, H, W) and dy (N, F, Do, Ho, Wo)."""
-    _require5(x, "x", "(N, C, D, H, W)")
+    require_ndim4(x, "x", "(N, C, D, H, W)", ndim=5)
     v = volume_geometry(x.shape, w_shape, stride, padding, dilation, groups, padding_mode)
     _require_dy(dy, v)
     xp = get_array_module(x, dy)
@@ -272,7 +266,5 @@ def conv3d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
 
 def conv3d_backward_bias(dy):
     """db (F,) = dy (N, F, Do, Ho, Wo) summed over samples and output positions."""
-    _require5(dy, "dy", "(N, F, Do, Ho, Wo)")
-    xp = get_array_module(dy)
-    N, F, Do, Ho, Wo = dy.shape
-    return xp.ascontiguousarray(dy).reshape(N, F, Do * Ho * Wo).sum(axis=2).sum(axis=0)
+    require_ndim4(dy, "dy", "(N, F, Do, Ho, Wo)", ndim=5)
+    return passes.sum_over_positions(dy)
