@@ -14,6 +14,7 @@ from . import backend, comm
 from .grid import coords_of
 from .kernels import conv_geometry, fold_index, pad_index
 from .kernels.conv import volume_geometry
+from .kernels.conv.transposed import transposed_geometry
 from .layout import gather_plan, index_set
 from .partition import block_range
 from .tensor import move, start_move
@@ -30,7 +31,17 @@ def window_axes(x_shape, kernel_size, options):
     """Per spatial axis of x_shape (NCHW or NCDHW), the windows of a kernel of kernel_size
     with the spatial `options` (a dict: stride, padding, dilation, padding_mode): (grid axis,
     extent, output extent, stride, dilation, kernel, padding before, padding after), and the
-    padding mode; from the kernels' own geometry, so that the halo and the kernels agree."""
+    padding mode; from the kernels' own geometry, so that the halo and the kernels agree.
+    A transposed convolution's options (stride, padding, dilation, output_padding) give its
+    adjoint convolution's windows, which lie on the output: padding before and after are then
+    the signed sides of kernels/conv/transposed.py, and the mode 'transposed'."""
+    if "output_padding" in options:
+        w_shape = (1, 1) + tuple(kernel_size)
+        t = transposed_geometry((1, 1) + tuple(x_shape[2:]), w_shape, groups=1, **options)
+        names = ("depth", "height", "width")[3 - len(kernel_size):]
+        stride, dilation = t.options["stride"], t.options["dilation"]
+        return [(axis, n, o, s, d, k, before, after) for axis, n, o, s, d, k, (before, after)
+                in zip(names, x_shape[2:], t.out_shape[2:], stride, dilation, kernel_size, t.sides)], "transposed"
     if len(x_shape) == 5:
         v = volume_geometry((1, 1) + tuple(x_shape[2:]), (1, 1) + tuple(kernel_size), **options)
         g = v.plane
@@ -62,18 +73,23 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     index gather (Halo.pad; positions None where that gather is the identity). What it does
     not hold arrives in one all-to-all from whichever ranks hold it, however wide the halo (no
     multi-hop); what it holds but does not need is skipped. (An empty output block, which
-    ConvAlgorithm refuses, would need nothing.)"""
+    ConvAlgorithm refuses, would need nothing.) A transposed convolution's options (with
+    output_padding) give the input rows that reach each output block (_transposed_span) and
+    the block's signed sides in place of its zero padding."""
     shape = dict(grid_shape)
     geometry, mode = window_axes(x_shape, kernel_size, dict(options))
     spans = {}
     for axis, extent, out, s, d, k, before, after in geometry:
         spans[axis] = []
         # the image row each padded row copies, for a padding mode other than zeros
-        copies = None if mode == "zeros" else pad_index(extent, before, after, mode)
+        copies = None if mode in ("zeros", "transposed") else pad_index(extent, before, after, mode)
         for c in range(shape.get(axis, 1)):
             lo, hi = block_range(out, shape.get(axis, 1), c)
             if hi == lo:
                 spans[axis].append((0, range(0), 0, 0, None))
+                continue
+            if mode == "transposed":
+                spans[axis].append(_transposed_span(lo, hi, extent, s, d, k, before))
                 continue
             first, last = s * lo - before, s * (hi - 1) + d * (k - 1) - before  # inclusive
             if copies is None:  # the rows read, clipped to the image; the rest zero padding
@@ -94,8 +110,22 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
         n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
         wanted.append((n_ix, c_ix) + tuple(spans[axis][c.get(axis, 0)][1] for axis, *_ in geometry))
     wanted = tuple(wanted)
-    return {"axes": geometry, "spans": spans, "wanted": wanted,
+    return {"axes": geometry, "mode": mode, "spans": spans, "wanted": wanted,
             "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
+
+
+def _transposed_span(lo, hi, extent, s, d, k, before):
+    """A transposed convolution's span of output rows lo..hi-1 (halo_plan's tuple), from its
+    adjoint convolution, whose input row i reads output rows s*i - before + d*j (j < k): the
+    input rows reaching the block are those from ceil((lo + before - d*(k - 1)) / s) to
+    (hi - 1 + before) // s, clipped to the image, and the block's own signed sides (before,
+    after) say where those rows' windows lie on it (kernels/conv/transposed.py): the local
+    kernel's output is exactly the block."""
+    first = min(extent, max(0, -(-(lo + before - d * (k - 1)) // s)))
+    last = min(extent - 1, (hi - 1 + before) // s)
+    need = range(first, max(first, last + 1))
+    top = lo + before - s * first
+    return hi - lo, need, top, s * (len(need) - 1) + d * (k - 1) + 1 - (hi - lo) - top, None
 
 
 def check_image_fits(plan, x_shape, grid_text, what):
@@ -133,14 +163,15 @@ class Halo:
         spans = [plan["spans"][axis][grid.coord(axis)] for axis, *_ in geometry]
         self.out_size = tuple(span[0] for span in spans)  # this rank's output block, (D',) H', W'
         self.at = tuple(span[4] for span in spans)
-        self.padding = tuple(side for span in spans for side in span[2:4])  # the local kernel's zero padding
+        # the local kernel's zero padding (a transposed convolution's: its block's signed sides)
+        self.padding = tuple(side for span in spans for side in span[2:4])
         self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
         self.held = layout.indices(x_shape, grid, grid.coords)
         self.comm = grid.comm
         # per axis: stride, dilation, kernel, the padded block's zero rows before, the rows
         # needed, the zero rows after
         self._axes = [(s, d, k, span[2], span[1], span[3]) for (_, _, _, s, d, k, _, _), span in zip(geometry, spans)]
-        self.interior = self._interior()
+        self.interior = None if plan["mode"] == "transposed" else self._interior()
 
     def _interior(self):
         """(output rows, output columns) as ranges: the part of this rank's output block whose

@@ -17,7 +17,7 @@ from .algorithms.base import HALO, HALO_ADJOINT, message_sent, run_order
 from .comm import PHASES as LEDGER_PHASES
 from .grid import AXES, coords_of, parse_grid_spec, process_ranks, rank_of
 from .io import load_json
-from .halo import halo_plan
+from .halo import halo_plan, window_options
 from .layout import piece_size
 from .kernels import conv_geometry, workspace_bytes
 from .kernels.conv import conv_op
@@ -95,8 +95,7 @@ def message_bytes(algorithm, x_shape, w_shape, grid, coords, stride=1, padding=0
     y_ix = layouts["y"].indices(y_shape, shape, coords)
     halo = None
     if shape["depth"] * shape["height"] * shape["width"] > 1:  # x's block extended by its halo first
-        halo = _halo(layouts["x"], x_shape, w_shape, shape, stride=stride, padding=padding, dilation=dilation,
-                     padding_mode=padding_mode)
+        halo = _halo(layouts["x"], x_shape, w_shape, shape, **window_options(options))
         x_ix = halo["wanted"][rank_of(coords, shape)]
     # Per tensor of a message, the elements of one channel block of this rank's samples and
     # (extended) rows and columns: the member at channel coordinate k holds `channels(k)` of them.

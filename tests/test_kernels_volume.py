@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from cfp.halo import _transposed_span, window_axes
 from cfp.kernels.conv import (PADDING_MODES, conv3d_backward_bias, conv3d_backward_data, conv3d_backward_filter,
                               conv3d_flops, conv3d_forward, conv3d_output_shape, conv_transpose_backward_bias,
                               conv_transpose_backward_data, conv_transpose_backward_filter, conv_transpose_forward,
@@ -184,6 +185,45 @@ def test_transposed_is_the_convolutions_adjoint():
     out = conv_transpose_forward(dy, w, stride=2, padding=1, output_padding=(0, 1, 0))
     assert out.shape == x_conv
     assert relative_error(out, conv3d_backward_data(dy, w, x_conv, stride=2, padding=1)) < TOLERANCE
+
+
+@pytest.mark.parametrize("case", TRANSPOSED_CASES[:40], ids=_transposed_id)
+def test_transposed_blocks_from_their_windows_make_the_whole(case):
+    """The halo rule of a transposed convolution (halo._transposed_span): the output cut on one
+    axis into every number of blocks up to one per position, each block computed from the input
+    rows its span names with the block's signed sides, equals the whole; the blocks' dx, added
+    onto those rows, and their dw, summed, equal the whole's. One-position blocks include those
+    no input reaches (a stride larger than the kernel), whose windows are empty."""
+    from cfp.partition import block_range
+    x, w, b, dy = _transposed_problem(case, seed=6)
+    a = case["args"]
+    y = conv_transpose_forward(x, w, b, **a)
+    dx = conv_transpose_backward_data(dy, w, x.shape, **a)
+    dw = conv_transpose_backward_filter(x, dy, w.shape, **a)
+    geometry, mode = window_axes(x.shape, w.shape[2:], {k: v for k, v in a.items() if k != "groups"})
+    assert mode == "transposed"
+    block_args = {"stride": a["stride"], "dilation": a["dilation"], "groups": a["groups"], "output_padding": 0}
+    for axis, (_, extent, out, stride, dilation, k, before, _) in enumerate(geometry, start=2):
+        for parts in range(1, out + 1):
+            ys, dx_sum, dw_sum = [], np.zeros_like(dx), np.zeros_like(dw)
+            for c in range(parts):
+                lo, hi = block_range(out, parts, c)
+                size, need, top, bottom, _ = _transposed_span(lo, hi, extent, stride, dilation, k, before)
+                assert size == hi - lo
+                sides = [0] * (2 * (x.ndim - 2))
+                for i, (g_before, g_after) in enumerate((g[6], g[7]) for g in geometry):
+                    sides[2 * i:2 * i + 2] = (top, bottom) if i == axis - 2 else (g_before, g_after)
+                rows = (slice(None),) * axis + (slice(need.start, need.stop),)
+                out_rows = (slice(None),) * axis + (slice(lo, hi),)
+                ys.append(conv_transpose_forward(x[rows], w, b, padding=tuple(sides), **block_args))
+                assert ys[-1].shape == y[out_rows].shape
+                dx_sum[rows] += conv_transpose_backward_data(np.ascontiguousarray(dy[out_rows]), w, x[rows].shape,
+                                                             padding=tuple(sides), **block_args)
+                dw_sum += conv_transpose_backward_filter(x[rows], np.ascontiguousarray(dy[out_rows]), w.shape,
+                                                         padding=tuple(sides), **block_args)
+            assert relative_error(np.concatenate(ys, axis=axis), y) < TOLERANCE, (axis, parts)
+            assert relative_error(dx_sum, dx) < TOLERANCE, (axis, parts)
+            assert relative_error(dw_sum, dw) < TOLERANCE, (axis, parts)
 
 
 # -- PyTorch as the independent oracle ------------------------------------------------------

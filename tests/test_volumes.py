@@ -2,8 +2,9 @@
 volumes on grids that split depth (with height, width and channel): Conv3d and
 ConvTranspose2d/3d forward and backward from the global tensors against the serial kernels
 (float64, 1e-10), the ledger equal to perfmodel.predict_bytes; the first layer (input whole);
-and the refusals of what is not supported yet (a transposed convolution on a grid that splits
-the image) or not meant (output_padding on a plain convolution, a 2-D layer on a depth split,
+transposed convolutions on grids that split the image or the volume (their own halo rule); and
+the refusals of what is not supported yet (halo_interior beside a volume's or a transposed
+convolution's halo) or not meant (output_padding on a plain convolution, a 2-D layer on a depth split,
 a volume too thin for its depth ranks)."""
 import numpy as np
 import pytest
@@ -132,6 +133,61 @@ def test_depth_split_matches_serial_and_predicted_bytes(depth_grids, config, nam
     check_against_serial(depth_grids[config[0]], config, DEPTH_CASES[name], name)
 
 
+def transposed_spatial_configs():
+    """(grid spec, algorithm, p_f) on grids that split an image over height and width (with
+    sample or channel), for the transposed convolutions' halo."""
+    specs = [s for s in grid_specs(2, ("height", "width")) + grid_specs(2, ("sample", "height"))
+             + grid_specs(2, ("width", "channel")) if s.count("=1") < 2]
+    if SIZE == 4:
+        specs += ["height=1,width=2,channel=2", "height=2,width=2"]
+    if SIZE == 1:
+        specs = ["height=1"]
+    return [(spec, a, None) for spec in dict.fromkeys(specs) for a in ("sample", "x", "y", "w")]
+
+
+# The halo rule of a transposed convolution in its corner cases: stride 2 with output_padding 1,
+# dilation 2, groups, a stride larger than the kernel (output rows no input reaches: a block's
+# negative sides, blocks whose window holds no input), output_padding beyond the padding
+# (positions at the end no input reaches), asymmetric sizes, a 1x1 kernel.
+TRANSPOSED_SPATIAL_CASES = {
+    "transpose2d": CASES["transpose2d"],
+    "dilated-groups": CASES["transpose2d-dilated-groups"],
+    "gaps": ("conv_transpose2d", 2, 3, 4, (5, 4), (2, 1), {"stride": (3, 2), "output_padding": (2, 1)}),
+    "padded": ("conv_transpose2d", 1, 4, 3, (3, 6), (4, 3), {"stride": 2, "padding": (2, 1), "dilation": (1, 2)}),
+}
+
+
+@pytest.fixture(scope="module")
+def transposed_grids():
+    made = {spec: ProcessGrid(spec) for spec in dict.fromkeys(c[0] for c in transposed_spatial_configs())}
+    yield made
+    for g in made.values():
+        g.free()
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSED_SPATIAL_CASES))
+@pytest.mark.parametrize("config", transposed_spatial_configs(), ids=ids)
+def test_transposed_on_a_spatial_split_matches_serial_and_predicted_bytes(transposed_grids, config, name):
+    """ConvTranspose2d on grids splitting height and width: each rank's output block from the
+    input rows that reach it (halo._transposed_span), the adjoint summing dx back, against
+    serial; the ledger equal to predict_bytes."""
+    check_against_serial(transposed_grids[config[0]], config, TRANSPOSED_SPATIAL_CASES[name], name)
+
+
+TRANSPOSED_DEPTH_CASES = {
+    "transpose3d": CASES["transpose3d"],
+    "pointwise-gaps": ("conv_transpose3d", 1, 4, 3, (4, 3, 3), 1, {"stride": (2, 1, 2), "output_padding": (1, 0, 0)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSED_DEPTH_CASES))
+@pytest.mark.parametrize("config", depth_configs(), ids=ids)
+def test_transposed_volume_on_a_depth_split(depth_grids, config, name):
+    """ConvTranspose3d on grids splitting depth (and height, width), against serial; with a
+    1x1x1 kernel of stride 2, planes that no input reaches."""
+    check_against_serial(depth_grids[config[0]], config, TRANSPOSED_DEPTH_CASES[name], name)
+
+
 @pytest.mark.parametrize("name", ["conv3d", "transpose2d", "transpose3d"])
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] in ("sample", "y")], ids=ids)
 def test_first_layer(grids, config, name):
@@ -142,15 +198,14 @@ def test_first_layer(grids, config, name):
 def test_refusals():
     if SIZE > 1:
         grid = ProcessGrid(f"height={SIZE}")
-        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv_transpose2d"),
-                            match=r"conv_transpose2d on a grid splitting the image .* not supported yet")
+        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv_transpose2d",
+                                                          halo_interior=True),
+                            match=r"halo_interior is built for 2-D convolutions' halos only, not conv_transpose2d's")
         grid.free()
     if SIZE > 1:
         grid = ProcessGrid(f"depth={SIZE}")
         raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3),
                             match=r"conv2d on a grid splitting depth .*: depth splits volumes")
-        raises_on_all_ranks(ValueError, lambda: make_conv("y", grid, 4, 4, 3, op="conv_transpose3d"),
-                            match=r"conv_transpose3d on a grid splitting the image .* not supported yet")
         raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv3d", halo_interior=True),
                             match=r"halo_interior is built for 2-D convolutions' halos only")
         conv = make_conv("sample", grid, 2, 2, 3, op="conv3d", stride=(2, 1, 1))
@@ -252,8 +307,7 @@ def test_a_volume_checkpoint_loads_on_another_grid(grids, mpi_tmp_path):
     def model(grid, seed):
         c = Conv3d(grid, 2, 4, 3, padding=1, algorithm="y" if grid.shape["depth"] == 1 else "sample",
                    input_whole=True, need_dx=False, name="c", seed=seed, dtype=np.float64)
-        t = ConvTranspose3d(grid, 4, 3, 2, stride=2, algorithm="y", name="t", seed=seed, dtype=np.float64,
-                            split_image=False)  # (a transposed layer on a depth split: copies along depth)
+        t = ConvTranspose3d(grid, 4, 3, 2, stride=2, algorithm="y", name="t", seed=seed, dtype=np.float64)
         return Sequential(c, BatchNorm3d(grid, 4, layout=c.conv.output_layout, name="bn", dtype=np.float64), t)
 
     def global_tensors(m):

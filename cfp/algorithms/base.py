@@ -127,10 +127,6 @@ class ConvAlgorithm:
         if self.P_d > 1 and self.op.axes != 3:
             raise ValueError(f"{layer}: {self.op.name} on a grid splitting depth ({grid.describe()}): depth splits "
                              f"volumes (N, C, D, H, W); expected a grid without a depth axis for an image's layer")
-        if self.spatial and self.op.transposed:
-            raise ValueError(f"{layer}: {self.op.name} on a grid splitting the image ({grid.describe()}) is not "
-                             f"supported yet: a transposed convolution's halo is not built; expected a grid of "
-                             f"sample and channel axes for this layer")
         self.P_n, self.P_c = grid.axis_size("sample"), grid.axis_size("channel")
         self.p_f = self.filter_groups(self.P_c, filter_groups)
         c = grid.coord("channel")
@@ -155,7 +151,7 @@ class ConvAlgorithm:
 
     @halo_interior.setter
     def halo_interior(self, on):
-        if on and self.op.axes == 3:
+        if on and (self.op.axes == 3 or self.op.transposed):
             raise ValueError(f"{self.layer}: halo_interior is built for 2-D convolutions' halos only, not "
                              f"{self.op.name}'s: expected halo_interior=False here")
         if on and not self.convolves_own_block():
@@ -329,11 +325,15 @@ class ConvAlgorithm:
     def kernel_args(self):
         """The kernels' arguments for this rank's block: the layer's options, on a spatial grid
         with the padding of the halo plan (zero rows only where the block meets the border), or
-        none where another padding mode's rows were gathered into the block (Halo.pad)."""
+        none where another padding mode's rows were gathered into the block (Halo.pad); a
+        transposed convolution's with its block's signed sides (kernels/conv/transposed.py)."""
         args = dict(self.options)
         if self.spatial:
             args["padding"] = self._halo.padding
-            args["padding_mode"] = "zeros"  # a non-zero mode's padded rows are in the block
+            if self.op.transposed:
+                args["output_padding"] = 0  # the sides say where the block's output ends
+            else:
+                args["padding_mode"] = "zeros"  # a non-zero mode's padded rows are in the block
         return args
 
     def local_forward(self, x, w, b=None, padding=None):

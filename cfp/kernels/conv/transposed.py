@@ -10,10 +10,16 @@ output is x:
 
 so every kernel path of the convolution (2-D and 3-D, kernels/conv/paths.py and volume.py)
 serves it. The output size is O = (S - 1) s - 2 p + d (K - 1) + output_padding + 1 per axis.
-output_padding (PyTorch's rule: smaller than the stride or the dilation) adds positions at
-the end that the convolution's windows still cover; where output_padding >= stride (allowed
-by a larger dilation) that convolution's output is longer than x by `extra` positions, which
-x is taken to have as zeros (forward) and dx drops (backward-data).
+
+Where that convolution's windows sit on y is said, per axis, by two signed sides (before,
+after), with O + before + after = (S - 1) s + d (K - 1) + 1: the convolution pads y with
+`before` zeros in front and `after` behind, and a negative side means instead that y's first
+(or last) -side positions are read by no window, so they receive nothing (the output there is
+zero, or the bias). A layer's padding p and output_padding op are the sides (p, p - op): an
+output_padding beyond the padding gives positions at the end that no input reaches. A block of
+a spatially split output has its own sides, from the halo plan (cfp/halo.py), which the passes
+take as padding in the convolution's per-side form, (before, after) of each axis in order, with
+output_padding 0.
 
 PyTorch's transposed convolutions pad with zeros only and take integer padding (no 'same' or
 'valid'); so do these. Arrays: 4-D (N, C, H, W) for ConvTranspose2d, 5-D (N, C, D, H, W) for
@@ -24,13 +30,13 @@ from collections import namedtuple
 from cfp.backend import get_array_module
 from cfp.checks import float_dtype, int_tuple, positive_int
 from cfp.kernels.conv import passes, volume
-from cfp.kernels.conv.geometry import conv_geometry
 
-TransposedGeometry = namedtuple("TransposedGeometry", "x_shape w_shape out_shape extra options", module=__name__)
+TransposedGeometry = namedtuple("TransposedGeometry", "x_shape w_shape out_shape sides crop options", module=__name__)
 TransposedGeometry.__doc__ = """One transposed convolution: its input x_shape (N, C, *S), weight
-w_shape (C, F/G, *K), output out_shape (N, F, *O); `extra`, per spatial axis, the positions the
-adjoint convolution's output has beyond S (0 unless output_padding >= stride); `options`, that
-convolution's stride, padding, dilation and groups (tuples per axis)."""
+w_shape (C, F/G, *K), output out_shape (N, F, *O); `sides`, per spatial axis, the signed
+(before, after) of the adjoint convolution's windows on y (the module's docstring); `options`,
+that convolution's stride, padding (the sides' non-negative parts, per side), dilation and
+groups; `crop`, per axis, the (front, back) positions of y no window reads."""
 
 _PASSES = {2: (passes.conv2d_forward, passes.conv2d_backward_data, passes.conv2d_backward_filter),
            3: (volume.conv3d_forward, volume.conv3d_backward_data, volume.conv3d_backward_filter)}
@@ -49,10 +55,11 @@ def _spatial_axes(shape, name):
 
 def transposed_geometry(x_shape, w_shape, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
     """The TransposedGeometry of x_shape (N, C, *S) and w_shape (C, F/groups, *K), with PyTorch's
-    ConvTranspose2d/3d meanings. Raises ValueError, naming the value, for what PyTorch rejects:
-    shapes of other ranks, channels that do not match, groups that do not divide them, a
-    non-positive stride or dilation, a negative or non-integer padding, an output_padding not
-    smaller than the stride or the dilation, padding that leaves no output."""
+    ConvTranspose2d/3d meanings, or (padding of two signed sides an axis, output_padding 0) a
+    block's own sides (the module's docstring). Raises ValueError, naming the value, for what
+    PyTorch rejects: shapes of other ranks, channels that do not match, groups that do not
+    divide them, a non-positive stride or dilation, a negative or non-integer padding, an
+    output_padding not smaller than the stride or the dilation, padding that leaves no output."""
     x_shape, w_shape = _spatial_axes(x_shape, "x"), _spatial_axes(w_shape, "w")
     n = len(x_shape) - 2
     if len(w_shape) != len(x_shape):
@@ -68,18 +75,28 @@ def transposed_geometry(x_shape, w_shape, stride=1, padding=0, output_padding=0,
     K, F = w_shape[2:], w_shape[1] * G
     if min(K) < 1:
         raise ValueError(f"the kernel {K} must be at least 1 on every axis")
-    options = transposed_options(n, stride, padding, output_padding, dilation, G)
-    stride, padding, dilation = options["stride"], options["padding"], options["dilation"]
-    output_padding = options.pop("output_padding")
-    out = tuple((i - 1) * s - 2 * p + d * (k - 1) + op + 1
-                for i, s, p, d, k, op in zip(S, stride, padding, dilation, K, output_padding))
-    if min(out) < 1 or min(S) < 1:
+    block = isinstance(padding, (tuple, list)) and len(padding) == 2 * n and not any(_as_tuple(output_padding))
+    if block:
+        options = transposed_options(n, stride, 0, 0, dilation, G)
+        sides = tuple((int(padding[2 * i]), int(padding[2 * i + 1])) for i in range(n))
+    else:
+        options = transposed_options(n, stride, padding, output_padding, dilation, G)
+        sides = tuple((p, p - op) for p, op in zip(options["padding"], options["output_padding"]))
+    del options["output_padding"]
+    stride, dilation = options["stride"], options["dilation"]
+    out = tuple((i - 1) * s + d * (k - 1) + 1 - before - after
+                for i, s, d, k, (before, after) in zip(S, stride, dilation, K, sides))
+    if min(out) < 1 or min(S) < (0 if block else 1):  # (a block's window may hold no input)
         raise ValueError(f"the transposed convolution of an input {S} with kernel {K}, stride {stride}, padding "
                          f"{padding}, dilation {dilation} and output_padding {output_padding} has output "
                          f"{out}: padding crops it all (each output side must be at least 1)")
-    out_shape = (N, F) + out
-    conv_out = _conv_output(out_shape, w_shape, options)
-    return TransposedGeometry(x_shape, w_shape, out_shape, tuple(o - i for o, i in zip(conv_out, S)), options)
+    options["padding"] = tuple(max(0, side) for pair in sides for side in pair)
+    crop = tuple((max(0, -before), max(0, -after)) for before, after in sides)
+    return TransposedGeometry(x_shape, w_shape, (N, F) + out, sides, crop, options)
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def transposed_options(axes, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
@@ -101,14 +118,6 @@ def transposed_options(axes, stride=1, padding=0, output_padding=0, dilation=1, 
             "output_padding": output_padding}
 
 
-def _conv_output(shape, w_shape, options):
-    if len(shape) == 4:
-        g = conv_geometry(shape, w_shape, **options)
-        return g.Ho, g.Wo
-    v = volume.volume_geometry(shape, w_shape, **options)
-    return v.Do, v.plane.Ho, v.plane.Wo
-
-
 def conv_transpose_output_shape(x_shape, w_shape, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
     """(N, F, *O) of conv_transpose_forward."""
     return transposed_geometry(x_shape, w_shape, stride, padding, output_padding, dilation, groups).out_shape
@@ -121,13 +130,14 @@ def _require(array, name, ndim=None):
     float_dtype(array.dtype, name)
 
 
-def _extended(x, t, xp):
-    """x with t.extra zero positions at the end of each spatial axis (x itself when none)."""
-    if not any(t.extra):
-        return x
-    out = xp.zeros(x.shape[:2] + tuple(s + e for s, e in zip(x.shape[2:], t.extra)), x.dtype)
-    out[(slice(None), slice(None)) + tuple(slice(0, s) for s in x.shape[2:])] = x
-    return out
+def _read(t):
+    """The index of the part of y (or dy) the adjoint convolution's windows read (all of it but
+    the crop), and that part's shape; None where they read nothing (an input with no positions,
+    or windows that miss this block of y): its output is then zero."""
+    read = t.out_shape[:2] + tuple(o - lo - hi for o, (lo, hi) in zip(t.out_shape[2:], t.crop))
+    if min(read[2:]) < 1 or min(t.x_shape[2:]) < 1:
+        return None, None
+    return (slice(None), slice(None)) + tuple(slice(lo, o - hi) for o, (lo, hi) in zip(t.out_shape[2:], t.crop)), read
 
 
 def conv_transpose_forward(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
@@ -141,8 +151,15 @@ def conv_transpose_forward(x, w, b=None, stride=1, padding=0, output_padding=0, 
                          f"got shape {getattr(b, 'shape', None)!r}")
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
-    y = _PASSES[x.ndim - 2][1](_extended(x.astype(dtype, copy=False), t, xp), w.astype(dtype, copy=False),
-                               t.out_shape, **t.options)
+    index, read = _read(t)
+    if read is None:  # no window reaches this block of y
+        y = xp.zeros(t.out_shape, dtype)
+    else:
+        y = _PASSES[x.ndim - 2][1](x.astype(dtype, copy=False), w.astype(dtype, copy=False), read, **t.options)
+        if read != t.out_shape:
+            full = xp.zeros(t.out_shape, dtype)
+            full[index] = y
+            y = full
     if b is not None:
         y += b.astype(dtype, copy=False).reshape((1, -1) + (1,) * (x.ndim - 2))
     return y
@@ -155,16 +172,18 @@ def _require_dy(dy, t):
 
 
 def conv_transpose_backward_data(dy, w, x_shape, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
-    """dx (N, C, *S) from dy (N, F, *O): the convolution's forward of dy (cropped where extra)."""
+    """dx (N, C, *S) from dy (N, F, *O): the convolution's forward of the part of dy its windows
+    read."""
     _require(w, "w")
     t = transposed_geometry(x_shape, w.shape, stride, padding, output_padding, dilation, groups)
     _require_dy(dy, t)
     xp = get_array_module(dy, w)
     dtype = xp.result_type(dy.dtype, w.dtype)
-    dx = _PASSES[dy.ndim - 2][0](dy.astype(dtype, copy=False), w.astype(dtype, copy=False), None, **t.options)
-    if any(t.extra):
-        dx = xp.ascontiguousarray(dx[(slice(None), slice(None)) + tuple(slice(0, s) for s in t.x_shape[2:])])
-    return dx
+    index, read = _read(t)
+    if read is None:
+        return xp.zeros(t.x_shape, dtype)
+    dy = xp.ascontiguousarray(dy[index]) if read != t.out_shape else dy
+    return _PASSES[dy.ndim - 2][0](dy.astype(dtype, copy=False), w.astype(dtype, copy=False), None, **t.options)
 
 
 def conv_transpose_backward_filter(x, dy, w_shape, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
@@ -175,8 +194,12 @@ def conv_transpose_backward_filter(x, dy, w_shape, stride=1, padding=0, output_p
     _require_dy(dy, t)
     xp = get_array_module(x, dy)
     dtype = xp.result_type(x.dtype, dy.dtype)
-    return _PASSES[x.ndim - 2][2](dy.astype(dtype, copy=False), _extended(x.astype(dtype, copy=False), t, xp),
-                                  t.w_shape, **t.options)
+    index, read = _read(t)
+    if read is None:
+        return xp.zeros(t.w_shape, dtype)
+    dy = xp.ascontiguousarray(dy[index]) if read != t.out_shape else dy
+    return _PASSES[x.ndim - 2][2](dy.astype(dtype, copy=False), x.astype(dtype, copy=False), t.w_shape,
+                                  **t.options)
 
 
 def conv_transpose_backward_bias(dy):
