@@ -3,7 +3,8 @@ plain-loop twin (float64, 1e-12) over random options (stride, 'same' / 'valid' /
 six-sided padding, the four padding modes, dilation, groups, empty batches); transposed
 convolutions (2-D and 3-D) against their scatter definition, their backward passes by the
 adjoint identities; where PyTorch is installed, against torch.nn.functional's conv3d and
-conv_transpose2d/3d; and the refusals, one message each."""
+conv_transpose2d/3d; a transposed convolution's blocks from their windows (the halo rule);
+nearest upsampling against its definition and PyTorch; and the refusals, one message each."""
 import random
 
 import numpy as np
@@ -413,3 +414,42 @@ def test_pool3d_matches_torch(torch):
     assert relative_error(max_pool3d_forward(x, 3, 2, 1)[0],
                           torch.nn.functional.max_pool3d(tx, 3, 2, 1).numpy()) < TOLERANCE
     assert relative_error(avg_pool3d_forward(x, 2, 1, 0), torch.nn.functional.avg_pool3d(tx, 2, 1, 0).numpy()) < TOLERANCE
+
+
+# -- nearest upsampling ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, factor", [((2, 3, 4, 5), 2), ((1, 2, 3, 4), (3, 1)), ((2, 2, 3, 2, 4), 2),
+                                           ((1, 1, 2, 3, 2), (1, 2, 3))])
+def test_upsample_nearest_matches_its_definition_and_is_its_own_adjoint(shape, factor):
+    """y[..., i, j] = x[..., i // f, j // f'] (a volume's too); a block's sides drop what they
+    say; backward is forward's adjoint, <dy, up(x)> = <up*(dy), x>."""
+    from cfp.kernels.resample import upsample_nearest_backward, upsample_nearest_forward
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape)
+    factors = (factor,) * (len(shape) - 2) if isinstance(factor, int) else factor
+    y = upsample_nearest_forward(x, factor)
+    index = np.ix_(*[np.arange(n * f) // f for n, f in zip(shape[2:], factors)])
+    assert np.array_equal(y, x[(slice(None), slice(None)) + index])
+    sides = tuple(v for f in factors for v in (min(1, f - 1), 0))
+    block = upsample_nearest_forward(x, factor, sides)
+    assert np.array_equal(block, y[(slice(None), slice(None)) + tuple(slice(s, None) for s in sides[::2])])
+    dy = rng.standard_normal(block.shape)
+    dx = upsample_nearest_backward(dy, factor, x.shape, sides)
+    assert abs(float(np.sum(dx * x)) - float(np.sum(dy * block))) < 1e-12 * np.sqrt(np.sum(dy ** 2) * np.sum(x ** 2))
+
+
+def test_upsample_matches_torch(torch):
+    from cfp.kernels.resample import upsample_nearest_forward
+    x = np.random.default_rng(8).standard_normal((2, 3, 3, 4, 5))
+    want = torch.nn.functional.interpolate(torch.tensor(x), scale_factor=(2, 1, 3), mode="nearest").numpy()
+    assert np.array_equal(upsample_nearest_forward(x, (2, 1, 3)), want)
+
+
+def test_upsample_refusals():
+    from cfp.nn import Upsample
+    with pytest.raises(ValueError, match=r"Upsample mode 'bilinear': cfp upsamples by 'nearest' only"):
+        Upsample(2, mode="bilinear")
+    with pytest.raises(ValueError, match=r"scale_factor must be a positive integer or a pair of them, got 0"):
+        Upsample(0)
+    with pytest.raises(ValueError, match=r"scale_factor must be a positive integer or a pair of them, got 1.5"):
+        Upsample(1.5)

@@ -14,7 +14,7 @@ from cfp.algorithms import make_conv
 from cfp.grid import ProcessGrid
 from cfp.kernels.conv import OPS
 from cfp.nn import (AvgPool3d, BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d,
-                    MaxPool3d, ReLU, Sequential)
+                    MaxPool3d, ReLU, Sequential, Upsample)
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.tensor import DistTensor, Layout
@@ -296,6 +296,54 @@ def test_volume_block_on_a_depth_split(grids, depth_grids, config):
     assert_close_all_ranks(out[spec][0], out["serial"][0], 1e-10, f"{spec} y")
     for name, want in out["serial"][1].items():
         assert_close_all_ranks(out[spec][1][name], want, 1e-10, f"{spec} {name}")
+
+
+def _placed_against_serial(make, grid, serial, x, dy, what):
+    """make(grid) placed on `grid` (its first layer's input whole) and on one rank, forward and
+    backward: the outputs and the parameters' gradients equal."""
+    out = {}
+    for which, g in (("serial", serial), (what, grid)):
+        model = make(g)
+        first = model.modules[0]
+        end = model.place((g, first.conv.input_layout))
+        y = model.forward(DistTensor.from_global(x, first.conv.input_layout, g))
+        model.backward(DistTensor.from_global(dy, end[1], g))
+        out[which] = (y.gather(), {p.name: gather_parameter(p) for p in model.parameters()})
+    assert_close_all_ranks(out[what][0], out["serial"][0], 1e-10, f"{what} y")
+    for name, want in out["serial"][1].items():
+        assert_close_all_ranks(out[what][1][name], want, 1e-10, f"{what} {name}")
+
+
+@pytest.mark.parametrize("config", [c for c in transposed_spatial_configs() if c[1] in ("sample", "w")], ids=ids)
+def test_upsampling_and_transposed_layers_on_a_spatial_split(grids, transposed_grids, config):
+    """Conv2d -> ReLU -> Upsample(2) -> ConvTranspose2d (stride 2, output_padding 1) -> Upsample
+    (1, 3) -> Conv2d on grids splitting height and width, placed: nearest upsampling's blocks
+    from the input rows that reach them (the halo of a transposed convolution), against one
+    rank, forward and backward."""
+    spec, alg, _ = config
+
+    def make(grid):
+        kw = dict(algorithm=alg, dtype=np.float64)
+        return Sequential(Conv2d(grid, 2, 4, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw),
+                          ReLU(), Upsample(2),
+                          ConvTranspose2d(grid, 4, 4, 3, stride=2, padding=1, output_padding=1, name="t2", **kw),
+                          Upsample((1, 3)), Conv2d(grid, 4, 3, 3, padding=1, name="c3", **kw))
+    _placed_against_serial(make, transposed_grids[spec], grids["serial"], data((2, 2, 5, 5), 9),
+                           data((2, 3, 20, 60), 10), spec)
+
+
+@pytest.mark.parametrize("config", [c for c in depth_configs() if c[1] in ("sample", "y")], ids=ids)
+def test_volume_upsampling_on_a_depth_split(grids, depth_grids, config):
+    """Conv3d -> Upsample((2, 1, 3)) -> ConvTranspose3d -> Conv3d on grids splitting depth."""
+    spec, alg, _ = config
+
+    def make(grid):
+        kw = dict(algorithm=alg, dtype=np.float64)
+        return Sequential(Conv3d(grid, 2, 4, 3, padding=1, input_whole=True, need_dx=False, name="c1", **kw),
+                          Upsample((2, 1, 3)), ConvTranspose3d(grid, 4, 3, 2, stride=(1, 2, 1), name="t2", **kw),
+                          Conv3d(grid, 3, 2, 1, name="c3", **kw))
+    _placed_against_serial(make, depth_grids[spec], grids["serial"], data((2, 2, 5, 3, 2), 11),
+                           data((2, 2, 11, 6, 7), 12), spec)
 
 
 def test_a_volume_checkpoint_loads_on_another_grid(grids, mpi_tmp_path):

@@ -5,8 +5,10 @@ import numpy as np
 
 from .. import backend, comm
 from ..halo import Halo
+from ..checks import int_tuple
 from ..kernels.pool import (avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward,
                             pool_geometry)
+from ..kernels.resample import upsample_nearest_backward, upsample_nearest_forward
 from ..tensor import Layout
 from .module import Module, Parameter
 
@@ -99,6 +101,42 @@ class MaxPool3d(MaxPool2d):
 
 class AvgPool3d(AvgPool2d):
     """AvgPool2d over a volume's (n, C, D, H, W) blocks."""
+
+
+class Upsample(_PerPosition):
+    """Nearest upsampling by an integer `scale_factor` (an int, or one per spatial axis), of
+    images or volumes: PyTorch's nn.Upsample(scale_factor=, mode='nearest'). The layout stays;
+    on a grid that splits the image each rank computes its block of the output from the input
+    rows that reach it, the halo of the transposed convolution it is (kernels/resample.py)."""
+
+    def __init__(self, scale_factor=2, mode="nearest"):
+        if mode != "nearest":
+            raise ValueError(f"Upsample mode {mode!r}: cfp upsamples by 'nearest' only")
+        axes = len(scale_factor) if isinstance(scale_factor, (tuple, list)) and len(scale_factor) in (2, 3) else 2
+        self.factor = int_tuple(scale_factor, axes, "scale_factor", 1, "a positive integer")
+        self._given = scale_factor
+
+    def _factors(self, axes):
+        """The factor of each of `axes` spatial axes (an integer given applies to each)."""
+        return int_tuple(self._given, axes, "scale_factor", 1, "a positive integer")
+
+    def output_shape(self, shape):
+        return tuple(shape[:2]) + tuple(f * n for f, n in zip(self._factors(len(shape) - 2), shape[2:]))
+
+    def forward(self, x):
+        factors = self._factors(x.ndim - 2)
+        self._plan, self._sides = None, None
+        if getattr(self, "_split", None) is not None:
+            options = {"stride": factors, "padding": 0, "dilation": 1, "output_padding": 0}
+            self._plan = Halo(self.input_shape, self._layout, self._split, factors, options, self.describe())
+            x = self._plan.exchange(x, self.describe())
+            self._sides = self._plan.padding
+        self._x_shape = x.shape
+        return upsample_nearest_forward(x, factors, self._sides)
+
+    def backward(self, dy):
+        dx = upsample_nearest_backward(dy, self._factors(dy.ndim - 2), self._x_shape, self._sides)
+        return self._halo_back(dx)
 
 
 class GlobalAvgPool2d(Module):
