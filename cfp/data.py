@@ -277,6 +277,24 @@ def synthetic(n, channels, height, width, classes, seed=0, dtype=np.float32, dep
     return x.astype(dtype), y
 
 
+def synthetic_segmentation(n, channels, side, classes, seed=0, dtype=np.float32, cell=4):
+    """Random images x (n, channels, side, side) and int64 labels y (n, side, side), one class
+    a pixel, that can be learnt: each image's label map is a random map of cell x cell squares
+    (a (side / cell)^2 map of classes drawn uniformly, nearest-upsampled), and a pixel of class
+    k is mu_k (a fixed random offset per class and channel) plus unit Gaussian noise, so a
+    pixel's class shows in its neighbourhood. Generated in float64 from `seed`."""
+    for value, what in ((n, "n"), (channels, "channels"), (side, "side"), (classes, "classes"), (cell, "cell")):
+        int_at_least(value, f"synthetic_segmentation: {what}", 1)
+    if side % cell:
+        raise ValueError(f"synthetic_segmentation: side {side} must be a multiple of the cell {cell}")
+    rng = np.random.default_rng(seed)
+    means = 1.5 * rng.standard_normal((classes, channels))
+    coarse = rng.integers(0, classes, size=(n, side // cell, side // cell), dtype=np.int64)
+    y = np.repeat(np.repeat(coarse, cell, axis=1), cell, axis=2)
+    x = np.moveaxis(means[y], -1, 1) + rng.standard_normal((n, channels, side, side))
+    return x.astype(dtype), y
+
+
 SAMPLES = Layout(("sample",))  # a batch's samples split over the sample axis
 AUGMENT_PADDING = 4  # random crop: zero-pad by 4 pixels per side, take an H x W window
 AUGMENT_STREAM = 0x617567  # the augmentation's rng stream, apart from the shuffling's (seed, epoch)

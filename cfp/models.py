@@ -1,7 +1,8 @@
 """Model definitions from cfp.nn: a small ResNet for 8x8 to 32x32 images with a width
 multiplier, a wide plain CNN whose width shows channel/filter parallelism at work, a
-MobileNet-like stack of depthwise, dilated and grouped convolutions, and a small 3-D CNN for
-volumes (whose grids may split depth).
+MobileNet-like stack of depthwise, dilated and grouped convolutions, a small 3-D CNN for
+volumes (whose grids may split depth), and a small encoder-decoder for segmentation with a
+transposed convolution and nearest upsampling (per-pixel logits).
 
 Each convolution and the classifier run on a grid (a factorization of the ranks) with an
 algorithm ('sample', 'x', 'y' or 'w' with p_f): one for all layers, or per layer from a plan
@@ -16,8 +17,8 @@ import numpy as np
 from .checks import positive_int
 from .grid import Grids
 from .kernels import workspace
-from .nn import (BatchNorm2d, BatchNorm3d, Conv2d, Conv3d, GlobalAvgPool2d, GlobalAvgPool3d, Linear, MaxPool2d,
-                 MaxPool3d, Module, Network, ReLU, Residual, Sequential)
+from .nn import (BatchNorm2d, BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, GlobalAvgPool2d, GlobalAvgPool3d, Linear,
+                 MaxPool2d, MaxPool3d, Module, Network, ReLU, Residual, Sequential, Upsample)
 from .perfmodel import LayerShape
 from .planner import CHANNEL_ALGORITHMS, plan as _planner, plan_entries
 
@@ -66,13 +67,13 @@ class _Builder:
             raise ValueError(f"layer {name}: {e}") from None
         return grid, spec
 
-    def _layer(self, cls, name, cin, cout, first=False, **kwargs):
+    def _layer(self, cls, name, cin, cout, first=False, classifier=False, **kwargs):
         grid, spec = self.choose(name)
         P_c = grid.axis_size("channel")
         # A convolution needs an output channel on every channel rank (batch norm and the next
         # layer's input split follow its channels); the classifier does not: its ranks without
         # a class hold empty blocks, and the loss gathers the logits whole.
-        if spec["algorithm"] != "sample" and cout < P_c and cls is not Linear:
+        if spec["algorithm"] != "sample" and cout < P_c and not classifier:
             raise ValueError(f"layer {name}: {cout} output channels over the {P_c} channel ranks of grid "
                              f"{grid.describe()} leave a rank without any; use a smaller channel axis")
         layer = cls(grid, cin, cout, algorithm=spec["algorithm"], filter_groups=spec["filter_groups"],
@@ -101,8 +102,20 @@ class _Builder:
     def residual(self, body, shortcut, name):
         return Residual(body, shortcut, name=name)
 
+    def transposed(self, name, cin, cout, kernel, stride, size=None):
+        """A transposed convolution (2-D) that multiplies the image's side by `stride`."""
+        return self._layer(ConvTranspose2d, name, cin, cout, kernel_size=kernel, stride=stride,
+                           padding=(kernel - 1) // 2, output_padding=stride - 1 - (kernel - 1) % 2, bias=False)
+
+    def upsample(self, factor):
+        return Upsample(factor)
+
     def head(self, channels, classes):
-        return [self.global_pool_class(), self._layer(Linear, "fc", channels, classes)]
+        return [self.global_pool_class(), self._layer(Linear, "fc", channels, classes, classifier=True)]
+
+    def pixel_head(self, channels, classes, size=None):
+        """The per-pixel classifier of a segmentation model: a 1x1 convolution to the classes."""
+        return [self._layer(self.conv_class, "head", channels, classes, classifier=True, kernel_size=1)]
 
 
 def _check_width(value, what, narrowest, grid, algorithm):
@@ -211,6 +224,33 @@ def _volume_layers(b, width, in_channels, classes, image):
             *b.head(2 * base, classes)]
 
 
+def unet(grid, width=1, in_channels=1, classes=4, algorithm="y", filter_groups=None, seed=0, dtype=np.float32,
+         image=8, plan=None, grids=None, planned=None):
+    """A small encoder-decoder for segmentation of image x image pixels into `classes`: a 3x3
+    stem to 8 x width channels, a 3x3 convolution to 16 x width with stride 2 and a 2x2 max
+    pool (a quarter of the side), a 3x3 convolution at 16 x width, a 3x3 transposed convolution
+    of stride 2 back to 8 x width (half the side), nearest upsampling by 2 (the whole side),
+    each convolution with batch norm and ReLU, and a 1x1 convolution to per-pixel logits (n,
+    classes, image, image). Its grids may split height and width as well as samples and
+    channels."""
+    if plan is None:
+        _check_width(width, "width", 8 * width if isinstance(width, (int, np.integer)) else 0, grid, algorithm)
+    if image % 4:
+        raise ValueError(f"model 'unet' halves the image's side twice and doubles it back: expected a side "
+                         f"divisible by 4, got {image}")
+    b = _Builder(grids or Grids(grid), grid, algorithm, filter_groups, seed, dtype, plan)
+    return _finish(_unet_layers(b, width, in_channels, classes, image), b, planned)
+
+
+def _unet_layers(b, width, in_channels, classes, image):
+    base = 8 * width
+    return [b.conv("stem.conv", in_channels, base, 3, 1, image, first=True), b.bn("stem.bn", base), b.relu(),
+            b.conv("down.conv", base, 2 * base, 3, 2, image), b.bn("down.bn", 2 * base), b.relu(), b.pool(2),
+            b.conv("body.conv", 2 * base, 2 * base, 3, 1, image // 4), b.bn("body.bn", 2 * base), b.relu(),
+            b.transposed("up.conv", 2 * base, base, 3, 2, image // 4), b.bn("up.bn", base), b.relu(),
+            b.upsample(2), *b.pixel_head(base, classes, image)]
+
+
 def _wide_layers(b, width, depth, in_channels, classes, image):
     size = image
     layers = [b.conv("stem.conv", in_channels, width, 3, 1, size, first=True), b.bn("stem.bn", width), b.relu()]
@@ -234,8 +274,9 @@ class _ShapeRecorder:
     records what feeds each one where that is not the layer before it (LayerShape.reads,
     merges): the stream is the layer whose output flows on, a residual block's body's last."""
 
-    def __init__(self, batch):
+    def __init__(self, batch, volumes=False):
         self.batch, self.shapes = batch, []
+        self.op = "conv3d" if volumes else "conv2d"  # the kind of the convolutions (kernels/conv/ops.py)
         self.stream = None  # index of the layer whose output the next layer reads
 
     def _record(self, shape):
@@ -248,7 +289,7 @@ class _ShapeRecorder:
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False, groups=1, dilation=1):
         return self._record(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first,
-                                       groups=groups, dilation=dilation))
+                                       groups=groups, dilation=dilation, op=self.op))
 
     def bn(self, name, channels):
         self.shapes[-1] = dataclasses.replace(self.shapes[-1], normed=True)
@@ -287,22 +328,39 @@ class _ShapeRecorder:
         self._record(LayerShape("fc", self.batch, channels, classes, 1, 1, 1))
         return []
 
+    def transposed(self, name, cin, cout, kernel, stride, size=None):
+        return self._record(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride,
+                                       padding=(kernel - 1) // 2, op="conv_transpose2d"))
+
+    def upsample(self, factor):
+        self._after("upsample")
+        return Module()
+
+    def pixel_head(self, channels, classes, size=None):
+        self._after("loss")
+        self._record(LayerShape("head", self.batch, channels, classes, size, size, 1))
+        return []
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelKind:
     """A model cfp builds: `build` makes it (a Network on a grid), `layers` is the recipe of its
     layers, which `build` runs with a real builder and layer_shapes with a shape recorder;
     `depth`: whether it takes a depth (the wide CNN's number of wide layers); `volumes`: whether
-    its inputs are volumes (N, C, D, H, W) (the planner and cost model price 2-D layers only)."""
+    its inputs are volumes (N, C, D, H, W) (the planner and cost model price 2-D layers only);
+    `segments`: whether it labels every pixel (logits (n, classes, H, W), labels (n, H, W))
+    rather than every image."""
     build: object
     layers: object
     depth: bool = False
     volumes: bool = False
+    segments: bool = False
 
 
 # The one registry of models, by name: build_model, layer_shapes, train.py and the scripts read it.
 MODELS = {"resnet": ModelKind(small_resnet, _resnet_layers), "wide": ModelKind(wide_cnn, _wide_layers, depth=True),
-          "mobile": ModelKind(mobile_cnn, _mobile_layers), "volume": ModelKind(volume_cnn, _volume_layers, volumes=True)}
+          "mobile": ModelKind(mobile_cnn, _mobile_layers), "volume": ModelKind(volume_cnn, _volume_layers, volumes=True),
+          "unet": ModelKind(unet, _unet_layers, segments=True)}
 
 
 def model_kind(name):
@@ -313,15 +371,28 @@ def model_kind(name):
 
 
 def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
-    """The LayerShape of every convolution of model `name` (for the planner), without building it."""
+    """The LayerShape of every convolution of model `name` (for the planner), without building
+    it. ValueError for a model with layers the cost model does not price (volumes, transposed
+    convolutions)."""
+    shapes = _recorded(name, batch, width, depth, in_channels, classes, image)
+    unpriced = sorted({s.op for s in shapes if s.op != "conv2d"})
+    if unpriced:
+        raise ValueError(f"model {name!r} has {' and '.join(unpriced)} layers, which the planner and cost model do "
+                         f"not price yet (they price conv2d): give it a --grid and an --algorithm (sample, x, y, "
+                         f"w) or a plan file, not 'auto'")
+    return shapes
+
+
+def layer_names(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
+    """The names of model `name`'s convolutions (and classifier), in order: what a plan may list."""
+    return [s.name for s in _recorded(name, batch, width, depth, in_channels, classes, image)]
+
+
+def _recorded(name, batch, width, depth, in_channels, classes, image):
     for what, value in (("width", width), ("depth", depth), ("batch", batch), ("image", image)):
         positive_int(value, what)
     kind = model_kind(name)
-    if kind.volumes:
-        raise ValueError(f"model {name!r} convolves volumes, which the planner and cost model do not price yet "
-                         f"(their layers are 2-D): give it a --grid and an --algorithm (sample, x, y, w), not "
-                         f"'auto' or a plan")
-    recorder = _ShapeRecorder(batch)
+    recorder = _ShapeRecorder(batch, kind.volumes)
     kind.layers(recorder, width, *((depth,) if kind.depth else ()), in_channels, classes, image)
     return recorder.shapes
 
@@ -438,7 +509,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
             # 90 against 79 MiB measured on the plan of validate_model's memory check)
             workspace.set_limit(0)
     if plan is not None:
-        check_plan(plan, [s.name for s in layer_shapes(name, batch or 1, **arch)], grid.size)
+        check_plan(plan, layer_names(name, batch or 1, **arch), grid.size)
     return kind.build(grid, plan=plan, planned=the_plan, **config)
 
 

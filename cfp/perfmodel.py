@@ -202,6 +202,9 @@ class LayerShape:
     # may lie on different grids: the shortcut is redistributed to the body's layout).
     reads: str = None
     merges: str = None
+    # the kind of convolution (kernels/conv/ops.py): the cost model prices conv2d only, and
+    # models.layer_shapes refuses a model with others
+    op: str = "conv2d"
 
     @property
     def pad(self):

@@ -17,7 +17,7 @@ from .algorithms import ALGORITHMS
 from .algorithms.base import GRADIENT_SYNC, overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
-from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic
+from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic, synthetic_segmentation
 from .grid import Grids, ProcessGrid, placement_order
 from .io import check_figure_path, check_writable, save_figure, save_json
 from .models import MODELS, build_model, layer_shapes, read_plan
@@ -30,6 +30,7 @@ from .tensor import Layout, check_blocks
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR")
+SEGMENT_CLASSES = 4  # the classes of the synthetic label maps a segmentation model learns
 DTYPES = ("float32", "float64")
 # --overlap: off (every collective blocking: what measured best on cfp's 2-core machine, over
 # shared memory and the emulated cluster alike, docs/design.md section 5), grads (the gradient
@@ -196,7 +197,15 @@ def _check_trained_alike(path, meta, cfg):
 def _dataset(cfg, dtype):
     """(x_train, y_train, x_test, y_test, classes, what was read: a line for the user)."""
     classes = 10
-    if MODELS[cfg.model].volumes:
+    if MODELS[cfg.model].segments:
+        if cfg.dataset != "synthetic":
+            raise ValueError(f"--model {cfg.model} labels every pixel: expected --dataset synthetic (generated "
+                             f"images with label maps), got {cfg.dataset!r}")
+        classes = SEGMENT_CLASSES
+        x, y = synthetic_segmentation(600, 1, 8 * cfg.upsample, classes, seed=cfg.seed, dtype=dtype)
+        x_train, y_train, x_test, y_test = x[:500], y[:500], x[500:], y[500:]
+        split = "the last 100 of 600 generated, labelled per pixel"
+    elif MODELS[cfg.model].volumes:
         if cfg.dataset != "synthetic":
             raise ValueError(f"--model {cfg.model} convolves volumes: expected --dataset synthetic (generated volumes), "
                              f"got {cfg.dataset!r}")
@@ -271,7 +280,7 @@ def check_batch(grid, x_local, y_local):
     the other axes; tensor.check_blocks), before the layers trust it. Returns the global
     number of samples (collective)."""
     shape = check_blocks(x_local, Layout(("sample",) + (None,) * (x_local.ndim - 1)), grid, "the input batch")
-    check_blocks(y_local, Layout(("sample",)), grid, "the labels")
+    check_blocks(y_local, Layout(("sample",) + (None,) * (y_local.ndim - 1)), grid, "the labels")
     return shape[0]
 
 
@@ -357,7 +366,7 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
         total_loss += loss * n_global
         correct += right
     model.train()
-    return total_loss / len(x), correct / len(x)
+    return total_loss / len(x), correct / y.size  # (per pixel for per-pixel labels)
 
 
 def _weights_finite(grid, model):
@@ -463,7 +472,8 @@ class _Session:
         self.bucket_mb, self.chunks, self.halo_interior = cfg.overlap_settings()
         check_chunks(model, self.chunks, cfg.batch_size,
                      None if self.chunks == cfg.chunks else f"--overlap {cfg.overlap}'s {self.chunks} chunks")
-        self.loss_fn = SoftmaxCrossEntropy(self.grid)
+        self.loss_fn = SoftmaxCrossEntropy(self.grid)  # (logits whole but for samples: Network.logits_spec)
+        self.positions = int(np.prod(y_train.shape[1:]))  # labels per sample: 1, or a label map's pixels
         self.optimizer = _optimizer(cfg, model.parameters())
         total_steps = cfg.epochs * len(self.loader)  # the schedule's length, also when stopped early
         self.stop_at = total_steps if cfg.max_steps is None else min(total_steps, cfg.max_steps)
@@ -534,11 +544,12 @@ class _Session:
             self.schedule.step()
             self.step += 1
             self.images += n_global
+            accuracy = correct / (n_global * self.positions)
             self.history.append({"step": self.step, "epoch": epoch, "loss": float(loss),
-                                 "accuracy": correct / n_global, "lr": lr})
+                                 "accuracy": accuracy, "lr": lr})
             if progress is not None:
                 elapsed = time.perf_counter() - start
-                progress.set_postfix(loss=f"{loss:.4f}", acc=f"{correct / n_global:.3f}",
+                progress.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}",
                                      img_s=f"{self.images / elapsed:.0f}", refresh=False)
                 progress.update(1)
             if self.step >= self.stop_at:

@@ -26,8 +26,9 @@ def parse_args(argv):
     defaults = TrainConfig()
     p = cli.ArgumentParser(description=cli.script_description(__doc__))
     p.add_argument("--model", default=defaults.model, metavar=cli.one_of(MODELS), help="resnet (small ResNet), wide (wide plain CNN), mobile (depthwise, dilated and "
-                        "grouped convolutions) or volume (a 3-D CNN on synthetic volumes: --dataset synthetic; "
-                        "its grids may split depth)")
+                        "grouped convolutions), volume (a 3-D CNN on synthetic volumes: --dataset synthetic; "
+                        "its grids may split depth) or unet (per-pixel segmentation of synthetic label maps: "
+                        "--dataset synthetic)")
     p.add_argument("--width", type=int, default=defaults.width,
                    help="resnet: width multiplier (16, 32, 64 channels times W); wide: channels per layer")
     p.add_argument("--depth", type=int, default=defaults.depth,

@@ -475,11 +475,86 @@ def test_volume_model_trains_like_one_rank(grid, algorithm):
     assert_trains_like(result, model, _one_rank_volume["run"], f"volume model on {grid}, {algorithm}", tol=1e-10)
 
 
-def test_volume_model_refuses_the_planner_and_other_datasets():
+def _mixed_plan(path, layers):
+    """A plan file giving each of `layers` (name -> (grid, algorithm)) its own grid, written by
+    rank 0 and read by every rank."""
+    from cfp.io import save_json
+    if WORLD.Get_rank() == 0:
+        save_json(str(path), {"layers": {name: {"grid": g, "algorithm": a} for name, (g, a) in layers.items()}})
+    WORLD.Barrier()
+    return str(path)
+
+
+def _volume_plan(path):
+    """--model volume's layers on three grids: samples, depth, channels."""
+    return _mixed_plan(path, {"stem.conv": (f"sample={SIZE}", "sample"), "down.conv": (f"depth={SIZE}", "y"),
+                              "body.conv": (f"channel={SIZE}", "w"), "fc": (f"sample={SIZE}", "sample")})
+
+
+def test_volume_model_on_a_mixed_plan_trains_like_one_rank(mpi_tmp_path):
+    """--model volume on a plan that puts its layers on a sample, a depth and a channel grid
+    (the containers redistribute between them): 20 float64 steps equal one rank's."""
+    from cfp.train import TrainConfig, train_model
+    from test_train import assert_trains_like, weights
+    plan = _volume_plan(mpi_tmp_path / "volume_plan.json")
+    cfg = dict(model="volume", dataset="synthetic", width=1, epochs=1, batch_size=8, train_samples=160, max_steps=20,
+               lr=0.05, dtype="float64", progress=False, seed=1, upsample=2 if SIZE > 2 else 1)
+    if not _one_rank_volume:  # (the same run as test_volume_model_trains_like_one_rank's)
+        result, model = train_model(TrainConfig(grid="sample=1", algorithm="y", **cfg), world=WORLD.Split(WORLD.Get_rank()))
+        _one_rank_volume["run"] = ([h["loss"] for h in result["history"]], weights(model))
+    result, model = train_model(TrainConfig(plan=plan, algorithm="y", **cfg))
+    assert_trains_like(result, model, _one_rank_volume["run"], "volume model on a mixed plan", tol=1e-10)
+
+
+def unet_runs():
+    """(grid, algorithm, plan name or None): --model unet on grids that split samples, height
+    (and width), channels, and on a mixed plan."""
+    if SIZE == 1:
+        return [("sample=1", "y", None)]
+    out = [(f"sample={SIZE}", "sample", None), (f"height={SIZE}", "y", None), (f"channel={SIZE}", "x", None),
+           (None, "y", "mixed")]
+    if SIZE == 4:
+        out += [("height=2,width=2", "w", None), ("sample=2,height=2", "y", None)]
+    return out
+
+
+_one_rank_unet = {}
+
+
+@pytest.mark.parametrize("grid, algorithm, plan", unet_runs())
+def test_unet_trains_like_one_rank(grid, algorithm, plan, mpi_tmp_path):
+    """--model unet: 20 float64 steps of the encoder-decoder (Conv2d, BatchNorm2d, MaxPool2d,
+    ConvTranspose2d, Upsample, a 1x1 convolution to per-pixel logits, the per-pixel loss) on
+    synthetic label maps, on grids that split samples, height and width, channels, and on a
+    plan mixing them, equal one rank's losses and final weights."""
+    from cfp.train import TrainConfig, train_model
+    from test_train import assert_trains_like, weights
+    # (16 x 16 pixels where 3 or 4 ranks split height: the pooled body keeps a row a rank)
+    cfg = dict(model="unet", dataset="synthetic", width=1, epochs=1, batch_size=8, train_samples=160, max_steps=20,
+               lr=0.05, dtype="float64", progress=False, seed=1, upsample=2 if SIZE > 2 else 1)
+    if not _one_rank_unet:
+        result, model = train_model(TrainConfig(grid="sample=1", algorithm="y", **cfg),
+                                    world=WORLD.Split(WORLD.Get_rank()))
+        _one_rank_unet["run"] = ([h["loss"] for h in result["history"]], weights(model))
+    if plan == "mixed":
+        cfg["plan"] = _mixed_plan(mpi_tmp_path / "unet_plan.json", {
+            "stem.conv": (f"sample={SIZE}", "sample"), "down.conv": (f"height={SIZE}", "y"),
+            "body.conv": (f"channel={SIZE}", "w"), "up.conv": (f"width={SIZE}", "x"), "head": (f"sample={SIZE}", "y")})
+    else:
+        cfg["grid"] = grid
+    result, model = train_model(TrainConfig(algorithm=algorithm, **cfg))
+    assert_all_ranks(len(result["history"]) == 20, "20 steps")
+    assert_trains_like(result, model, _one_rank_unet["run"], f"unet on {grid or plan}, {algorithm}", tol=1e-10)
+
+
+def test_volume_and_unet_models_refuse_the_planner_and_other_datasets():
     from cfp.train import TrainConfig, train
-    for options, message in ((dict(algorithm="auto"), r"model 'volume' convolves volumes, which the planner"),
-                             (dict(dataset="digits"), r"--model volume convolves volumes: expected --dataset synthetic")):
-        base = dict(model="volume", dataset="synthetic", epochs=1, batch_size=8, train_samples=16, progress=False)
+    for model, options, message in (
+            ("volume", dict(algorithm="auto"), r"model 'volume' has conv3d layers, which the planner and cost model"),
+            ("volume", dict(dataset="digits"), r"--model volume convolves volumes: expected --dataset synthetic"),
+            ("unet", dict(algorithm="auto"), r"model 'unet' has conv_transpose2d layers, which the planner"),
+            ("unet", dict(dataset="digits"), r"--model unet labels every pixel: expected --dataset synthetic")):
+        base = dict(model=model, dataset="synthetic", epochs=1, batch_size=8, train_samples=16, progress=False)
         raises_on_all_ranks(ValueError, lambda: train(TrainConfig(**{**base, **options})), match=message)
 
 

@@ -202,6 +202,8 @@ class Network(Sequential):
         if self.modules and isinstance(self.modules[-1], Redistribute) and self.modules[-1].name == "loss":
             self.modules.pop()
         out = super().place(spec)
+        # (n, K) logits, or a segmentation model's per position (n, K, *S): whole but for samples
+        self.logits_spec = (self.grid, Layout(("sample",) + (None,) * (out[1].ndim - 1)))
         if not same_place(out, self.logits_spec):
             self.modules.append(Redistribute(out, self.logits_spec, name="loss"))
         return self.logits_spec
