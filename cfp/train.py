@@ -275,13 +275,15 @@ def describe_devices(where):
     return "; ".join(parts) + ("; ranks share a GPU" if shared else "") + (f"; messages {messages}" if messages else "")
 
 
-def check_batch(grid, x_local, y_local):
-    """That the ranks' blocks of a batch form one global batch (split by sample, whole over
-    the other axes; tensor.check_blocks), before the layers trust it. Returns the global
-    number of samples (collective)."""
-    shape = check_blocks(x_local, Layout(("sample",) + (None,) * (x_local.ndim - 1)), grid, "the input batch")
+def check_batch(spec, x_local, y_local):
+    """That the ranks' blocks of a batch form one global batch in the model's input spec
+    ((grid, layout): split by sample and whole over the other axes, or the first layer's own
+    layout after Network.shard_input; tensor.check_blocks), its labels split by sample, before
+    the layers trust them. Returns the batch's global shape (collective)."""
+    grid, layout = spec
+    shape = check_blocks(x_local, layout, grid, "the input batch")
     check_blocks(y_local, Layout(("sample",) + (None,) * (y_local.ndim - 1)), grid, "the labels")
-    return shape[0]
+    return shape
 
 
 def pipelined_layers(model):
@@ -321,7 +323,7 @@ def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=
     first), and are left at one chunk (evaluation's batches may be smaller). halo_interior:
     the convolutions on a split image that convolve their own block compute its interior while
     the halo moves (halo_interior_layers), for this step."""
-    n = check_batch(model.grid, x_local, y_local)
+    shape = check_batch(model.input_spec, x_local, y_local)
     layers = pipelined_layers(model) if chunks > 1 else []
     interiors = halo_interior_layers(model) if halo_interior else []
     for layer in layers:
@@ -329,7 +331,7 @@ def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=
     for layer in interiors:
         layer.conv.halo_interior = True
     try:
-        return _step(model, loss_fn, optimizer, x_local, y_local, n, bucket_mb)
+        return _step(model, loss_fn, optimizer, x_local, y_local, shape, bucket_mb)
     finally:
         for layer in layers:
             layer.conv.chunks = 1
@@ -337,9 +339,9 @@ def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=
             layer.conv.halo_interior = False
 
 
-def _step(model, loss_fn, optimizer, x_local, y_local, n, bucket_mb):
+def _step(model, loss_fn, optimizer, x_local, y_local, shape, bucket_mb):
     with comm.inputs_checked():
-        loss, correct = loss_fn.forward(model.forward(x_local, n), y_local)
+        loss, correct = loss_fn.forward(model.forward(x_local, shape=shape), y_local)
         if bucket_mb:
             with overlapped_gradient_sync(bucket_mb * 2 ** 20):
                 model.backward(loss_fn.backward())
@@ -360,9 +362,9 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
         n_global = min(batch_size, len(x) - start)
         (rows, *_) = layout.indices((n_global,) + (1,) * (layout.ndim - 1), grid, grid.coords)
         x_local, y_local = (backend.from_host(a[start + rows.start:start + rows.stop], xp) for a in (x, y))
-        check_batch(grid, x_local, y_local)
+        shape = check_batch(model.input_spec, x_local, y_local)
         with comm.inputs_checked():
-            loss, right = loss_fn.forward(model.forward(x_local, n_global), y_local)
+            loss, right = loss_fn.forward(model.forward(x_local, shape=shape), y_local)
         total_loss += loss * n_global
         correct += right
     model.train()

@@ -46,6 +46,10 @@ def parse_args(argv):
                    "splitting the image the halo also brings the rows the padded border copies)")
     p.add_argument("--first", action="store_true",
                    help="a network's first layer: its input whole on every channel rank, no dx")
+    p.add_argument("--planes", type=int, help="D: a volume of D x image x image (Conv3d, a K^3 kernel; grids may "
+                   "split depth)")
+    p.add_argument("--transposed", action="store_true", help="a transposed convolution (ConvTranspose2d/3d)")
+    p.add_argument("--output-padding", type=int, default=0, help="--transposed: positions added at the end")
     p.add_argument("--grid", help="process grid, e.g. sample=2,channel=2 (default: sample=1)")
     p.add_argument("--node-axes", help="the grid axes kept inside a node, e.g. sample (default: channel fastest; "
                    "grid.ProcessGrid's placement)")
@@ -71,8 +75,13 @@ def parse_args(argv):
                    help="--trace: run the layer on NumPy (cpu) or on each rank's GPU (CuPy)")
     args = p.parse_args(argv)
     int_options(args, positive=("batch", "channels", "filters", "image", "kernel", "stride", "dilation", "groups",
-                                "filter_groups", "width", "depth", "in_channels", "ranks_per_node", "chunks"),
-                nonnegative=("padding", "seed"))
+                                "filter_groups", "width", "depth", "in_channels", "ranks_per_node", "chunks", "planes"),
+                nonnegative=("padding", "seed", "output_padding"))
+    if args.output_padding and not args.transposed:
+        raise ValueError(f"--output-padding {args.output_padding} applies to --transposed only")
+    if (args.planes is not None or args.transposed) and (args.trace or args.plot or args.model is not None):
+        raise ValueError("--planes and --transposed explain one layer's text; --trace, --plot and --model are "
+                         "built for 2-D convolutions")
     if args.dtype not in ("float32", "float64"):
         raise ValueError(f"--dtype {args.dtype!r}: expected float32 or float64")
     if args.model is not None:
@@ -124,6 +133,11 @@ def main(argv=None):
                  padding=args.kernel // 2 * args.dilation if args.padding is None else args.padding,
                  dilation=args.dilation, groups=args.groups, input_whole=args.first, need_dx=not args.first,
                  padding_mode=args.padding_mode, node_axes=args.node_axes)
+    if args.planes is not None or args.transposed:  # a volume's or a transposed convolution's layer
+        kind = "conv_transpose" if args.transposed else "conv"
+        layer.update(op=f"{kind}{3 if args.planes is not None else 2}d", output_padding=args.output_padding)
+        if args.planes is not None:
+            layer["x_shape"] = (args.batch, args.channels, args.planes, args.image, args.image)
     if args.trace:
         xp, _ = backend.use_device(args.device, world)
         trace = trace_layer(world, seed=args.seed, xp=xp, **layer)

@@ -79,6 +79,33 @@ def test_tables_worked_out_by_hand():
     assert "padding mode circular" in e.text() and "x[0:4, 0:8, 0:5+7:8, 0:8]" in e.text()
 
 
+def test_a_depth_split_and_a_transposed_halo_worked_out_by_hand():
+    """A Conv3d on depth=2 (6 planes, 3x3x3 kernel, padding 1): each rank's halo is the plane
+    beside its block (2 samples x 4 channels x 5 x 5, each way); a ConvTranspose2d of stride 2,
+    output_padding 1 on height=2 (5 input rows, 10 output rows of 5 each): the top block's rows
+    0..4 are reached by input rows 0..2 (it holds them), the bottom's rows 5..9 by rows 2..4
+    (row 2 comes from the top); bytes as predict_bytes."""
+    e = explain_layer((2, 4, 6, 5, 5), 4, 3, "sample", "depth=2", padding=1, op="conv3d")
+    text = e.text()
+    assert "x[samples, channels, planes, rows, columns]" in text and "kernel 3x3x3" in text
+    halo = [s for s in e.steps if s.phase == "halo"]
+    assert [(s.sent[0], s.received[0]) for s in halo] == [(2 * 4 * 25 * 8, 2 * 4 * 25 * 8)] * 2
+    assert e.steps[0].result[1][2] == (range(0, 2), range(0, 4), range(2, 6), range(0, 5), range(0, 5))
+    e = explain_layer((1, 2, 5, 5), 2, 3, "y", "height=2", stride=2, padding=1, output_padding=1,
+                      op="conv_transpose2d")
+    assert e.shapes["y"] == (1, 2, 10, 10) and "output_padding 1" in e.text()
+    assert e.steps[0].result[0][2] == (range(0, 1), range(0, 2), range(0, 3), range(0, 5))
+    assert e.steps[0].result[1][2] == (range(0, 1), range(0, 2), range(2, 5), range(0, 5))
+    assert (e.steps[0].sent[0], e.steps[0].received[1]) == (2 * 5 * 8, 2 * 5 * 8)
+    for r in range(e.ranks):
+        assert e.bytes(r) == predict_bytes("y", (1, 2, 5, 5), e.shapes["w"], "height=2", e.coords[r], stride=2,
+                                           padding=1, op="conv_transpose2d", output_padding=1)
+    with pytest.raises(ValueError, match=r"conv2d on a grid splitting depth \(depth=2\): depth splits volumes"):
+        explain_layer((1, 2, 5, 5), 2, 3, "y", "depth=2")
+    with pytest.raises(ValueError, match=r"conv3d takes x of 5 dimensions"):
+        explain_layer((1, 2, 5, 5), 2, 3, "y", "sample=1", op="conv3d")
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_bytes_are_predict_bytes(ranks):
     for algorithm, g, p_f, groups in cases(ranks):
@@ -230,6 +257,15 @@ def _script(*args, ranks=None, timeout=60):
                           timeout=timeout + 30, cwd=ROOT)
 
 
+def test_the_script_explains_a_volume_on_a_depth_split_and_a_transposed_layer():
+    proc = _script("--planes", "6", "--image", "4", "--grid", "depth=2", "--algorithm", "sample")
+    assert proc.returncode == 0, proc.stderr
+    assert "x (4, 8, 6, 4, 4)" in proc.stdout and "x with its halo: x[0:4, 0:8, 2:6, 0:4, 0:4]" in proc.stdout
+    proc = _script("--transposed", "--stride", "2", "--output-padding", "1", "--image", "5", "--grid", "height=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "-> y (4, 8, 10, 10)" in proc.stdout and "x with its halo: x[0:4, 0:8, 2:5, 0:5]" in proc.stdout
+
+
 def test_the_pipelined_schedule_follows_the_algorithms_messages():
     """--chunks k: each pass's allgathers before a chunk computes, its reduce-scatters after,
     as the layer's steps say; a layer without collectives of its own computes whole; a rank
@@ -264,6 +300,9 @@ def test_the_pipelined_schedule_follows_the_algorithms_messages():
     (["--chunks", "0"], "--chunks must be a positive integer, got 0"),
     (["--chunks", "2", "--model", "resnet"], "--chunks 2 shows one layer's pipelined schedule"),
     (["--device", "gpu"], "--device gpu applies to --trace only"),
+    (["--output-padding", "1"], "--output-padding 1 applies to --transposed only"),
+    (["--planes", "4", "--trace"], "--planes and --transposed explain one layer's text"),
+    (["--planes", "0"], "--planes must be a positive integer, got 0"),
 ])
 def test_bad_input_is_one_message(args, message):
     proc = _script(*args)

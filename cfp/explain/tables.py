@@ -16,10 +16,10 @@ import math
 
 from ..algorithms import algorithm_class
 from ..algorithms.base import HALO, HALO_ADJOINT, run_order
-from ..checks import int_pair, positive_int
+from ..checks import int_tuple, positive_int
 from ..grid import AXES, ProcessGrid, check_node_fit, coords_of, placed_axes, placement_order, process_ranks, rank_of
 from ..halo import check_image_fits, halo_plan, window_options
-from ..kernels import conv2d_output_shape, conv_options
+from ..kernels.conv import conv_op
 from ..layout import Layout, Shard
 from ..partition import block_sizes, gather_group, scatter_group
 from ..perfmodel import PHASES, message_bytes
@@ -29,6 +29,7 @@ from ..report import format_bytes, format_table
 # what each dimension of a tensor is called in the tables
 DIMS = {"x": "samples, channels, rows, columns", "w": "filters, channels", "b": "filters",
         "y": "samples, filters, rows, columns"}
+VOLUME_DIMS = {**DIMS, "x": "samples, channels, planes, rows, columns", "y": "samples, filters, planes, rows, columns"}
 
 
 @dataclasses.dataclass
@@ -140,12 +141,14 @@ class LayerExplanation:
     def option_text(self):
         o = self.options
         text = f"stride {pair(o['stride'])}, padding {pair(o['padding'])}"
-        if o["dilation"] != (1, 1):
+        if set(o["dilation"]) != {1}:
             text += f", dilation {pair(o['dilation'])}"
         if o["groups"] > 1:
             text += f", groups {o['groups']}"
-        if o["padding_mode"] != "zeros":
+        if o.get("padding_mode", "zeros") != "zeros":
             text += f", padding mode {o['padding_mode']}"
+        if any(o.get("output_padding", ())):
+            text += f", output_padding {pair(o['output_padding'])}"
         if self.input_whole:
             text += ", input whole (a first layer)"
         if not self.need_dx:
@@ -225,7 +228,8 @@ class LayerExplanation:
             self.header(), "",
             "Who holds what: global index ranges start:stop (a+b: a union of blocks),"
             + (" by grid rank (the process of the job holding it: the placement)," if self.node_axes else ""),
-            f"  x[{DIMS['x']}], w[{DIMS['w']}], y[{DIMS['y']}]; dx, dw, dy as x, w, y",
+            "  x[{x}], w[{w}], y[{y}]; dx, dw, dy as x, w, y".format(**(VOLUME_DIMS if len(self.shapes["x"]) == 5
+                                                                        else DIMS)),
             self.holds_table(), "",
             "The steps of one forward and backward pass, in the order the layer runs them",
             self.steps_text(), "",
@@ -272,7 +276,8 @@ def indices_text(name, ix):
 
 def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
                   padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, itemsize=8,
-                  padding_mode="zeros", node_axes=None, ranks_per_node=None, chunks=1):
+                  padding_mode="zeros", node_axes=None, ranks_per_node=None, chunks=1, op="conv2d",
+                  output_padding=0):
     """A LayerExplanation of the convolution of a global x of x_shape (N, C, H, W) into
     out_channels filters under `algorithm` ('sample', 'x', 'y', 'w') on `grid` (a spec such as
     'sample=2,channel=2' or {axis: size}), with nn.Conv2d's options, for every rank. (The
@@ -280,33 +285,46 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
     brings the rows the padded border copies.) `node_axes`: the grid's placement
     (grid.ProcessGrid), which process holds each grid rank; `ranks_per_node`: the job's nodes
     (neighbouring processes, as many each), to show which ranks share one. `chunks` > 1: the
-    text also shows the pipelined schedule of that many chunks (ConvAlgorithm.pipelined)."""
+    text also shows the pipelined schedule of that many chunks (ConvAlgorithm.pipelined).
+    op: the kind of convolution (kernels/conv/ops.py): 'conv3d' and 'conv_transpose3d' take a
+    volume's x_shape (N, C, D, H, W) and may split depth; a transposed one takes
+    output_padding, and its halo brings the input rows that reach each rank's output block."""
     sizes = ProcessGrid.shape_of(grid)
     processes, node_axes = _placement(sizes, node_axes, ranks_per_node)
     x_shape = tuple(int(n) for n in x_shape)
-    kernel = int_pair(kernel_size, "kernel_size", 1, "a positive integer")
-    options = conv_options(stride, padding, dilation, groups, padding_mode)
+    op = conv_op(op)
+    if len(x_shape) != 2 + op.axes:
+        raise ValueError(f"{op.name} takes x of {2 + op.axes} dimensions (N, C, {'D, ' * (op.axes == 3)}H, W), "
+                         f"got {x_shape}")
+    if op.axes == 2 and sizes["depth"] > 1:
+        raise ValueError(f"{op.name} on a grid splitting depth ({ProcessGrid.describe_shape(sizes)}): depth splits "
+                         f"volumes; expected a grid without a depth axis for an image's layer")
+    kernel = int_tuple(kernel_size, op.axes, "kernel_size", 1, "a positive integer")
+    options = op.options(stride, padding, dilation, groups, padding_mode,
+                         **({"output_padding": output_padding} if op.transposed else {}))
+    if not op.transposed and output_padding:
+        raise ValueError(f"output_padding={output_padding!r} applies to transposed convolutions only")
     cls = algorithm_class(algorithm, options["groups"])
     C, F = x_shape[1], int(out_channels)
     p_f = cls.filter_groups(sizes["channel"], filter_groups)
     w_shape = (F, C // options["groups"]) + kernel
     spatial_options = window_options(options)
-    y_shape = conv2d_output_shape(x_shape, w_shape, **options)
-    image = {"height": sizes["height"], "width": sizes["width"]}
-    layouts = cls.layouts(image, p_f, input_whole, options["groups"])
+    y_shape = op.output_shape(x_shape, w_shape, **options)
+    image = {a: sizes[a] for a in ("depth", "height", "width")}
+    layouts = cls.layouts(image, p_f, input_whole, options["groups"], op.axes)
     ranks = math.prod(sizes.values())
     coords = [coords_of(r, sizes) for r in range(ranks)]
     holds = []
     for c in coords:
         holds.append({"x": layouts["x"].indices(x_shape, sizes, c), "w": layouts["w"].indices(w_shape, sizes, c),
                       "b": layouts["b"].indices((F,), sizes, c), "y": layouts["y"].indices(y_shape, sizes, c)})
-    spatial = image["height"] * image["width"] > 1
+    spatial = math.prod(image.values()) > 1
     halo = halo_plan(x_shape, layouts["x"], tuple(sizes.items()), kernel,
                      tuple(sorted(spatial_options.items()))) if spatial else None
     if spatial:
         check_image_fits(halo, x_shape, ProcessGrid.describe_shape(sizes), "layer")
     moved = [message_bytes(algorithm, x_shape, w_shape, sizes, c, filter_groups=filter_groups, bias=bias,
-                           input_whole=input_whole, need_dx=need_dx, itemsize=itemsize, **options)
+                           input_whole=input_whole, need_dx=need_dx, itemsize=itemsize, op=op.name, **options)
              for c in coords]
     order = [m for m, _, _ in moved[0]]
     assert all([m for m, _, _ in mine] == order for mine in moved), "ranks run different collectives"

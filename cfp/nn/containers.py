@@ -179,7 +179,8 @@ class Network(Sequential):
     and whole over every other axis (`input_spec`), which is also where the logits end, whole over the
     channel axis, for the loss and the labels (`output_spec`): place() adds the Redistribute
     steps between, a last one named 'loss' included. forward(x, n) takes this rank's block of
-    a global batch of n samples and returns its block of the logits; backward(dlogits) the
+    a global batch of n samples (or, shape=, of a batch of that global shape: what a sharded
+    input needs, shard_input) and returns its block of the logits; backward(dlogits) the
     gradient of the input (None: the first layer computes none).
 
     Attributes: `grids` (grid.Grids: the grids the layers run on, freed by free()), `layers`
@@ -191,12 +192,22 @@ class Network(Sequential):
         super().__init__(*modules)
         self.grids, self.layers, self.plan = grids, dict(layers), plan
         first = next(m for m in walk(self) if m is not self and getattr(m, "input_spec", None) is not None)
+        self._first = first
         self.grid = first.input_spec[0]
         # NCHW images, or volumes (NCDHW) where the first layer that places its input takes them
         ndim = 5 if first.input_spec[1].ndim == 5 else 4
         self.input_spec = (self.grid, Layout(("sample",) + (None,) * (ndim - 1)))
         self.logits_spec = (self.grid, Layout(("sample", None)))
         self.place(self.input_spec)
+
+    def shard_input(self):
+        """Take the input in the first layer's own layout from now on (its input_spec: split by
+        sample and by the depth, height and width the grid splits, whole over channels for the
+        first layer), so that no rank ever holds a whole sample: what a ShardedLoader with that
+        layout reads (data.ShardedLoader(layout=)). Returns the layout."""
+        self.input_spec = self._first.input_spec
+        self.place(self.input_spec)
+        return self.input_spec[1]
 
     def place(self, spec):
         if self.modules and isinstance(self.modules[-1], Redistribute) and self.modules[-1].name == "loss":
@@ -208,10 +219,10 @@ class Network(Sequential):
             self.modules.append(Redistribute(out, self.logits_spec, name="loss"))
         return self.logits_spec
 
-    def forward(self, x, n=None):
-        n = len(x) if n is None else int(n)
-        shape = (n,) + tuple(x.shape[1:])
-        y = super().forward(DistTensor(x, shape, self.input_spec[1], self.grid))
+    def forward(self, x, n=None, shape=None):
+        if shape is None:  # (whole but for the samples: after shard_input, the caller says the shape)
+            shape = (len(x) if n is None else int(n),) + tuple(x.shape[1:])
+        y = super().forward(DistTensor(x, tuple(shape), self.input_spec[1], self.grid))
         self._logits_shape = y.global_shape
         return y.local
 
