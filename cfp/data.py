@@ -430,25 +430,12 @@ class ShardedLoader:
         # Only this rank's block is copied out, never the whole batch.
         block = self.block(n_global)
         rows = batch[block]
-        x_local = _take_rows(self.x, rows) if self.layout is None else self._read_blocks(rows, n_global)
+        x_local = _take_rows(self.x, rows) if self.layout is None else read_blocks(self.x, rows, n_global, self.layout,
+                                                                                  self.grid)
         if self.augment:  # drawn for the whole batch, applied to this rank's block of it
             offsets, flips = self.augmentation(epoch, b, n_global)
             x_local = augment_batch(x_local, offsets[block], flips[block])
         return x_local, _take_rows(self.y, rows), n_global
-
-    def _read_blocks(self, rows, n_global):
-        """(len(rows), ...) this rank's block of each sample of `rows` (layout's index sets
-        past the sample dimension), each read from x by slices (a memory map reads only
-        those pages) into one fresh array."""
-        ix = self.layout.indices((n_global,) + tuple(self.x.shape[1:]), self.grid, self.grid.coords)[1:]
-        at = tuple(slice(i.start, i.stop) if isinstance(i, range) and i.step == 1 else np.asarray(i) for i in ix)
-        blocks = np.empty((len(rows),) + tuple(len(i) for i in ix), self.x.dtype)
-        for k, r in enumerate(rows):
-            sample = self.x[int(r)]
-            for axis, a in enumerate(at):  # basic slices keep a view; an index set gathers
-                sample = sample[(slice(None),) * axis + (a,)]
-            blocks[k] = sample
-        return blocks
 
     def block(self, n_global):
         """This rank's rows of a batch of n_global samples: the sample layout's block."""
@@ -456,6 +443,55 @@ class ShardedLoader:
             return slice(0, n_global)
         (rows,) = SAMPLES.indices((n_global,), self.grid, self.grid.coords)
         return slice(rows.start, rows.stop)
+
+
+def load_npy_dir(path, dtype=np.float64):
+    """A dataset of samples too large to read whole, from the directory `path`: x_train.npy and
+    x_test.npy memory-mapped read-only ((N, C, H, W) images or (N, C, D, H, W) volumes of
+    `dtype`, used as they are: nothing is read until a loader slices them), y_train.npy and
+    y_test.npy read (integer labels 0..K-1, one a sample, (N,), or one a pixel or voxel, (N,
+    *S), for segmentation). Returns (x_train, y_train, x_test, y_test, classes); ValueError
+    naming the file and the array for any problem."""
+    if not os.path.isdir(path):
+        raise ValueError(f"dataset npy:{path}: {path!r} is not a directory (of x_train.npy, y_train.npy, x_test.npy, "
+                         f"y_test.npy)")
+    arrays = {}
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        where = f"dataset npy:{path} array {name}"
+        array = load_array(os.path.join(path, f"{name}.npy"), where, mmap_mode="r" if name[0] == "x" else None)
+        if name[0] == "x" and (array.ndim not in (4, 5) or array.dtype != np.dtype(dtype)):
+            raise ValueError(f"{where} has shape {array.shape} and dtype {array.dtype}; expected (N, C, H, W) or "
+                             f"(N, C, D, H, W) of {np.dtype(dtype)} (the run's --dtype: it is read as it is)")
+        if name[0] == "y" and (array.dtype.kind not in "iu" or array.size and array.min() < 0):
+            raise ValueError(f"{where} holds {array.dtype} values from {array.min() if array.size else '-'}; "
+                             f"expected integer labels 0..K-1")
+        arrays[name] = array
+    for part in ("train", "test"):
+        x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
+        if len(y) != len(x) or y.shape[1:] not in ((), x.shape[2:]):
+            raise ValueError(f"dataset npy:{path}: y_{part} has shape {y.shape} for x_{part} of {x.shape}; expected "
+                             f"({len(x)},) or ({len(x)}, {', '.join(map(str, x.shape[2:]))})")
+    if arrays["x_test"].shape[1:] != arrays["x_train"].shape[1:] or \
+            arrays["y_test"].shape[1:] != arrays["y_train"].shape[1:]:
+        raise ValueError(f"dataset npy:{path}: the test samples {arrays['x_test'].shape[1:]} differ from the "
+                         f"training samples {arrays['x_train'].shape[1:]}")
+    classes = int(max(arrays["y_train"].max(initial=0), arrays["y_test"].max(initial=0))) + 1
+    return arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], classes
+
+
+def read_blocks(x, rows, n_global, layout, grid):
+    """(len(rows), ...) this rank's block, under `layout` on `grid`, of each sample of x in
+    `rows` (the layout's index sets past the sample dimension, for a batch of n_global
+    samples), each read by slices (a memory map reads only those pages) into one fresh array."""
+    ix = layout.indices((n_global,) + tuple(x.shape[1:]), grid, grid.coords)[1:]
+    at = tuple(slice(i.start, i.stop) if isinstance(i, range) and i.step == 1 else np.asarray(i) for i in ix)
+    blocks = np.empty((len(rows),) + tuple(len(i) for i in ix), x.dtype)
+    for k, r in enumerate(rows):
+        sample = x[int(r)]
+        for axis, a in enumerate(at):  # basic slices keep a view; an index set gathers
+            sample = sample[(slice(None),) * axis + (a,)]
+        blocks[k] = sample
+    return blocks
 
 
 def open_npy(path, what="input"):

@@ -17,7 +17,8 @@ from .algorithms import ALGORITHMS
 from .algorithms.base import GRADIENT_SYNC, overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
-from .data import ShardedLoader, load_cifar10, load_digits, load_npz, synthetic, synthetic_segmentation
+from .data import (ShardedLoader, load_cifar10, load_digits, load_npy_dir, load_npz, read_blocks, synthetic,
+                   synthetic_segmentation)
 from .grid import Grids, ProcessGrid, placement_order
 from .io import check_figure_path, check_writable, save_figure, save_json
 from .models import MODELS, build_model, layer_shapes, read_plan
@@ -29,7 +30,7 @@ from .tensor import Layout, check_blocks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
-DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR")
+DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR", "npy:DIR")
 SEGMENT_CLASSES = 4  # the classes of the synthetic label maps a segmentation model learns
 DTYPES = ("float32", "float64")
 # --overlap: off (every collective blocking: what measured best on cfp's 2-core machine, over
@@ -70,6 +71,7 @@ class TrainConfig:
     dtype: str = "float32"
     seed: int = 0
     dataset: str = "digits"
+    shard_input: bool = False  # each rank reads only its first layer's block of each sample (Network.shard_input)
     upsample: int = 1
     augment: bool = False  # random crop (padding 4) and horizontal flip of the training batches
     train_samples: int = None  # use only the first n training samples (quick runs, tests)
@@ -107,7 +109,7 @@ class TrainConfig:
                                ("dataset", DATASETS), ("dtype", DTYPES), ("comm_table", COMM_TABLES),
                                ("device", backend.DEVICES)):
             value = getattr(self, field)
-            if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10") \
+            if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10", "npy") \
                     and len(value.split(":", 1)) == 2 and value.split(":", 1)[1]:
                 continue
             if value not in allowed:
@@ -151,6 +153,9 @@ class TrainConfig:
         if self.upsample != 1 and self.dataset not in ("digits", "synthetic"):
             raise ValueError(f"--upsample applies to --dataset digits and synthetic only; with --dataset "
                              f"{self.dataset} it would be ignored")
+        if self.shard_input and self.augment:
+            raise ValueError("--augment crops and flips whole images; --shard-input reads each rank's block of "
+                             "them: give one or the other")
         if self.augment and self.eval_only:
             raise ValueError("--augment changes the training batches only; with --eval-only, which does not "
                              "train, it would be ignored")
@@ -197,7 +202,16 @@ def _check_trained_alike(path, meta, cfg):
 def _dataset(cfg, dtype):
     """(x_train, y_train, x_test, y_test, classes, what was read: a line for the user)."""
     classes = 10
-    if MODELS[cfg.model].segments:
+    if cfg.dataset.startswith("npy:"):
+        x_train, y_train, x_test, y_test, classes = load_npy_dir(cfg.dataset[4:], dtype)
+        split = "x_test.npy and y_test.npy (the samples memory-mapped)"
+        kind = MODELS[cfg.model]
+        if x_train.ndim != (5 if kind.volumes else 4) or (y_train.ndim > 1) != kind.segments:
+            raise ValueError(f"--dataset {cfg.dataset}: samples {x_train.shape[1:]} with labels "
+                             f"{y_train.shape[1:] or 'one a sample'} do not fit --model {cfg.model}, which takes "
+                             f"{'volumes (C, D, H, W)' if kind.volumes else 'images (C, H, W)'} labelled "
+                             f"{'per pixel' if kind.segments else 'one a sample'}")
+    elif MODELS[cfg.model].segments:
         if cfg.dataset != "synthetic":
             raise ValueError(f"--model {cfg.model} labels every pixel: expected --dataset synthetic (generated "
                              f"images with label maps), got {cfg.dataset!r}")
@@ -361,7 +375,11 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
     for start in range(0, len(x), batch_size):
         n_global = min(batch_size, len(x) - start)
         (rows, *_) = layout.indices((n_global,) + (1,) * (layout.ndim - 1), grid, grid.coords)
-        x_local, y_local = (backend.from_host(a[start + rows.start:start + rows.stop], xp) for a in (x, y))
+        mine = range(start + rows.start, start + rows.stop)
+        # (after Network.shard_input, each rank's block of its samples: no rank reads a whole one)
+        x_local = x[start + rows.start:start + rows.stop] if layout == _whole(layout.ndim) else \
+            read_blocks(x, mine, n_global, layout, grid)
+        x_local, y_local = (backend.from_host(a, xp) for a in (x_local, y[start + rows.start:start + rows.stop]))
         shape = check_batch(model.input_spec, x_local, y_local)
         with comm.inputs_checked():
             loss, right = loss_fn.forward(model.forward(x_local, shape=shape), y_local)
@@ -369,6 +387,11 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
         correct += right
     model.train()
     return total_loss / len(x), correct / y.size  # (per pixel for per-pixel labels)
+
+
+def _whole(ndim):
+    """The layout of a batch split by sample only."""
+    return Layout(("sample",) + (None,) * (ndim - 1))
 
 
 def _weights_finite(grid, model):
@@ -467,8 +490,9 @@ class _Session:
         x_train, y_train, self.x_test, self.y_test = data
         self.grid = model.grid  # where the data enters and the loss is computed
         self.rank0 = self.grid.rank == 0
+        layout = model.shard_input() if cfg.shard_input else None
         self.loader = ShardedLoader(x_train, y_train, cfg.batch_size, self.grid, shuffle=True, seed=cfg.seed,
-                                    drop_last=True, augment=cfg.augment)
+                                    drop_last=True, augment=cfg.augment, layout=layout)
         if len(self.loader) == 0:
             raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
         self.bucket_mb, self.chunks, self.halo_interior = cfg.overlap_settings()

@@ -474,6 +474,40 @@ def test_a_run_on_sharded_input_holds_less_than_a_sample(mpi_tmp_path):
                          f"is {x[0].nbytes}")
 
 
+def test_training_on_memory_mapped_volumes_with_sharded_input(mpi_tmp_path):
+    """train.py's --dataset npy:DIR (memory-mapped samples) with --shard-input on a depth split
+    (depth x height at 4 ranks): 18 float64 steps and the test accuracy (evaluated on blocks
+    too) equal one rank's reading whole samples; the bad datasets and options, one message each."""
+    from cfp.train import TrainConfig, train_model
+    from test_train import assert_trains_like, weights
+    side = 16 if SIZE > 2 else 8
+    rng = np.random.default_rng(13)
+    data_dir = mpi_tmp_path / "volumes"
+    if WORLD.Get_rank() == 0:
+        data_dir.mkdir()
+        for name, n in (("train", 24), ("test", 8)):
+            np.save(data_dir / f"x_{name}.npy", rng.standard_normal((n, 1, side, side, side)))
+            np.save(data_dir / f"y_{name}.npy", rng.integers(0, 3, n))
+    WORLD.Barrier()
+    cfg = dict(model="volume", dataset=f"npy:{data_dir}", width=1, epochs=3, batch_size=4, lr=0.05,
+               dtype="float64", progress=False, seed=2)
+    result, model = train_model(TrainConfig(grid="sample=1", **cfg), world=WORLD.Split(WORLD.Get_rank()))
+    one_rank = ([h["loss"] for h in result["history"]], weights(model))
+    accuracy = result["test_accuracy"]
+    spec = "depth=2,height=2" if SIZE == 4 else f"depth={SIZE}"
+    result, model = train_model(TrainConfig(grid=spec, shard_input=True, **cfg))
+    assert_all_ranks(len(result["history"]) == 18, "18 steps")
+    assert_trains_like(result, model, one_rank, f"sharded input on {spec}", tol=1e-10)
+    assert_all_ranks(result["test_accuracy"] == accuracy, f"test accuracy {result['test_accuracy']} != {accuracy}")
+    for options, message in ((dict(augment=True), r"--augment crops and flips whole images; --shard-input reads"),
+                             (dict(dtype="float32"), r"array x_train has shape .* and dtype float64; expected .* of "
+                                                     r"float32"),
+                             (dict(model="resnet"), r"do not fit --model resnet, which takes images"),
+                             (dict(dataset=f"npy:{mpi_tmp_path / 'nowhere'}"), r"is not a directory")):
+        raises_on_all_ranks(ValueError, lambda: train_model(TrainConfig(**{**cfg, "grid": spec, "shard_input": True,
+                                                                              **options})), match=message)
+
+
 @pytest.mark.parametrize("spec", sorted({c[0] for c in depth_configs()} | {f"sample={SIZE}", f"height={SIZE}"}))
 def test_per_voxel_cross_entropy_on_any_split(grids, spec):
     """Segmentation's loss, per voxel (and per pixel): logits split by sample, depth, height
