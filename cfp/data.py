@@ -445,20 +445,27 @@ class ShardedLoader:
         return slice(rows.start, rows.stop)
 
 
-def load_npy_dir(path, dtype=np.float64):
-    """A dataset of samples too large to read whole, from the directory `path`: x_train.npy and
-    x_test.npy memory-mapped read-only ((N, C, H, W) images or (N, C, D, H, W) volumes of
-    `dtype`, used as they are: nothing is read until a loader slices them), y_train.npy and
-    y_test.npy read (integer labels 0..K-1, one a sample, (N,), or one a pixel or voxel, (N,
-    *S), for segmentation). Returns (x_train, y_train, x_test, y_test, classes); ValueError
-    naming the file and the array for any problem."""
-    if not os.path.isdir(path):
-        raise ValueError(f"dataset npy:{path}: {path!r} is not a directory (of x_train.npy, y_train.npy, x_test.npy, "
+def load_arrays(source, dtype=np.float64):
+    """A dataset of samples too large to read whole: from the directory `source` ('npy:DIR':
+    x_train.npy and x_test.npy memory-mapped read-only, y_train.npy and y_test.npy read) or an
+    HDF5 file ('h5:FILE': its arrays x_train, y_train, x_test, y_test; the x arrays opened
+    unread, open_hdf5). x: (N, C, H, W) images or (N, C, D, H, W) volumes of `dtype`, used as
+    they are (nothing is read until a loader slices them); y: integer labels 0..K-1, one a
+    sample, (N,), or one a pixel or voxel, (N, *S), for segmentation. Returns (x_train,
+    y_train, x_test, y_test, classes); ValueError naming the file and the array for any
+    problem."""
+    kind, path = source.split(":", 1)
+    if kind == "npy" and not os.path.isdir(path):
+        raise ValueError(f"dataset {source}: {path!r} is not a directory (of x_train.npy, y_train.npy, x_test.npy, "
                          f"y_test.npy)")
     arrays = {}
     for name in ("x_train", "y_train", "x_test", "y_test"):
-        where = f"dataset npy:{path} array {name}"
-        array = load_array(os.path.join(path, f"{name}.npy"), where, mmap_mode="r" if name[0] == "x" else None)
+        where = f"dataset {source} array {name}"
+        if kind == "npy":
+            array = load_array(os.path.join(path, f"{name}.npy"), where, mmap_mode="r" if name[0] == "x" else None)
+        else:
+            array = open_hdf5(path, name, f"dataset {source}")
+            array = array if name[0] == "x" else np.asarray(array[()])
         if name[0] == "x" and (array.ndim not in (4, 5) or array.dtype != np.dtype(dtype)):
             raise ValueError(f"{where} has shape {array.shape} and dtype {array.dtype}; expected (N, C, H, W) or "
                              f"(N, C, D, H, W) of {np.dtype(dtype)} (the run's --dtype: it is read as it is)")
@@ -469,11 +476,11 @@ def load_npy_dir(path, dtype=np.float64):
     for part in ("train", "test"):
         x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
         if len(y) != len(x) or y.shape[1:] not in ((), x.shape[2:]):
-            raise ValueError(f"dataset npy:{path}: y_{part} has shape {y.shape} for x_{part} of {x.shape}; expected "
+            raise ValueError(f"dataset {source}: y_{part} has shape {y.shape} for x_{part} of {x.shape}; expected "
                              f"({len(x)},) or ({len(x)}, {', '.join(map(str, x.shape[2:]))})")
     if arrays["x_test"].shape[1:] != arrays["x_train"].shape[1:] or \
             arrays["y_test"].shape[1:] != arrays["y_train"].shape[1:]:
-        raise ValueError(f"dataset npy:{path}: the test samples {arrays['x_test'].shape[1:]} differ from the "
+        raise ValueError(f"dataset {source}: the test samples {arrays['x_test'].shape[1:]} differ from the "
                          f"training samples {arrays['x_train'].shape[1:]}")
     classes = int(max(arrays["y_train"].max(initial=0), arrays["y_test"].max(initial=0))) + 1
     return arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], classes
@@ -482,16 +489,43 @@ def load_npy_dir(path, dtype=np.float64):
 def read_blocks(x, rows, n_global, layout, grid):
     """(len(rows), ...) this rank's block, under `layout` on `grid`, of each sample of x in
     `rows` (the layout's index sets past the sample dimension, for a batch of n_global
-    samples), each read by slices (a memory map reads only those pages) into one fresh array."""
+    samples), each read into one fresh array by one slice of x per sample (a memory map reads
+    only those pages, an HDF5 dataset only those chunks), an index set that is not a range
+    then taken from what the slice read."""
     ix = layout.indices((n_global,) + tuple(x.shape[1:]), grid, grid.coords)[1:]
-    at = tuple(slice(i.start, i.stop) if isinstance(i, range) and i.step == 1 else np.asarray(i) for i in ix)
+    ranges = tuple(isinstance(i, range) and i.step == 1 for i in ix)
+    window = tuple(slice(i.start, i.stop) if whole else slice(min(i, default=0), max(i, default=-1) + 1)
+                   for i, whole in zip(ix, ranges))
     blocks = np.empty((len(rows),) + tuple(len(i) for i in ix), x.dtype)
     for k, r in enumerate(rows):
-        sample = x[int(r)]
-        for axis, a in enumerate(at):  # basic slices keep a view; an index set gathers
-            sample = sample[(slice(None),) * axis + (a,)]
+        sample = x[(int(r),) + window]
+        for axis, (i, whole, w) in enumerate(zip(ix, ranges, window)):
+            if not whole:  # the index set's positions within the window read
+                sample = sample[(slice(None),) * axis + (np.asarray(i) - w.start,)]
         blocks[k] = sample
     return blocks
+
+
+def open_hdf5(path, name, what="dataset"):
+    """The array `name` of the HDF5 file `path` as an h5py Dataset, opened read-only: nothing
+    is read until sliced, so a ShardedLoader with a layout reads each rank's blocks only.
+    Needs h5py (the `hdf5` extra); ValueError naming the file and the array otherwise."""
+    try:
+        import h5py
+    except ImportError:
+        raise ValueError(f"{what} {path!r} is an HDF5 file: reading it needs h5py (pip install h5py, or cfp's "
+                         f"hdf5 extra)") from None
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path!r} does not exist")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} is not a readable HDF5 file: {e}") from None
+    if name not in f or not isinstance(f[name], h5py.Dataset):
+        found = ", ".join(k for k in f if isinstance(f[k], h5py.Dataset)) or "none"
+        f.close()
+        raise ValueError(f"{what} {path!r} has no array {name!r}; its arrays: {found}")
+    return f[name]  # (the file stays open while the dataset is referenced)
 
 
 def open_npy(path, what="input"):

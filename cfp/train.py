@@ -17,7 +17,7 @@ from .algorithms import ALGORITHMS
 from .algorithms.base import GRADIENT_SYNC, overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
-from .data import (ShardedLoader, load_cifar10, load_digits, load_npy_dir, load_npz, read_blocks, synthetic,
+from .data import (ShardedLoader, load_cifar10, load_digits, load_arrays, load_npz, read_blocks, synthetic,
                    synthetic_segmentation)
 from .grid import Grids, ProcessGrid, placement_order
 from .io import check_figure_path, check_writable, save_figure, save_json
@@ -30,7 +30,7 @@ from .tensor import Layout, check_blocks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
-DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR", "npy:DIR")
+DATASETS = ("digits", "synthetic", "npz:PATH", "cifar10:DIR", "npy:DIR", "h5:FILE")
 SEGMENT_CLASSES = 4  # the classes of the synthetic label maps a segmentation model learns
 DTYPES = ("float32", "float64")
 # --overlap: off (every collective blocking: what measured best on cfp's 2-core machine, over
@@ -109,7 +109,7 @@ class TrainConfig:
                                ("dataset", DATASETS), ("dtype", DTYPES), ("comm_table", COMM_TABLES),
                                ("device", backend.DEVICES)):
             value = getattr(self, field)
-            if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10", "npy") \
+            if field == "dataset" and isinstance(value, str) and value.split(":", 1)[0] in ("npz", "cifar10", "npy", "h5") \
                     and len(value.split(":", 1)) == 2 and value.split(":", 1)[1]:
                 continue
             if value not in allowed:
@@ -156,6 +156,10 @@ class TrainConfig:
         if self.shard_input and self.augment:
             raise ValueError("--augment crops and flips whole images; --shard-input reads each rank's block of "
                              "them: give one or the other")
+        if self.dataset.startswith("h5:") and (self.train_samples is not None or self.augment):
+            raise ValueError(f"--dataset {self.dataset} is read by slices as the loader needs them; "
+                             f"{'--train-samples' if self.train_samples is not None else '--augment'} works on "
+                             f"samples in memory: use a file of the samples wanted, without it")
         if self.augment and self.eval_only:
             raise ValueError("--augment changes the training batches only; with --eval-only, which does not "
                              "train, it would be ignored")
@@ -202,9 +206,9 @@ def _check_trained_alike(path, meta, cfg):
 def _dataset(cfg, dtype):
     """(x_train, y_train, x_test, y_test, classes, what was read: a line for the user)."""
     classes = 10
-    if cfg.dataset.startswith("npy:"):
-        x_train, y_train, x_test, y_test, classes = load_npy_dir(cfg.dataset[4:], dtype)
-        split = "x_test.npy and y_test.npy (the samples memory-mapped)"
+    if cfg.dataset.split(":", 1)[0] in ("npy", "h5"):
+        x_train, y_train, x_test, y_test, classes = load_arrays(cfg.dataset, dtype)
+        split = "its x_test and y_test (the samples read only as the loader slices them)"
         kind = MODELS[cfg.model]
         if x_train.ndim != (5 if kind.volumes else 4) or (y_train.ndim > 1) != kind.segments:
             raise ValueError(f"--dataset {cfg.dataset}: samples {x_train.shape[1:]} with labels "
@@ -490,7 +494,9 @@ class _Session:
         x_train, y_train, self.x_test, self.y_test = data
         self.grid = model.grid  # where the data enters and the loss is computed
         self.rank0 = self.grid.rank == 0
-        layout = model.shard_input() if cfg.shard_input else None
+        # an HDF5 dataset is read a sample at a time by slices (data.read_blocks), whole or (shard_input) by blocks
+        layout = model.shard_input() if cfg.shard_input else \
+            None if isinstance(x_train, np.ndarray) else model.input_spec[1]
         self.loader = ShardedLoader(x_train, y_train, cfg.batch_size, self.grid, shuffle=True, seed=cfg.seed,
                                     drop_last=True, augment=cfg.augment, layout=layout)
         if len(self.loader) == 0:

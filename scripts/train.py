@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpi4py scripts/train.py --model resnet --width 1 \\
         --grid sample=2,channel=2 --algorithm y --epochs 10 --batch-size 64 --lr 0.1 \\
         --optimizer sgd --dtype float32 --seed 0 --log run.json \\
-        [--dataset npz:PATH | cifar10:DIR | npy:DIR] [--augment] [--shard-input] \\
+        [--dataset npz:PATH | cifar10:DIR | npy:DIR | h5:FILE] [--augment] [--shard-input] \\
         [--checkpoint-dir DIR] [--resume [--eval-only]] [--plot curves.png]
     mpiexec -n 2 python -m mpi4py scripts/train.py --plan plan.json ...   # a grid per layer
     mpiexec -n 2 python -m mpi4py scripts/train.py --algorithm auto ...   # the planner's plan
@@ -67,7 +67,8 @@ def parse_args(argv):
     p.add_argument("--dataset", default=defaults.dataset,
                    help="digits (scikit-learn's), synthetic, npz:PATH (arrays x, y and optionally x_test, "
                         "y_test), cifar10:DIR (CIFAR-10's binary batches) or npy:DIR (x_train.npy, y_train.npy, "
-                        "x_test.npy, y_test.npy; the samples memory-mapped, for --shard-input)")
+                        "x_test.npy, y_test.npy; the samples memory-mapped, for --shard-input) or h5:FILE (the same "
+                        "arrays in an HDF5 file, read with h5py)")
     p.add_argument("--shard-input", action="store_true",
                    help="each rank reads only its first layer's block of each sample (of a grid splitting depth, "
                         "height or width): no rank holds a whole sample")

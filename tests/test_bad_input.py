@@ -150,7 +150,7 @@ def test_a_grid_larger_than_a_one_rank_job_says_how_to_launch():
 def test_help_shows_the_choices_and_defaults():
     out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train.py"), "--help"], capture_output=True,
                          text=True, timeout=60, env=single_thread_env()).stdout
-    for shown in ("--model {resnet,wide,mobile,volume}", "--algorithm {sample,x,y,w,auto}", "--optimizer {sgd,adam,adamw}",
+    for shown in ("--model {resnet,wide,mobile,volume,unet}", "--algorithm {sample,x,y,w,auto}", "--optimizer {sgd,adam,adamw}",
                   "--schedule {cosine,step,constant}", "--dtype {float32,float64}"):
         assert shown in out, (shown, out)
     flat = " ".join(out.split())

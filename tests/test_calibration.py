@@ -142,12 +142,15 @@ def test_profile_formats():
 
 
 def model_layers():
-    """Every convolution of every model of images at batch 8 (width 2; the wide CNN 32
-    channels); the volume model is not priced yet (layer_shapes refuses it)."""
+    """Every convolution of every model the cost model prices, at batch 8 (width 2; the wide
+    CNN 32 channels); the volume and unet models are not priced yet (layer_shapes refuses
+    them, by their layers' kinds)."""
     out = []
     for name, kind in MODELS.items():
-        if not kind.volumes:
+        try:
             out += layer_shapes(name, 8, 32 if kind.depth else 2)
+        except ValueError as e:
+            assert "which the planner and cost model do not price yet" in str(e) and name in ("volume", "unet"), e
     return out
 
 

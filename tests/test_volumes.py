@@ -474,22 +474,39 @@ def test_a_run_on_sharded_input_holds_less_than_a_sample(mpi_tmp_path):
                          f"is {x[0].nbytes}")
 
 
-def test_training_on_memory_mapped_volumes_with_sharded_input(mpi_tmp_path):
-    """train.py's --dataset npy:DIR (memory-mapped samples) with --shard-input on a depth split
-    (depth x height at 4 ranks): 18 float64 steps and the test accuracy (evaluated on blocks
-    too) equal one rank's reading whole samples; the bad datasets and options, one message each."""
+def _volume_files(where, kind, side):
+    """24 training and 8 test volumes of side^3 voxels, 3 classes, as `kind` ('npy': a
+    directory of .npy files; 'h5': one HDF5 file), written by rank 0: the --dataset value."""
+    rng = np.random.default_rng(13)
+    arrays = {f"{a}_{part}": rng.standard_normal((n, 1, side, side, side)) if a == "x" else rng.integers(0, 3, n)
+              for part, n in (("train", 24), ("test", 8)) for a in ("x", "y")}
+    if WORLD.Get_rank() == 0:
+        if kind == "npy":
+            where.mkdir()
+            for name, a in arrays.items():
+                np.save(where / f"{name}.npy", a)
+        else:
+            import h5py
+            with h5py.File(where, "w") as f:
+                for name, a in arrays.items():
+                    f.create_dataset(name, data=a, chunks=(1, 1, 1) + a.shape[3:] if a.ndim > 1 else None)
+    WORLD.Barrier()
+    return f"{kind}:{where}"
+
+
+@pytest.mark.parametrize("kind", ["npy", "h5"])
+def test_training_on_memory_mapped_volumes_with_sharded_input(mpi_tmp_path, kind):
+    """train.py's --dataset npy:DIR (memory-mapped samples) and h5:FILE (an HDF5 file, read by
+    slices) with --shard-input on a depth split (depth x height at 4 ranks): 18 float64 steps
+    and the test accuracy (evaluated on blocks too) equal one rank's reading whole samples; the
+    bad datasets and options, one message each."""
+    if kind == "h5":
+        pytest.importorskip("h5py")
     from cfp.train import TrainConfig, train_model
     from test_train import assert_trains_like, weights
-    side = 16 if SIZE > 2 else 8
-    rng = np.random.default_rng(13)
-    data_dir = mpi_tmp_path / "volumes"
-    if WORLD.Get_rank() == 0:
-        data_dir.mkdir()
-        for name, n in (("train", 24), ("test", 8)):
-            np.save(data_dir / f"x_{name}.npy", rng.standard_normal((n, 1, side, side, side)))
-            np.save(data_dir / f"y_{name}.npy", rng.integers(0, 3, n))
-    WORLD.Barrier()
-    cfg = dict(model="volume", dataset=f"npy:{data_dir}", width=1, epochs=3, batch_size=4, lr=0.05,
+    dataset = _volume_files(mpi_tmp_path / ("volumes" if kind == "npy" else "volumes.h5"), kind,
+                            16 if SIZE > 2 else 8)
+    cfg = dict(model="volume", dataset=dataset, width=1, epochs=3, batch_size=4, lr=0.05,
                dtype="float64", progress=False, seed=2)
     result, model = train_model(TrainConfig(grid="sample=1", **cfg), world=WORLD.Split(WORLD.Get_rank()))
     one_rank = ([h["loss"] for h in result["history"]], weights(model))
@@ -503,7 +520,8 @@ def test_training_on_memory_mapped_volumes_with_sharded_input(mpi_tmp_path):
                              (dict(dtype="float32"), r"array x_train has shape .* and dtype float64; expected .* of "
                                                      r"float32"),
                              (dict(model="resnet"), r"do not fit --model resnet, which takes images"),
-                             (dict(dataset=f"npy:{mpi_tmp_path / 'nowhere'}"), r"is not a directory")):
+                             (dict(dataset=f"npy:{mpi_tmp_path / 'nowhere'}"), r"is not a directory"),
+                             (dict(dataset=f"h5:{mpi_tmp_path / 'nowhere.h5'}"), r"does not exist")):
         raises_on_all_ranks(ValueError, lambda: train_model(TrainConfig(**{**cfg, "grid": spec, "shard_input": True,
                                                                               **options})), match=message)
 
