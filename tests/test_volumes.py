@@ -116,12 +116,17 @@ DEPTH_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def depth_grids():
-    made = {spec: ProcessGrid(spec) for spec in dict.fromkeys(c[0] for c in depth_configs())}
+def _grids_of(configs):
+    """The ProcessGrid of each spec of `configs`, freed once a fixture's tests are done."""
+    made = {spec: ProcessGrid(spec) for spec in dict.fromkeys(c[0] for c in configs)}
     yield made
     for g in made.values():
         g.free()
+
+
+@pytest.fixture(scope="module")
+def depth_grids():
+    yield from _grids_of(depth_configs())
 
 
 @pytest.mark.parametrize("name", sorted(DEPTH_CASES))
@@ -159,10 +164,7 @@ TRANSPOSED_SPATIAL_CASES = {
 
 @pytest.fixture(scope="module")
 def transposed_grids():
-    made = {spec: ProcessGrid(spec) for spec in dict.fromkeys(c[0] for c in transposed_spatial_configs())}
-    yield made
-    for g in made.values():
-        g.free()
+    yield from _grids_of(transposed_spatial_configs())
 
 
 @pytest.mark.parametrize("name", sorted(TRANSPOSED_SPATIAL_CASES))
