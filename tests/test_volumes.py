@@ -159,6 +159,8 @@ TRANSPOSED_SPATIAL_CASES = {
     "dilated-groups": CASES["transpose2d-dilated-groups"],
     "gaps": ("conv_transpose2d", 2, 3, 4, (5, 4), (2, 1), {"stride": (3, 2), "output_padding": (2, 1)}),
     "padded": ("conv_transpose2d", 1, 4, 3, (3, 6), (4, 3), {"stride": 2, "padding": (2, 1), "dilation": (1, 2)}),
+    # 1x1 of stride 2: at 3 and 4 ranks along an axis, blocks of one odd row that no input reaches
+    "empty-windows": ("conv_transpose2d", 2, 3, 4, (3, 2), 1, {"stride": 2, "output_padding": (0, 1)}),
 }
 
 
