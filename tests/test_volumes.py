@@ -662,6 +662,50 @@ def test_unet_trains_like_one_rank(grid, algorithm, plan, mpi_tmp_path):
     assert_trains_like(result, model, _one_rank_unet["run"], f"unet on {grid or plan}, {algorithm}", tol=1e-10)
 
 
+def ledger_runs():
+    """(model, grid, algorithm): the volume model on depth and channel splits, the unet on
+    height, width and channel splits."""
+    if SIZE == 1:
+        return [("volume", "sample=1", "y"), ("unet", "sample=1", "y")]
+    out = [("volume", f"depth={SIZE}", "y"), ("volume", f"depth={SIZE}", "sample"), ("volume", f"channel={SIZE}", "x"),
+           ("unet", f"height={SIZE}", "y"), ("unet", f"width={SIZE}", "w"), ("unet", f"channel={SIZE}", "y")]
+    if SIZE == 4:
+        out += [("volume", "depth=2,height=2", "w"), ("unet", "sample=2,height=2", "sample")]
+    return out
+
+
+@pytest.mark.parametrize("model_name, spec, algorithm", ledger_runs())
+def test_a_models_ledger_equals_its_predicted_bytes(model_name, spec, algorithm):
+    """One training step of the volume and unet models: every convolution's (Conv3d,
+    ConvTranspose2d, the classifier after a volume's global pooling, whose depth ranks hold
+    copies) and every redistribution's bytes per phase are Network.predicted_bytes, exactly."""
+    from cfp.grid import Grids
+    from cfp.models import build_model
+    from cfp.nn import SoftmaxCrossEntropy
+    from cfp.optim import SGD
+    from cfp.train import train_step
+    base = ProcessGrid(spec)
+    side = 16 if SIZE > 2 else 8
+    model = build_model(model_name, base, grids=Grids(base, owns_base=True), width=1, dtype=np.float64,
+                        in_channels=1, classes=4, image=side, algorithm=algorithm)
+    rng = np.random.default_rng(14)
+    batch = 4
+    x = rng.standard_normal((batch, 1) + (side,) * (3 if model_name == "volume" else 2))
+    y = rng.integers(0, 4, (batch,) if model_name == "volume" else (batch, side, side))
+    (rows,) = model.input_spec[1].head(1).indices((batch,), model.grid, model.grid.coords)
+    ledger = C.CommLedger()
+    with C.use_ledger(ledger):
+        train_step(model, SoftmaxCrossEntropy(model.grid), SGD(model.parameters(), 0.1), x[rows.start:rows.stop],
+                   y[rows.start:rows.stop])
+    predicted = model.predicted_bytes(itemsize=8)
+    measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
+    wrong = {k: (measured.get(k, (0, 0)), v) for k, v in predicted.items() if measured.get(k, (0, 0)) != v}
+    unpredicted = [k for k in measured if k[1] == "redistribute" and k not in predicted]
+    assert_all_ranks(not wrong and not unpredicted,
+                     f"{model_name} on {spec}: (measured, predicted) {wrong}; not predicted {unpredicted}")
+    model.free()
+
+
 def test_volume_and_unet_models_refuse_the_planner_and_other_datasets():
     from cfp.train import TrainConfig, train
     for model, options, message in (

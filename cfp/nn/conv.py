@@ -81,8 +81,8 @@ class Conv2d(Module):
         x_shape = tuple(self.input_shape) + (1, 1) * (len(self.input_shape) == 2)
         shape, coords = dict(self.grid.shape), dict(self.grid.coords)
         if not c.spatial:  # the spatial ranks hold copies: the layer moves what it would on one
-            shape.update(height=1, width=1)
-            coords.update(height=0, width=0)
+            shape.update(depth=1, height=1, width=1)
+            coords.update(depth=0, height=0, width=0)
         moved = predict_bytes(self.algorithm, x_shape, c.w_global_shape, shape, coords,
                               filter_groups=self.filter_groups, bias=c.bias, input_whole=c.input_whole,
                               need_dx=c.need_dx, itemsize=itemsize, op=c.op.name, **c.conv_args())
