@@ -687,6 +687,16 @@ def allreduce(comm, x, donate=False):
                      lambda send, out: comm.Allreduce(send, out, op=MPI.SUM))
 
 
+def allreduce_over(comms, x, donate=False):
+    """The sum of `x` over the ranks of each of `comms` in turn (the axis communicators of some
+    of a grid's axes: the sum over every rank those axes span), one allreduce each; x itself
+    where `comms` is empty. donate as allreduce's (the sums between are cfp's own)."""
+    for c in comms:
+        x = allreduce(c, x, donate=donate)
+        donate = True
+    return x
+
+
 def iallreduce(comm, x, donate=False):
     """allreduce, started: a Pending whose wait() returns what allreduce returns (x must not be
     read or written before then). MPI does not promise that a non-blocking sum adds the

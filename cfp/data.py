@@ -76,12 +76,18 @@ def _images(x, where):
     return out
 
 
-def _labels(y, n, where):
-    if y.dtype == object or y.dtype.kind not in "ui" or y.ndim != 1:
-        raise ValueError(f"{where}: has dtype {y.dtype} and shape {y.shape}; expected a 1-D array of integer labels")
+def _labels(y, n, where, positions=None):
+    """y as int64 labels 0, 1, ... of n samples: one a sample, (n,), or, where `positions` (a
+    sample's spatial shape) is given, one a position, (n, *positions)."""
+    per_position = positions is not None and y.ndim > 1
+    if y.dtype == object or y.dtype.kind not in "ui" or (y.ndim != 1 and not per_position):
+        raise ValueError(f"{where}: has dtype {y.dtype} and shape {y.shape}; expected a 1-D array of integer labels"
+                         + ("" if positions is None else f" or one a position, (N, {', '.join(map(str, positions))})"))
     if len(y) != n:
         raise ValueError(f"{where}: has {len(y)} labels for {n} images")
-    if len(y) and y.min() < 0:
+    if per_position and y.shape[1:] != tuple(positions):
+        raise ValueError(f"{where}: has labels of {y.shape[1:]} a sample; expected one a position, {tuple(positions)}")
+    if y.size and y.min() < 0:
         raise ValueError(f"{where}: holds a negative label ({int(y.min())}); expected labels 0, 1, 2, ...")
     return y.astype(np.int64)
 
@@ -469,19 +475,15 @@ def load_arrays(source, dtype=np.float64):
         if name[0] == "x" and (array.ndim not in (4, 5) or array.dtype != np.dtype(dtype)):
             raise ValueError(f"{where} has shape {array.shape} and dtype {array.dtype}; expected (N, C, H, W) or "
                              f"(N, C, D, H, W) of {np.dtype(dtype)} (the run's --dtype: it is read as it is)")
-        if name[0] == "y" and (array.dtype.kind not in "iu" or array.size and array.min() < 0):
-            raise ValueError(f"{where} holds {array.dtype} values from {array.min() if array.size else '-'}; "
-                             f"expected integer labels 0..K-1")
+        if name[0] == "y":
+            x = arrays[f"x{name[1:]}"]
+            array = _labels(array, len(x), where, x.shape[2:])
         arrays[name] = array
-    for part in ("train", "test"):
-        x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
-        if len(y) != len(x) or y.shape[1:] not in ((), x.shape[2:]):
-            raise ValueError(f"dataset {source}: y_{part} has shape {y.shape} for x_{part} of {x.shape}; expected "
-                             f"({len(x)},) or ({len(x)}, {', '.join(map(str, x.shape[2:]))})")
     if arrays["x_test"].shape[1:] != arrays["x_train"].shape[1:] or \
-            arrays["y_test"].shape[1:] != arrays["y_train"].shape[1:]:
-        raise ValueError(f"dataset {source}: the test samples {arrays['x_test'].shape[1:]} differ from the "
-                         f"training samples {arrays['x_train'].shape[1:]}")
+            arrays["y_test"].ndim != arrays["y_train"].ndim:
+        raise ValueError(f"dataset {source}: the test samples {arrays['x_test'].shape[1:]} and labels "
+                         f"{arrays['y_test'].shape[1:]} differ from the training ones {arrays['x_train'].shape[1:]}, "
+                         f"{arrays['y_train'].shape[1:]}")
     classes = int(max(arrays["y_train"].max(initial=0), arrays["y_test"].max(initial=0))) + 1
     return arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], classes
 

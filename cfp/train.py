@@ -209,12 +209,12 @@ def _dataset(cfg, dtype):
     if cfg.dataset.split(":", 1)[0] in ("npy", "h5"):
         x_train, y_train, x_test, y_test, classes = load_arrays(cfg.dataset, dtype)
         split = "its x_test and y_test (the samples read only as the loader slices them)"
-        kind = MODELS[cfg.model]
-        if x_train.ndim != (5 if kind.volumes else 4) or (y_train.ndim > 1) != kind.segments:
+        model = MODELS[cfg.model]
+        if x_train.ndim != (5 if model.volumes else 4) or (y_train.ndim > 1) != model.segments:
             raise ValueError(f"--dataset {cfg.dataset}: samples {x_train.shape[1:]} with labels "
                              f"{y_train.shape[1:] or 'one a sample'} do not fit --model {cfg.model}, which takes "
-                             f"{'volumes (C, D, H, W)' if kind.volumes else 'images (C, H, W)'} labelled "
-                             f"{'per pixel' if kind.segments else 'one a sample'}")
+                             f"{'volumes (C, D, H, W)' if model.volumes else 'images (C, H, W)'} labelled "
+                             f"{'per pixel' if model.segments else 'one a sample'}")
     elif MODELS[cfg.model].segments:
         if cfg.dataset != "synthetic":
             raise ValueError(f"--model {cfg.model} labels every pixel: expected --dataset synthetic (generated "
@@ -379,11 +379,11 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
     for start in range(0, len(x), batch_size):
         n_global = min(batch_size, len(x) - start)
         (rows, *_) = layout.indices((n_global,) + (1,) * (layout.ndim - 1), grid, grid.coords)
-        mine = range(start + rows.start, start + rows.stop)
-        # (after Network.shard_input, each rank's block of its samples: no rank reads a whole one)
-        x_local = x[start + rows.start:start + rows.stop] if layout == _whole(layout.ndim) else \
-            read_blocks(x, mine, n_global, layout, grid)
-        x_local, y_local = (backend.from_host(a, xp) for a in (x_local, y[start + rows.start:start + rows.stop]))
+        mine = slice(start + rows.start, start + rows.stop)
+        # each rank's block of its samples in the model's input layout (after Network.shard_input
+        # no rank reads a whole sample), read as the loader reads them
+        x_local = read_blocks(x, range(mine.start, mine.stop), n_global, layout, grid)
+        x_local, y_local = backend.from_host(x_local, xp), backend.from_host(y[mine], xp)
         shape = check_batch(model.input_spec, x_local, y_local)
         with comm.inputs_checked():
             loss, right = loss_fn.forward(model.forward(x_local, shape=shape), y_local)
@@ -391,11 +391,6 @@ def evaluate(model, loss_fn, x, y, batch_size=256):
         correct += right
     model.train()
     return total_loss / len(x), correct / y.size  # (per pixel for per-pixel labels)
-
-
-def _whole(ndim):
-    """The layout of a batch split by sample only."""
-    return Layout(("sample",) + (None,) * (ndim - 1))
 
 
 def _weights_finite(grid, model):

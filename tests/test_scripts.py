@@ -93,17 +93,24 @@ def test_conv2d_options_from_the_command_line(tmp_path, nprocs, algorithm, grid,
               "padding_mode": values.get("--padding-mode", "zeros")}
     y = conv2d_forward(x, w, b, **kwargs)
     dy = rng.standard_normal(y.shape)
-    for name, a in (("x", x), ("w", w), ("b", b), ("dy", dy)):
+    expected = {"y": y, "dx": conv2d_backward_data(dy, w, x.shape, **kwargs),
+                "dw": conv2d_backward_filter(x, dy, w.shape, **kwargs), "db": conv2d_backward_bias(dy)}
+    run_against(tmp_path, nprocs, (x, w, b, dy), options + ["--algorithm", algorithm, "--grid", grid], expected)
+
+
+def run_against(tmp_path, nprocs, arrays, options, expected):
+    """run_conv.py on `nprocs` ranks with the global (x, w, b, dy) saved as .npy and `options`:
+    its y, dx, dw and db have the shapes of `expected` and equal it to 1e-10 (relative)."""
+    for name, a in zip(("x", "w", "b", "dy"), arrays):
         np.save(tmp_path / f"{name}.npy", a)
     out = tmp_path / "result.npz"
     proc, _ = run(nprocs, ["--input", str(tmp_path / "x.npy"), "--weight", str(tmp_path / "w.npy"),
                            "--grad-output", str(tmp_path / "dy.npy"), "--bias", str(tmp_path / "b.npy"), *options,
-                           "--algorithm", algorithm, "--grid", grid, "--out", str(out)])
+                           "--out", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    expected = {"y": y, "dx": conv2d_backward_data(dy, w, x.shape, **kwargs),
-                "dw": conv2d_backward_filter(x, dy, w.shape, **kwargs), "db": conv2d_backward_bias(dy)}
     with np.load(out, allow_pickle=False) as result:
         for name, want in expected.items():
+            assert result[name].shape == want.shape, name
             assert np.max(np.abs(result[name] - want)) / np.max(np.abs(want)) < 1e-10, name
 
 
@@ -133,19 +140,9 @@ def test_volumes_and_transposed_from_the_command_line(tmp_path, nprocs, algorith
     b = rng.standard_normal(F)
     y = passes[0](x, w, b, **parsed)
     dy = rng.standard_normal(y.shape)
-    for name, a in (("x", x), ("w", w), ("b", b), ("dy", dy)):
-        np.save(tmp_path / f"{name}.npy", a)
-    out = tmp_path / "result.npz"
-    proc, _ = run(nprocs, ["--input", str(tmp_path / "x.npy"), "--weight", str(tmp_path / "w.npy"),
-                           "--grad-output", str(tmp_path / "dy.npy"), "--bias", str(tmp_path / "b.npy"), *options,
-                           "--algorithm", algorithm, "--grid", grid, "--out", str(out)])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = {"y": y, "dx": passes[1](dy, w, x.shape, **parsed), "dw": passes[2](x, dy, w.shape, **parsed),
                 "db": dy.sum(axis=tuple(i for i in range(dy.ndim) if i != 1))}
-    with np.load(out, allow_pickle=False) as result:
-        for name, want in expected.items():
-            assert result[name].shape == want.shape, name
-            assert np.max(np.abs(result[name] - want)) / np.max(np.abs(want)) < 1e-10, name
+    run_against(tmp_path, nprocs, (x, w, b, dy), options + ["--algorithm", algorithm, "--grid", grid], expected)
 
 
 def test_float32_stays_float32_and_bias_is_optional(tmp_path):

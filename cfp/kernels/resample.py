@@ -9,13 +9,11 @@ transposed convolutions): a block of output rows lo..hi-1 reads the input rows l
 behind (before = lo - f (lo // f), both never negative). Unsplit, the sides are zero.
 """
 from cfp.backend import get_array_module
+from cfp.checks import int_tuple
 
 
 def _factors(factor, axes):
-    factors = tuple(factor) if isinstance(factor, (tuple, list)) else (factor,) * axes
-    if len(factors) != axes:
-        raise ValueError(f"upsampling factor {factor!r}: expected an integer or {axes} of them")
-    return factors
+    return int_tuple(factor, axes, "upsampling factor", 1, "a positive integer")
 
 
 def _sides(sides, axes):
@@ -23,12 +21,6 @@ def _sides(sides, axes):
     if len(sides) != 2 * axes or min(sides) < 0:
         raise ValueError(f"upsampling sides {sides!r}: expected {2 * axes} non-negative integers")
     return tuple(zip(sides[::2], sides[1::2]))
-
-
-def upsample_nearest_output_size(size, factor, sides=None):
-    """The output's spatial size for an input of spatial `size`."""
-    return tuple(f * n - a - b for n, f, (a, b) in zip(size, _factors(factor, len(size)),
-                                                       _sides(sides, len(size))))
 
 
 def upsample_nearest_forward(x, factor, sides=None):

@@ -42,14 +42,20 @@ class _PerPosition(Module):
         self._layout = layout
         return spec
 
+    def _windows(self, axes):
+        """(kernel, the halo's window options, the local padding where the image is whole) of
+        this layer's windows over `axes` spatial axes: pooling's."""
+        options = {"dilation": 1, "padding": self.padding, "padding_mode": "zeros", "stride": self.stride}
+        return (self.kernel,) * axes, options, self.padding
+
     def _halo(self, x):
-        """x extended by its halo (when the image is split) and the local padding to pool with."""
+        """x extended by its halo (when the image is split) and the local padding to pool with
+        (the halo plan's sides of this rank's block)."""
+        kernel, options, padding = self._windows(x.ndim - 2)
         self._plan = None
         if getattr(self, "_split", None) is None:
-            return x, self.padding
-        options = {"dilation": 1, "padding": self.padding, "padding_mode": "zeros", "stride": self.stride}
-        self._plan = Halo(self.input_shape, self._layout, self._split, (self.kernel,) * (len(self.input_shape) - 2),
-                          options, self.describe())
+            return x, padding
+        self._plan = Halo(self.input_shape, self._layout, self._split, kernel, options, self.describe())
         return self._plan.exchange(x, self.describe()), self._plan.padding
 
     def _halo_back(self, dx):
@@ -113,24 +119,25 @@ class Upsample(_PerPosition):
         if mode != "nearest":
             raise ValueError(f"Upsample mode {mode!r}: cfp upsamples by 'nearest' only")
         axes = len(scale_factor) if isinstance(scale_factor, (tuple, list)) and len(scale_factor) in (2, 3) else 2
-        self.factor = int_tuple(scale_factor, axes, "scale_factor", 1, "a positive integer")
-        self._given = scale_factor
+        int_tuple(scale_factor, axes, "scale_factor", 1, "a positive integer")  # (applied to an input's axes later)
+        self.scale_factor = scale_factor
 
     def _factors(self, axes):
         """The factor of each of `axes` spatial axes (an integer given applies to each)."""
-        return int_tuple(self._given, axes, "scale_factor", 1, "a positive integer")
+        return int_tuple(self.scale_factor, axes, "scale_factor", 1, "a positive integer")
+
+    def _windows(self, axes):
+        """Those of the transposed convolution nearest upsampling is: kernel and stride the
+        factors (its halo brings the input rows that reach each block); unsplit, no sides."""
+        factors = self._factors(axes)
+        return factors, {"stride": factors, "padding": 0, "dilation": 1, "output_padding": 0}, None
 
     def output_shape(self, shape):
         return tuple(shape[:2]) + tuple(f * n for f, n in zip(self._factors(len(shape) - 2), shape[2:]))
 
     def forward(self, x):
         factors = self._factors(x.ndim - 2)
-        self._plan, self._sides = None, None
-        if getattr(self, "_split", None) is not None:
-            options = {"stride": factors, "padding": 0, "dilation": 1, "output_padding": 0}
-            self._plan = Halo(self.input_shape, self._layout, self._split, factors, options, self.describe())
-            x = self._plan.exchange(x, self.describe())
-            self._sides = self._plan.padding
+        x, self._sides = self._halo(x)
         self._x_shape = x.shape
         return upsample_nearest_forward(x, factors, self._sides)
 
@@ -163,8 +170,7 @@ class GlobalAvgPool2d(Module):
             return x.mean(axis=positions)
         sums = x.sum(axis=positions)
         with comm.tag(layer="global-pool", phase="forward"):
-            for axis in spatial:
-                sums = comm.allreduce(self._grid.axis_comm(axis), sums, donate=True)
+            sums = comm.allreduce_over([self._grid.axis_comm(axis) for axis in spatial], sums, donate=True)
         self._positions = int(np.prod(self.input_shape[2:]))
         return sums / self._positions
 
@@ -411,8 +417,7 @@ class GroupNorm(Module):
         if extra is not None:
             sums = xp.concatenate([sums, extra], axis=0)
         with comm.tag(layer=self.name, phase=phase):
-            for group in self.group_comms:
-                sums = comm.allreduce(group, sums, donate=True)
+            sums = comm.allreduce_over(self.group_comms, sums, donate=True)
         return sums
 
     def forward(self, x):

@@ -42,8 +42,7 @@ class SoftmaxCrossEntropy:
             local[0], local[1] = (log_z - picked).sum(), (shifted.argmax(axis=1) == labels).sum()
         local[2] = n
         with comm.tag(layer=self.name, phase="forward"):
-            for group in self.comms:
-                local = comm.allreduce(group, local)
+            local = comm.allreduce_over(self.comms, local)
         total_loss, correct, count = (float(v) for v in backend.to_host(local))
         self._saved = (shifted, log_z, labels, count)  # count: a Python float, so float32 stays float32
         return total_loss / count, int(correct)
