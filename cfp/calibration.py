@@ -28,10 +28,12 @@ from . import backend, comm
 from .benchtools import on_rank0, quiet_barrier, slowest_median, timed
 from .grid import ProcessGrid, node_layout  # noqa: F401 (calibration.node_layout: the nodes it measures)
 from .io import load_json, save_json
-from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_flops, conv2d_forward, conv_geometry
+from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv_geometry
 from .kernels import settings as kernel_settings
 from .kernels.conv import paths
-from .nn import BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy
+from .kernels.conv.geometry import geometry_flops
+from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy,
+                 Upsample)
 from .nn.module import Parameter
 from .optim import SGD
 from .partition import block_sizes
@@ -358,8 +360,7 @@ def _shapes_and_args(g):
 
 
 def _flops(g):
-    x_shape, w_shape, args = _shapes_and_args(g)
-    return float(conv2d_flops(x_shape, w_shape, **args))
+    return float(geometry_flops(g))
 
 
 def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
@@ -436,7 +437,8 @@ def calibrate_layers(world, repeats):
     """{kind: [seconds, seconds per element]} of one forward and backward of each layer kind
     the cost model adds to the convolutions (perfmodel.LAYER_KINDS), on every rank of `world`
     at once, each on a grid of its own (the slowest rank's median):
-    batchnorm, relu, maxpool (2x2, per input element), add (a residual block's sum of its two
+    batchnorm, relu, maxpool (2x2, per input element), upsample (nearest by 2, per input
+    element), add (a residual block's sum of its two
     branches and of their gradients), loss (the global pool, the classifier's flatten and the
     softmax cross-entropy, per logit), conv (a convolution module's own time beyond its
     kernels: its fixed cost), and optimizer (SGD with momentum, per parameter tensor and
@@ -457,7 +459,7 @@ def calibrate_layers(world, repeats):
         t = DistTensor(x, x.shape, spec[1], grid)
         return lambda: model.backward(model.forward(t))
 
-    points = {kind: [] for kind in ("batchnorm", "relu", "maxpool", "add", "loss")}
+    points = {kind: [] for kind in ("batchnorm", "relu", "maxpool", "upsample", "add", "loss")}
     with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
         for n, c, side in LAYER_SIZES:
             x = rng.standard_normal((n, c, side, side)).astype(np.float32)
@@ -466,6 +468,7 @@ def calibrate_layers(world, repeats):
             points["batchnorm"].append((elements, median(through(bn, x))))
             points["relu"].append((elements, median(through(ReLU(), x))))
             points["maxpool"].append((elements, median(through(MaxPool2d(2), x))))
+            points["upsample"].append((elements, median(through(Upsample(2), x))))
             points["add"].append((elements, median(through(Residual(Sequential()), x))))
             pool, loss = GlobalAvgPool2d(), SoftmaxCrossEntropy(grid)
             labels = rng.integers(0, c, n)

@@ -77,6 +77,25 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
     output_padding) give the input rows that reach each output block (_transposed_span) and
     the block's signed sides in place of its zero padding."""
     shape = dict(grid_shape)
+    geometry, mode, spans = window_spans(x_shape, grid_shape, kernel_size, options)
+    wanted = []
+    for r in range(math.prod(shape.values())):
+        c = coords_of(r, shape)
+        n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
+        wanted.append((n_ix, c_ix) + tuple(spans[axis][c.get(axis, 0)][1] for axis, *_ in geometry))
+    wanted = tuple(wanted)
+    return {"axes": geometry, "mode": mode, "spans": spans, "wanted": wanted,
+            "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
+
+
+@functools.lru_cache(maxsize=1024)
+def window_spans(x_shape, grid_shape, kernel_size, options):
+    """(window_axes' geometry, its mode, {axis: [span of each coordinate]}): halo_plan's spans
+    alone, per axis of the windows (output extent, input indices needed, zero padding before,
+    after, the padded block's positions or None), arithmetic over each axis's coordinates only
+    (what the cost model reads of a halo at any rank count: perfmodel.layer_cost). Arguments as
+    halo_plan's."""
+    shape = dict(grid_shape)
     geometry, mode = window_axes(x_shape, kernel_size, dict(options))
     spans = {}
     for axis, extent, out, s, d, k, before, after in geometry:
@@ -104,14 +123,7 @@ def halo_plan(x_shape, layout, grid_shape, kernel_size, options):
             at = np.searchsorted(rows, reads)
             identity = np.array_equal(at, np.arange(rows.size))  # a block that meets no border
             spans[axis].append((hi - lo, need, 0, 0, None if identity else tuple(int(i) for i in at)))
-    wanted = []
-    for r in range(math.prod(shape.values())):
-        c = coords_of(r, shape)
-        n_ix, c_ix = layout.indices(x_shape, shape, c)[:2]
-        wanted.append((n_ix, c_ix) + tuple(spans[axis][c.get(axis, 0)][1] for axis, *_ in geometry))
-    wanted = tuple(wanted)
-    return {"axes": geometry, "mode": mode, "spans": spans, "wanted": wanted,
-            "pieces": gather_plan(x_shape, layout, grid_shape, wanted)}
+    return geometry, mode, spans
 
 
 def _transposed_span(lo, hi, extent, s, d, k, before):

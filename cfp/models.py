@@ -104,8 +104,9 @@ class _Builder:
 
     def transposed(self, name, cin, cout, kernel, stride, size=None):
         """A transposed convolution (2-D) that multiplies the image's side by `stride`."""
+        padding, output_padding = _multiplying(kernel, stride)
         return self._layer(ConvTranspose2d, name, cin, cout, kernel_size=kernel, stride=stride,
-                           padding=(kernel - 1) // 2, output_padding=stride - 1 - (kernel - 1) % 2, bias=False)
+                           padding=padding, output_padding=output_padding, bias=False)
 
     def upsample(self, factor):
         return Upsample(factor)
@@ -262,6 +263,12 @@ def _wide_layers(b, width, depth, in_channels, classes, image):
     return layers + b.head(width, classes)
 
 
+def _multiplying(kernel, stride):
+    """(padding, output_padding) of a transposed convolution whose output side is `stride`
+    times its input's."""
+    return (kernel - 1) // 2, stride - 1 - (kernel - 1) % 2
+
+
 class _Recorded(Module):
     """What the shape recorder returns for a convolution: which shape it recorded."""
 
@@ -289,7 +296,8 @@ class _ShapeRecorder:
 
     def conv(self, name, cin, cout, kernel, stride=1, size=None, first=False, groups=1, dilation=1):
         return self._record(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, first=first,
-                                       groups=groups, dilation=dilation, op=self.op))
+                                       groups=groups, dilation=dilation, op=self.op,
+                                       D=size if self.op == "conv3d" else None))
 
     def bn(self, name, channels):
         self.shapes[-1] = dataclasses.replace(self.shapes[-1], normed=True)
@@ -329,8 +337,9 @@ class _ShapeRecorder:
         return []
 
     def transposed(self, name, cin, cout, kernel, stride, size=None):
-        return self._record(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride,
-                                       padding=(kernel - 1) // 2, op="conv_transpose2d"))
+        padding, output_padding = _multiplying(kernel, stride)
+        return self._record(LayerShape(name, self.batch, cin, cout, size, size, kernel, stride, padding=padding,
+                                       op="conv_transpose2d", output_padding=output_padding))
 
     def upsample(self, factor):
         self._after("upsample")
@@ -372,15 +381,8 @@ def model_kind(name):
 
 def layer_shapes(name, batch, width, depth=4, in_channels=1, classes=10, image=8):
     """The LayerShape of every convolution of model `name` (for the planner), without building
-    it. ValueError for a model with layers the cost model does not price (volumes, transposed
-    convolutions)."""
-    shapes = _recorded(name, batch, width, depth, in_channels, classes, image)
-    unpriced = sorted({s.op for s in shapes if s.op != "conv2d"})
-    if unpriced:
-        raise ValueError(f"model {name!r} has {' and '.join(unpriced)} layers, which the planner and cost model do "
-                         f"not price yet (they price conv2d): give it a --grid and an --algorithm (sample, x, y, "
-                         f"w) or a plan file, not 'auto'")
-    return shapes
+    it."""
+    return _recorded(name, batch, width, depth, in_channels, classes, image)
 
 
 def layer_names(name, batch, width, depth=4, in_channels=1, classes=10, image=8):

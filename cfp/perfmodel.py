@@ -17,11 +17,11 @@ from .algorithms.base import HALO, HALO_ADJOINT, message_sent, run_order
 from .comm import PHASES as LEDGER_PHASES
 from .grid import AXES, coords_of, parse_grid_spec, process_ranks, rank_of
 from .io import load_json
-from .halo import halo_plan, window_options
+from .halo import halo_plan, window_options, window_spans
 from .layout import piece_size
-from .kernels import conv_geometry, workspace_bytes
 from .kernels.conv import conv_op
-from .kernels.conv.paths import PASSES, geometry_key, rate_key  # the kernel path table: its passes and its choice
+from .kernels.conv.geometry import geometry_flops
+from .kernels.conv.paths import PASSES, geometry_key, pass_bytes, rate_key  # the kernel path table: its passes and its choice
 from .partition import block_sizes, gather_group, scatter_group
 
 PHASES = tuple(p for p in LEDGER_PHASES if p != "other")  # the phases predictions cover
@@ -178,8 +178,10 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
-    """One convolution: global batch N, C -> F channels, H x W input, K x K kernel, and
-    nn.Conv2d's stride, padding, dilation and groups (each filter sees C / groups channels)."""
+    """One convolution: global batch N, C -> F channels, H x W input (a volume's D x H x W), a
+    K x K (x K) kernel, and nn.Conv2d's stride, padding, dilation and groups (each filter sees
+    C / groups channels), alike on every axis; `op` its kind (kernels/conv/ops.py), D a
+    volume's depth, output_padding a transposed convolution's."""
     name: str
     N: int
     C: int
@@ -188,11 +190,12 @@ class LayerShape:
     W: int
     K: int
     stride: int = 1
-    padding: int = None  # default K // 2
+    padding: int = None  # default dilation * (K // 2)
     first: bool = False  # the network's first layer: its input whole over the channel axis, no dx
     normed: bool = False  # followed by batch norm and ReLU, which keep x-hat and a mask of its output
     # the other layers after it, in order, whose time the step adds: "relu", "maxpool", "add"
-    # (a residual sum), "loss" (the global pool, the classifier and the loss after the last one)
+    # (a residual sum), "upsample" (nearest, by 2), "loss" (the global pool, the classifier and
+    # the loss after the last one)
     after: tuple = ()
     dilation: int = 1
     groups: int = 1
@@ -202,32 +205,63 @@ class LayerShape:
     # may lie on different grids: the shortcut is redistributed to the body's layout).
     reads: str = None
     merges: str = None
-    # the kind of convolution (kernels/conv/ops.py): the cost model prices conv2d only, and
-    # models.layer_shapes refuses a model with others
-    op: str = "conv2d"
+    op: str = "conv2d"  # 'conv2d', 'conv3d', 'conv_transpose2d' or 'conv_transpose3d'
+    D: int = None  # a volume's depth (conv3d, conv_transpose3d); None for an image
+    output_padding: int = 0  # a transposed convolution's
+
+    def __post_init__(self):
+        volume = conv_op(self.op).axes == 3
+        if volume != (self.D is not None):
+            raise ValueError(f"layer {self.name}: a {self.op} layer " + (
+                "needs the depth D of its volume" if volume else f"has no depth (D={self.D})"))
 
     @property
     def pad(self):
         return self.dilation * (self.K // 2) if self.padding is None else self.padding
 
     @property
+    def spatial(self):
+        """The input's size per spatial axis: (H, W), a volume's (D, H, W)."""
+        return ((self.D,) if self.D is not None else ()) + (self.H, self.W)
+
+    @property
+    def x_shape(self):
+        return (self.N, self.C) + self.spatial
+
+    @property
+    def w_shape(self):
+        """(F, C / groups, K, K[, K]): in the convolution's orientation, transposed ones too."""
+        return (self.F, self.C // self.groups) + (self.K,) * len(self.spatial)
+
+    @property
+    def options(self):
+        """The layer's options as its kind's passes take them (ConvOp.options: checked)."""
+        op = conv_op(self.op)
+        extra = {"output_padding": self.output_padding} if op.transposed else {}
+        return op.options(stride=self.stride, padding=self.pad, dilation=self.dilation, groups=self.groups, **extra)
+
+    @functools.cached_property
+    def out_size(self):
+        """The output's size per spatial axis (the kind's own output_shape)."""
+        return tuple(conv_op(self.op).output_shape(self.x_shape, self.w_shape, **self.options)[2:])
+
+    @property
     def out_hw(self):
-        extent = self.dilation * (self.K - 1) + 1
-        return ((self.H + 2 * self.pad - extent) // self.stride + 1,
-                (self.W + 2 * self.pad - extent) // self.stride + 1)
+        return self.out_size[-2:]
 
     def flops(self, n=None, c=None, f=None):
-        """2 n c f H' W' K^2: one pass over n samples, f filters that each see c channels
-        (default: all samples and filters, C / groups channels)."""
-        Ho, Wo = self.out_hw
+        """2 n c f K^axes times the positions each pass visits (the output's; a transposed
+        convolution's input's, its adjoint's output): one pass over n samples, f filters that
+        each see c channels (default: all samples and filters, C / groups channels)."""
+        positions = math.prod(self.spatial if conv_op(self.op).transposed else self.out_size)
         return 2 * (self.N if n is None else n) * (self.C // self.groups if c is None else c) * \
-            (self.F if f is None else f) * Ho * Wo * self.K * self.K
+            (self.F if f is None else f) * positions * self.K ** len(self.spatial)
 
 
 FORMAT = 2  # the profile format read here (cfp/calibration.py writes it)
 # The layers between convolutions the model times (calibration.calibrate_layers measures them):
 # each [seconds, seconds per element] of one forward and backward.
-LAYER_KINDS = ("batchnorm", "relu", "maxpool", "add", "loss", "conv", "optimizer")
+LAYER_KINDS = ("batchnorm", "relu", "maxpool", "upsample", "add", "loss", "conv", "optimizer")
 ANY_PATH = "*"  # a profile's rates for whatever path a pass takes (a model of another machine's kernels)
 
 
@@ -377,22 +411,50 @@ def _kernel_point(point):
     return float(point[0]), None, float(point[1]), None
 
 
-def _shard_sizes(layer, cls, layouts, shape):
-    """The busiest rank's (n, x channels, channels the kernel reads, filters computed, y
-    filters, weight elements, channels each filter sees, x rows, x columns, y rows, y
-    columns), from the layer's layouts (cls.layouts) on a grid of `shape`, at coordinate 0 of
-    every axis: the first block of each partition is the largest."""
+def _shard_sizes(layer, layouts, shape):
+    """The busiest rank's blocks, from the layer's layouts (cls.layouts) on a grid of `shape`, at
+    coordinate 0 of every axis (the first block of each partition is the largest): n samples,
+    x_channels (of x's block), read (the channels the kernel reads), filters (it computes),
+    y_filters (of y's block), w_count (weight elements), seen (channels each filter sees), and
+    x, y: the blocks' sizes per spatial axis."""
     G = layer.groups
-    x_shape, y_shape = (layer.N, layer.C, layer.H, layer.W), (layer.N, layer.F) + layer.out_hw
     first = {a: 0 for a in AXES}
-    n, x_channels, x_rows, x_cols = map(len, layouts["x"].indices(x_shape, shape, first))
-    _, y_filters, y_rows, y_cols = map(len, layouts["y"].indices(y_shape, shape, first))
-    filters, seen = map(len, layouts["w"].indices((layer.F, layer.C // G, layer.K, layer.K), shape, first)[:2])
+    n, x_channels, *x = map(len, layouts["x"].indices(layer.x_shape, shape, first))
+    _, y_filters, *y = map(len, layouts["y"].indices((layer.N, layer.F) + layer.out_size, shape, first))
+    filters, seen = map(len, layouts["w"].indices(layer.w_shape, shape, first)[:2])
     # The kernel reads the channels of the groups whose filters it holds (filters / (F/G) of
     # them, all G under sample parallelism); ungrouped, the channels its filters see.
     read = seen if G == 1 else seen * (filters // (layer.F // G))
-    return (n, x_channels, read, filters, y_filters, filters * seen * layer.K ** 2, seen,
-            x_rows, x_cols, y_rows, y_cols)
+    return {"n": n, "x_channels": x_channels, "read": read, "filters": filters, "y_filters": y_filters,
+            "w_count": filters * seen * layer.K ** len(layer.spatial), "seen": seen, "x": tuple(x), "y": tuple(y)}
+
+
+def _windows(layer, shape):
+    """Per spatial axis of `layer` on a grid of `shape`: (the input extent the busiest rank's
+    kernel reads, the kernel's padding before and after it, the most input positions any rank
+    needs). On an axis the grid splits, from the halo's own spans (halo.window_spans) at
+    coordinate 0: a convolution's block is the rows its windows read, halo and border padding
+    included, convolved without padding (what the halo gives the kernels); a transposed one's
+    the input rows that reach its output block, with that block's signed sides. On the others,
+    the whole axis and the layer's padding."""
+    op = conv_op(layer.op)
+    names = ("depth", "height", "width")[3 - len(layer.spatial):]
+    options = tuple(sorted(window_options(layer.options).items()))
+    grid = tuple((a, shape.get(a, 1)) for a in names)
+    spans = window_spans(layer.x_shape, grid, (layer.K,) * len(names), options)[2] \
+        if any(shape.get(a, 1) > 1 for a in names) else {}
+    out = []
+    for axis, size in zip(names, layer.spatial):
+        if shape.get(axis, 1) == 1:
+            out.append((size, layer.pad, layer.pad - layer.output_padding if op.transposed else layer.pad, size))
+            continue
+        _, need, before, after, positions = spans[axis][0]
+        most = max(len(span[1]) for span in spans[axis])
+        if op.transposed:
+            out.append((len(need), before, after, most))
+        else:
+            out.append((len(positions) if positions is not None else len(need) + before + after, 0, 0, most))
+    return out
 
 
 GROUPS = ("row", "column", "gradient", "halo")  # the groups an algorithm's collectives run over
@@ -404,13 +466,13 @@ def _inside_nodes(shape, node_axes, per_node, p_f):
     size) pairs) placed by `node_axes` (grid.process_ranks) on nodes of `per_node`
     neighbouring ranks: stationary-w's rows (p_f consecutive channel ranks) and columns (every
     p_f-th), the gradient group (the ranks holding the same channels: all but the channel
-    axis) and the halo group (the ranks of one image: height and width)."""
+    axis) and the halo group (the ranks of one image: depth, height and width)."""
     shape = dict(shape)
     spans = {group: {} for group in GROUPS}
     for g, process in enumerate(process_ranks(shape, node_axes)):
         c = coords_of(g, shape)
-        keys = {"row": (c["sample"], c["height"], c["width"], c["channel"] // p_f),
-                "column": (c["sample"], c["height"], c["width"], c["channel"] % p_f),
+        keys = {"row": (c["sample"], c["depth"], c["height"], c["width"], c["channel"] // p_f),
+                "column": (c["sample"], c["depth"], c["height"], c["width"], c["channel"] % p_f),
                 "gradient": c["channel"], "halo": (c["sample"], c["channel"])}
         for group, key in keys.items():
             spans[group].setdefault(key, set()).add(process // per_node)
@@ -428,95 +490,105 @@ def inside_nodes(shape, profile, p_f=1, node_axes=None):
 
 
 def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1,
-               node_axes=None):
+               node_axes=None, P_d=1):
     """Predicted seconds (per phase, compute and communication) and bytes per rank of one
-    forward and backward pass of `layer` under `algorithm` on a P_n x P_h x P_w x P_c grid
-    (P_h, P_w > 1: the image split over height and width, with a halo exchange).
+    forward and backward pass of `layer` under `algorithm` on a P_n x P_d x P_h x P_w x P_c grid
+    (P_d, P_h, P_w > 1: the image, or a volume, split over depth, height and width, with a halo
+    exchange; depth a volume's only).
+
+    Each pass is priced at the rate of the 2-D pass that computes it (ConvOp.plane): an image's
+    own, a volume's stacked planes, a transposed convolution's adjoint (its forward at the
+    adjoint's backward-data rate, its backward-data at the forward's).
 
     A collective runs over the link inside a node where each of its groups lies inside one
     (inside_nodes: the grid's placement, `node_axes`, on the profile's nodes), else over the
     link between nodes (docs/design.md, "Rank placement").
     """
     cls = algorithm_class(algorithm, layer.groups)
+    op = conv_op(layer.op)
+    if P_d > 1 and op.axes == 2:
+        raise ValueError(f"layer {layer.name}: a depth axis of {P_d} ranks splits a volume; {layer.op} has none")
     p_f = cls.filter_groups(P_c, p_f)
     q = P_c // p_f
     item = profile.itemsize
-    shape = {"sample": P_n, "height": P_h, "width": P_w, "channel": P_c}
-    layouts = cls.layouts({"height": P_h, "width": P_w}, p_f, layer.first, layer.groups)
-    n, x_channels, rows, cols, y_filters, w_count, seen, x_rows, x_cols, Ho, Wo = _shard_sizes(
-        layer, cls, layouts, shape)
-    Ho_all, Wo_all = layer.out_hw
-    # this rank's block of the image (the largest): its output rows and columns, and the input
-    # rows and columns its windows read, halo included
-    extent = layer.dilation * (layer.K - 1) + 1
-    H = min(layer.H, (Ho - 1) * layer.stride + extent) if P_h > 1 else layer.H
-    W = min(layer.W, (Wo - 1) * layer.stride + extent) if P_w > 1 else layer.W
-    x_bytes, y_bytes = n * rows * H * W * item, n * cols * Ho * Wo * item
+    shape = {"sample": P_n, "depth": P_d, "height": P_h, "width": P_w, "channel": P_c}
+    layouts = cls.layouts({"depth": P_d, "height": P_h, "width": P_w}, p_f, layer.first, layer.groups, op.axes)
+    s = _shard_sizes(layer, layouts, shape)
+    n, x_channels, read, filters, w_count = s["n"], s["x_channels"], s["read"], s["filters"], s["w_count"]
+    windows = _windows(layer, shape)
+    # this rank's block: its outputs, the input its windows read (halo included), and the most
+    # input any rank of its image needs
+    out, needed = math.prod(s["y"]), math.prod(w[3] for w in windows)
+    x_bytes, y_bytes = n * read * needed * item, n * filters * out * item
     inside = inside_nodes(shape, profile, p_f, node_axes)
-    flops = layer.flops(n, seen, cols) * (Ho * Wo) / (Ho_all * Wo_all)
-    local = local_geometry(layer, n, rows, cols, seen, Ho, Wo, P_h, P_w)
-    keys = {pass_name: rate_key(pass_name, local, "float32") for pass_name in PASSES}
-    named = geometry_key(local)
-    compute = {pass_name: 0.0 if layer.first and pass_name == "backward-data" else
-               profile.kernel_time(pass_name, path, flops, path_rows, named)
+    local, passes = local_geometry(layer, n, read, filters, s["seen"], windows)
+    flops = geometry_flops(local) if local is not None else 0
+    keys = {p: rate_key(passes[p], local, "float32") if local is not None else (None, None) for p in PASSES}
+    named = None if local is None else geometry_key(local)
+    compute = {pass_name: 0.0 if layer.first and pass_name == "backward-data" or not flops else
+               profile.kernel_time(passes[pass_name], path, flops, path_rows, named)
                for pass_name, (path, path_rows) in keys.items()}
     comm = {phase: 0.0 for phase in PHASES}
+    spatial = P_d * P_h * P_w
     groups = {"row": (p_f, inside["row"]), "column": (q, inside["column"]),
-              "gradient": (P_n * P_h * P_w, inside["gradient"])}
+              "gradient": (P_n * spatial, inside["gradient"])}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
     for m in cls.messages:
         if message_sent(m, layer.first, not layer.first):
             ranks, intra = groups[m.group]
             comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
-    if P_h * P_w > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
-        received = n * x_channels * max(0, H * W - x_rows * x_cols) * item
-        p = P_h * P_w
-        halo = profile.collective_time("alltoall", p, received * p / (p - 1), inside["halo"])
+    if spatial > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
+        received = n * x_channels * max(0, needed - math.prod(s["x"])) * item
+        halo = profile.collective_time("alltoall", spatial, received * spatial / (spatial - 1), inside["halo"])
         comm["halo"] = halo * (1 if layer.first else 2)
     weights = w_count * item
     # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as the
-    # largest call's temporaries. A pass by Winograd asks for what kernels.workspace_bytes
-    # sums (tiles, transformed filters, products: 34.2 MiB for 8x256x256x16x16, 15 weights); any
-    # other pass is bounded by weight-sized buffers (three for cfp's NumPy im2col:
+    # largest call's temporaries. A pass by Winograd asks for what its path counts
+    # (paths.pass_bytes: tiles, transformed filters, products: 34.2 MiB for 8x256x256x16x16, 15
+    # weights); any other pass is bounded by weight-sized buffers (three for cfp's NumPy im2col:
     # backward-filter's accumulator and its transpose, backward-data's flipped filters) and a
     # block of im2col patches of at most 4 MiB.
-    bound = profile.workspace_weights * weights + min(4 << 20, n * Ho * Wo * rows * layer.K ** 2 * item)
+    patches = 0 if local is None else local.N * local.Ho * local.Wo * local.C * local.Kh * local.Kw * item
+    bound = profile.workspace_weights * weights + min(4 << 20, patches)
     dtype = {4: "float32", 8: "float64"}.get(item)
-    winograd = {} if not (profile.winograd_workspace and dtype and layer.groups == 1) else workspace_bytes(
-        (n, rows, H, W), (cols, seen, layer.K, layer.K), dtype, layer.stride, layer.pad, layer.dilation)
-    passes = ("forward", "backward-filter") if layer.first else ("forward", "backward-data", "backward-filter")
+    counted = {} if not (profile.winograd_workspace and dtype and layer.groups == 1 and local is not None) else {
+        p: pass_bytes(passes[p], local, dtype) for p in PASSES}
+    kept = ("forward", "backward-filter") if layer.first else PASSES
+    y_kept = n * s["y_filters"] * out
     memory = {
         "weights": weights, "gradients": weights, "optimizer": optimizer_buffers * weights,
-        "activations": (n * (rows if algorithm in ("y", "w") else x_channels) * layer.H * layer.W
-                        + n * y_filters * Ho * Wo) * item
+        # x as the layer keeps it for backward-filter (gathered under y and w, with its halo on
+        # a split image) and y
+        "activations": (n * (read if algorithm in ("y", "w") else x_channels) * needed + y_kept) * item
         # batch norm's normalised output (item bytes) and ReLU's mask (one byte) per element of y
-        + (n * y_filters * Ho * Wo * (item + 1) if layer.normed else 0),
-        # Alive only inside the layer: the partial y and dx before their reduce-scatters.
-        "temporary": (n * cols * Ho * Wo + (0 if layer.first else x_bytes // item)) * item,
-        "workspace": max(winograd.get(p, bound) for p in passes),
+        + (y_kept * (item + 1) if layer.normed else 0),
+        # Alive only inside the layer: the partial y and dx before their reduce-scatters, and a
+        # volume's stacked planes (kernels/conv/volume.py: its input Kd times over)
+        "temporary": (n * filters * out + (0 if layer.first else x_bytes // item)
+                      + (local.N * local.C * local.H * local.W if op.axes == 3 and local is not None else 0)) * item,
+        "workspace": max(counted.get(p) or bound for p in kept),
     }
-    layers = _layers_time(layer, profile, n * y_filters * Ho * Wo, y_filters, w_count, optimizer_buffers,
-                          P_n * P_h * P_w, inside["gradient"])
+    layers = _layers_time(layer, profile, y_kept, s["y_filters"], w_count, optimizer_buffers,
+                          P_n * spatial, inside["gradient"])
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
             "gradient_intra": inside["gradient"],
-            "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local,
+            "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
 
 
-def local_geometry(layer, n, rows, cols, seen, Ho, Wo, P_h=1, P_w=1):
-    """The ConvGeometry of the busiest rank's local convolution of `layer`: x (n, rows, H, W),
-    w (cols, seen, K, K), its (Ho, Wo) outputs; its kernel paths are what the kernel table
-    chooses for it (paths.rate_key). On an axis the grid splits, the block is the rows its
-    windows read, halo and border padding included, convolved without padding (what the halo
-    gives the kernels)."""
-    extent = layer.dilation * (layer.K - 1) + 1
-    H = (Ho - 1) * layer.stride + extent if P_h > 1 else layer.H
-    W = (Wo - 1) * layer.stride + extent if P_w > 1 else layer.W
-    ph, pw = (0 if P_h > 1 else layer.pad), (0 if P_w > 1 else layer.pad)
-    groups = 1 if layer.groups == 1 else max(1, rows // max(1, seen))
-    return conv_geometry((max(n, 1), max(rows, groups), H, W), (max(cols, groups), seen, layer.K, layer.K),
-                         layer.stride, (ph, pw), layer.dilation, groups)
+def local_geometry(layer, n, read, filters, seen, windows):
+    """(the 2-D ConvGeometry that computes the busiest rank's local convolution of `layer`,
+    {pass: its pass that computes each}; ConvOp.plane): x (n, read, *extents), w (filters, seen,
+    K...) with the padding of `windows` (_windows); its kernel paths are what the kernel table
+    chooses for it (paths.rate_key). None for a transposed block no window reaches."""
+    op = conv_op(layer.op)
+    groups = 1 if layer.groups == 1 else max(1, read // max(1, seen))
+    options = dict(layer.options, groups=groups, padding=tuple(side for w in windows for side in w[1:3]))
+    if op.transposed:
+        options["output_padding"] = 0
+    x_shape = (max(n, 1), max(read, groups)) + tuple(w[0] for w in windows)
+    return op.plane(x_shape, (max(filters, groups), seen) + (layer.K,) * len(windows), **options)
 
 
 def _layers_time(layer, profile, elements, channels, w_count, optimizer_buffers, sharing, intra):

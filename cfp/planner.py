@@ -34,22 +34,25 @@ class Choice:
     P_h: int = 1
     P_w: int = 1
     node_axes: tuple = None  # the grid's placement (grid.ProcessGrid); None: channel fastest
+    P_d: int = 1  # a volume's depth axis
 
     @property
     def grid(self):
+        if self.P_d > 1:
+            return f"sample={self.P_n},depth={self.P_d},height={self.P_h},width={self.P_w},channel={self.P_c}"
         if self.P_h * self.P_w > 1:
             return f"sample={self.P_n},height={self.P_h},width={self.P_w},channel={self.P_c}"
         return f"sample={self.P_n},channel={self.P_c}"
 
     @property
     def shape(self):
-        return {"sample": self.P_n, "height": self.P_h, "width": self.P_w, "channel": self.P_c}
+        return {"sample": self.P_n, "depth": self.P_d, "height": self.P_h, "width": self.P_w, "channel": self.P_c}
 
     @functools.cached_property
     def where(self):
         """Where the choice's blocks lie: its grid and the grid's placement (what redistribution
         compares; computed once, the planner asks for it on every transition)."""
-        return self.P_n, self.P_h, self.P_w, self.P_c, placement_order(self.shape, self.node_axes)
+        return self.P_n, self.P_d, self.P_h, self.P_w, self.P_c, placement_order(self.shape, self.node_axes)
 
     @property
     def placed(self):
@@ -86,20 +89,24 @@ def placements(shape, profile, node_axes=None):
 def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORITHMS, grid=None,
                   optimizer_buffers=1, spatial=False, node_axes=None):
     """Every (grid, placement, algorithm, p_f) for `layer` on `ranks` ranks (or on the fixed
-    `grid` (P_n, P_c) or (P_n, P_h, P_w, P_c)), with its predicted cost. Data parallelism needs
-    P_c = 1 (on a grid with P_c > 1 it would only replicate work). spatial: also the grids that
-    split the image over height and width (as far as the layer's output has rows and columns).
-    The placements are `placements`' (one unless the grid spans nodes of a two-link profile;
-    `node_axes` given: that one)."""
+    `grid` (P_n, P_c), (P_n, P_h, P_w, P_c) or (P_n, P_d, P_h, P_w, P_c)), with its predicted
+    cost. Data parallelism needs P_c = 1 (on a grid with P_c > 1 it would only replicate work).
+    spatial: also the grids that split the image over height and width, a volume also over
+    depth (as far as the layer's output has planes, rows and columns). The placements are
+    `placements`' (one unless the grid spans nodes of a two-link profile; `node_axes` given:
+    that one)."""
+    volume = len(layer.spatial) == 3
     if grid is not None:
-        grids = [tuple(grid) if len(grid) == 4 else (grid[0], 1, 1, grid[1])]
+        grid = tuple(grid)
+        grids = [grid if len(grid) == 5 else (grid[0], 1) + grid[1:] if len(grid) == 4 else (grid[0], 1, 1, 1, grid[1])]
     elif spatial:
-        Ho, Wo = layer.out_hw
-        grids = [f for f in factorizations(ranks, 4) if f[1] <= Ho and f[2] <= Wo]
+        out_size = ((1,) if not volume else ()) + layer.out_size  # (planes, rows, columns)
+        grids = [(f[0],) + ((1,) if not volume else ()) + f[1:] for f in factorizations(ranks, 5 if volume else 4)]
+        grids = [f for f in grids if all(parts <= size for parts, size in zip(f[1:4], out_size))]
     else:
-        grids = [(P_n, 1, 1, P_c) for P_n, P_c in factorizations(ranks)]
+        grids = [(P_n, 1, 1, 1, P_c) for P_n, P_c in factorizations(ranks)]
     out = []
-    for P_n, P_h, P_w, P_c in grids:
+    for P_n, P_d, P_h, P_w, P_c in grids:
         if P_n > layer.N:  # a sample rank without a sample does nothing useful
             continue
         for algorithm in algorithms:
@@ -109,10 +116,10 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
                 continue  # with one channel rank x, y and w are the same computation: keep one
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f, placed in itertools.product(p_fs, placements(
-                    {"sample": P_n, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes)):
-                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed)
+                    {"sample": P_n, "depth": P_d, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes)):
+                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed, P_d)
                 out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost, P_h=P_h, P_w=P_w,
-                                  node_axes=placed))
+                                  node_axes=placed, P_d=P_d))
     return out
 
 
@@ -134,10 +141,9 @@ def moves(chosen, choice, itemsize):
     L = choice.layer
     by_name = {c.layer.name: c for c in chosen} if L.reads or L.merges else {}
     source = by_name[L.reads] if L.reads else chosen[-1]
-    out = [(source, L.N * L.C * L.H * L.W * itemsize)]  # its input, after any pooling on the way
+    out = [(source, math.prod(L.x_shape) * itemsize)]  # its input, after any pooling on the way
     if L.merges:
-        Ho, Wo = L.out_hw
-        out.append((by_name[L.merges], L.N * L.F * Ho * Wo * itemsize))
+        out.append((by_name[L.merges], L.N * L.F * math.prod(L.out_size) * itemsize))
     return [(c, volume) for c, volume in out if _grid(c) != _grid(choice)]
 
 
@@ -150,7 +156,7 @@ def redistribution_time(chosen, choice, profile):
     over all ranks whose result on each is its share of the activation (of which (p - 1) / p
     arrives from the others: a split by samples traded for a split by channels). Data
     parallelism runs only where P_c = 1, so one placed grid means one layout."""
-    ranks = choice.P_n * choice.P_h * choice.P_w * choice.P_c
+    ranks = math.prod(choice.shape.values())
     intra = ranks <= profile.ranks_per_node
     return sum(2 * profile.collective_time("alltoall", ranks, volume / ranks, intra)
                for _, volume in moves(chosen, choice, profile.itemsize))
@@ -241,8 +247,10 @@ class Plan:
                  "layers ms", "redistribute ms", "memory MiB")]
         for c in self.choices:
             L = c.layer
-            extra = (f",g{L.groups}" if L.groups > 1 else "") + (f",d{L.dilation}" if L.dilation > 1 else "")
-            rows.append((L.name, f"{L.N},{L.C},{L.F},{L.H}x{L.W},{L.K}{extra}", c.placed, c.label,
+            extra = (f",g{L.groups}" if L.groups > 1 else "") + (f",d{L.dilation}" if L.dilation > 1 else "") + \
+                (",transposed" if "transpose" in L.op else "")
+            size = "x".join(map(str, L.spatial))
+            rows.append((L.name, f"{L.N},{L.C},{L.F},{size},{L.K}{extra}", c.placed, c.label,
                          f"{sum(c.cost['compute'].values()) * 1e3:.2f}",
                          f"{sum(c.cost['comm'].values()) * 1e3:.2f}",
                          f"{sum(c.cost.get('layers', {}).values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
@@ -278,14 +286,14 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
         entry = entries[L.name]
         sizes = parse_grid_spec(entry["grid"])
         P_n, P_c = sizes.get("sample", 1), sizes.get("channel", 1)
-        P_h, P_w = sizes.get("height", 1), sizes.get("width", 1)
-        if P_n * P_h * P_w * P_c != ranks:
+        P_d, P_h, P_w = sizes.get("depth", 1), sizes.get("height", 1), sizes.get("width", 1)
+        if P_n * P_d * P_h * P_w * P_c != ranks:
             raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a grid of {ranks} ranks")
         node_axes = placed_axes(ProcessGrid.shape_of(entry["grid"]), entry.get("node_axes"))
         cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers,
-                          P_h, P_w, node_axes)
+                          P_h, P_w, node_axes, P_d)
         choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w,
-                              node_axes=node_axes))
+                              node_axes=node_axes, P_d=P_d))
     for k, choice in enumerate(choices):
         choice.redistribution = redistribution_time(choices[:k], choice, profile)
     return Plan(choices, ranks)
@@ -330,8 +338,9 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
     """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose
     predicted memory per rank is at most `memory_limit` bytes (None: no limit).
 
-    grid: a fixed (P_n, P_c) or (P_n, P_h, P_w, P_c) for every layer (what a model built on one
-    grid can run). spatial: also consider grids that split the image, layer by layer.
+    grid: a fixed (P_n, P_c), (P_n, P_h, P_w, P_c) or (P_n, P_d, P_h, P_w, P_c) for every layer
+    (what a model built on one grid can run). spatial: also consider grids that split the image
+    (a volume's depth too), layer by layer.
     node_axes: every layer's placement (grid.ProcessGrid); None: each layer's chosen with its
     grid where the grid spans the profile's nodes (placements).
     Raises ValueError when no plan fits the limit, naming the smallest memory possible.

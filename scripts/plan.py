@@ -39,7 +39,8 @@ def parse_args(argv):
     p.add_argument("--grid", help="plan on this grid only (as a model built on one grid runs)")
     p.add_argument("--data-parallel", action="store_true", help="data parallelism only, for comparison")
     p.add_argument("--spatial", action="store_true",
-                   help="also consider grids that split the image over height and width, layer by layer")
+                   help="also consider grids that split the image over height and width (a volume also "
+                        "over depth), layer by layer")
     p.add_argument("--out", help="write the plan here as a plan file for scripts/train.py --plan")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "in_channels", "batch", "ranks"))
@@ -57,13 +58,14 @@ def main(argv=None):
     grid = None
     if args.grid:
         sizes = parse_grid_spec(args.grid)
-        grid = tuple(sizes.get(a, 1) for a in ("sample", "height", "width", "channel"))
+        grid = tuple(sizes.get(a, 1) for a in ("sample", "depth", "height", "width", "channel"))
         if math.prod(grid) != args.ranks:
             raise ValueError(f"grid {args.grid} has {math.prod(grid)} ranks, --ranks says {args.ranks}")
     limit = None if args.memory_limit is None else args.memory_limit * 2 ** 20
     kwargs = {"algorithms": ("sample",)} if args.data_parallel else {}
     result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, spatial=args.spatial, **kwargs)
-    print(f"# {args.model} width {args.width}, {args.image}x{args.image} images, global batch {args.batch}, "
+    inputs = f"{args.image}^3 volumes" if MODELS[args.model].volumes else f"{args.image}x{args.image} images"
+    print(f"# {args.model} width {args.width}, {inputs}, global batch {args.batch}, "
           f"{args.ranks} ranks, profile {profile.name}")
     print(result.table())
     if args.out:

@@ -142,15 +142,12 @@ def test_profile_formats():
 
 
 def model_layers():
-    """Every convolution of every model the cost model prices, at batch 8 (width 2; the wide
-    CNN 32 channels); the volume and unet models are not priced yet (layer_shapes refuses
-    them, by their layers' kinds)."""
+    """Every convolution of every model, at batch 8 (width 2; the wide CNN 32 channels): images,
+    volumes and transposed convolutions."""
     out = []
     for name, kind in MODELS.items():
-        try:
-            out += layer_shapes(name, 8, 32 if kind.depth else 2)
-        except ValueError as e:
-            assert "which the planner and cost model do not price yet" in str(e) and name in ("volume", "unet"), e
+        out += layer_shapes(name, 8, 32 if kind.depth else 2)
+    assert {L.op for L in out} == {"conv2d", "conv3d", "conv_transpose2d"}
     return out
 
 
@@ -169,7 +166,7 @@ def test_calibration_reaches_every_path_the_models_take():
                     if layer.F < P_c:
                         continue
                     cost = layer_cost(layer, algorithm, ranks // P_c, P_c, MachineProfile.load("cpu-dev"))
-                    wanted |= set(cost["paths"].items())
+                    wanted |= {(cost["passes"][p], path) for p, path in cost["paths"].items()}
     assert wanted - measured == set()
 
 
@@ -204,25 +201,30 @@ def ran(monkeypatch):
 
 def test_the_model_takes_the_kernels_own_path_for_every_layer(ran):
     """Each convolution of the models, run as cfp's layer on one rank (float32), takes in each
-    pass the kernel path perfmodel.layer_cost prices it by."""
+    pass the kernel path perfmodel.layer_cost prices it by: a volume's its stacked planes', a
+    transposed one's its adjoint's (its forward by the adjoint's backward-data path)."""
+    from cfp.nn import Conv3d, ConvTranspose2d
     grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
     profile = MachineProfile.load("cpu-dev")
     rng = np.random.default_rng(0)
+    classes = {"conv2d": Conv2d, "conv3d": Conv3d, "conv_transpose2d": ConvTranspose2d}
     for layer in model_layers():
-        cls = Linear if layer.name == "fc" else Conv2d
+        cls = Linear if layer.name == "fc" else classes[layer.op]
         options = {} if cls is Linear else dict(kernel_size=layer.K, stride=layer.stride, padding=layer.pad,
                                                  dilation=layer.dilation, groups=layer.groups)
+        if layer.output_padding:
+            options["output_padding"] = layer.output_padding
         conv = cls(grid, layer.C, layer.F, algorithm="sample", bias=False, name=layer.name,
                    need_dx=not layer.first, **options)
-        shape = (layer.N, layer.C) if cls is Linear else (layer.N, layer.C, layer.H, layer.W)
+        shape = (layer.N, layer.C) if cls is Linear else layer.x_shape
         x = rng.standard_normal(shape).astype(np.float32)
         conv.input_shape = x.shape
         y = conv.forward(x)
         conv.backward(np.ones_like(y))
         taken = ran()
-        priced = layer_cost(layer, "sample", 1, 1, profile)["paths"]
-        if layer.first:
-            del priced["backward-data"]
+        cost = layer_cost(layer, "sample", 1, 1, profile)
+        priced = {cost["passes"][p]: path for p, path in cost["paths"].items()
+                  if not (layer.first and p == "backward-data")}
         assert taken == priced, layer.name
     grid.free()
 

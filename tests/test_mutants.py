@@ -46,30 +46,33 @@ def test_layer_cost_of_an_image_split_by_hand():
     batch, 5 filters 3 x 3, batch norm after: every number of the model worked out here."""
     layer = LayerShape("L", 4, 3, 5, 10, 7, 3, normed=True)
     cost = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=4, inter_beta=2.0), P_h=2, P_w=2)
-    # Output 10 x 7; rank 0's block 5 x 4 (the first block the largest), and the input it reads,
-    # halo included, min(10, 4 + 3) x min(7, 3 + 3) = 7 x 6 of its own 5 x 4.
+    # Output 10 x 7; rank 0's block 5 x 4 (the first block the largest). Its windows read input
+    # rows -1..5 and columns -1..4: 7 x 6 with the border's padding, the kernel's input. Of the
+    # image, rows 0..5 and columns 0..4 (6 x 5 of its own 5 x 4); the most any rank needs, 6 of
+    # 10 rows (rank 1: rows 4..9) and 5 of 7 columns (4 for columns 3..6).
     # flops of all 4 samples, 3 channels, 5 filters on its 20 of 70 output pixels: 21600.
     assert cost["compute"] == {k: pytest.approx(21600 / RATE, rel=1e-12)
                                for k in ("forward", "backward-filter", "backward-data")}
     # Gradient allreduce of 5 * 3 * 9 = 135 float32 over the 4 ranks, inside the node (4 <= 4):
-    # 2 * 3 / 4 * 540 bytes = 810 s at 1 s/byte. Halo: 4 samples * 3 channels * (42 - 20)
-    # pixels * 4 bytes = 1056 received in an all-to-all over 4 (3/4 of the 1408 it totals),
+    # 2 * 3 / 4 * 540 bytes = 810 s at 1 s/byte. Halo: 4 samples * 3 channels * (30 - 20)
+    # pixels * 4 bytes = 480 received in an all-to-all over 4 (3/4 of the 640 it totals),
     # and as much again with dx.
     assert cost["comm"]["gradient-sync"] == pytest.approx(810, rel=1e-12)
-    assert cost["comm"]["halo"] == pytest.approx(2 * 1056, rel=1e-12)
+    assert cost["comm"]["halo"] == pytest.approx(2 * 480, rel=1e-12)
     assert cost["comm"]["forward"] == cost["comm"]["backward-data"] == cost["comm"]["backward-filter"] == 0
-    # Weights, gradients, one optimizer buffer: 540 each. Activations: x (4 * 3 * 70) and y
-    # (4 * 5 * 20) in float32, 4960, plus batch norm's x-hat and ReLU's mask (4 + 1 bytes per
-    # element of y), 2000. Temporary: the partial y (400) and dx (4 * 3 * 42 = 504) in float32,
-    # 3616. Workspace: three weight-sized buffers, 1620, and im2col patches 4 * 20 * 3 * 9 * 4 = 8640.
+    # Weights, gradients, one optimizer buffer: 540 each. Activations: x as kept for
+    # backward-filter, its block with the halo (4 * 3 * 30), and y (4 * 5 * 20) in float32,
+    # 3040, plus batch norm's x-hat and ReLU's mask (4 + 1 bytes per element of y), 2000.
+    # Temporary: the partial y (400) and dx (4 * 3 * 30 = 360) in float32, 3040. Workspace:
+    # three weight-sized buffers, 1620, and im2col patches 4 * 20 * 3 * 9 * 4 = 8640.
     assert cost["memory"] == {"weights": 540, "gradients": 540, "optimizer": 540,
-                              "activations": 6960, "temporary": 3616, "workspace": 10260}
-    assert cost["bytes"] == 22456
+                              "activations": 5040, "temporary": 3040, "workspace": 10260}
+    assert cost["bytes"] == 19960
     # Batch norm's statistics: allreduces of 5, 5 and 10 float32 (80 bytes; its count comes from
     # the shapes) over the 4 ranks holding its channels, 2 * 3 / 4 * 80 = 120 s; the profile
     # times no layers.
     assert cost["layers"]["batchnorm"] == pytest.approx(120, rel=1e-12)
-    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 2112 + 120, rel=1e-12)
+    assert cost["time"] == pytest.approx(3 * 21600 / RATE + 810 + 960 + 120, rel=1e-12)
     # One more rank than the node holds: the same allreduce between nodes at 2 s/byte.
     wide = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=3, inter_beta=2.0), P_h=2, P_w=2)
     assert wide["comm"]["gradient-sync"] == pytest.approx(1620, rel=1e-12)
@@ -406,10 +409,10 @@ def test_parameter_full_index_and_batch_norm_layouts():
 
 def test_first_layer_exchanges_its_halo_once():
     # as test_layer_cost_of_an_image_split_by_hand, but the network's first layer: no dx, so
-    # the halo's 1056 bytes are received once, not again with dx
+    # the halo's 480 bytes are received once, not again with dx
     layer = LayerShape("L", 4, 3, 5, 10, 7, 3, normed=True, first=True)
     cost = layer_cost(layer, "sample", 1, 1, profile(ranks_per_node=4, inter_beta=2.0), P_h=2, P_w=2)
-    assert cost["comm"]["halo"] == pytest.approx(1056, rel=1e-12)
+    assert cost["comm"]["halo"] == pytest.approx(480, rel=1e-12)
 
 
 def test_pooling_padding_and_defaults_by_hand():

@@ -246,6 +246,86 @@ def test_the_planner_splits_large_images_of_one_sample():
         assert c.P_h <= Ho and c.P_w <= Wo and c.P_n * c.P_h * c.P_w * c.P_c == 4
 
 
+def _unit_profile():
+    """alpha 0, beta 1 s/byte, one kernel rate of 1e10 flop/s on every path, no packing."""
+    return MachineProfile(profile_data())
+
+
+def test_a_volume_split_by_depth_by_hand():
+    """Conv3d, 2 samples, 4 -> 6 channels, 8 x 8 x 6, 3x3x3, padding 1, on depth=2: rank 0
+    computes output planes 0..3, whose windows read input planes -1..4 (planes 0..4 of its own
+    0..3 and one from rank 1; rank 1 likewise one plane, 3). Its kernels are the stacked 2-D
+    convolution of 2 x 4 output planes, 3 x 4 channels, 8 x 6 with in-plane padding 1: 2 * 8 *
+    12 * 6 * 48 * 9 = 497664 flops a pass, half the layer's. Halo: 2 * 4 * 48 elements of
+    float32, 1536 bytes, received in an all-to-all over 2 (half of the 3072 it totals) and
+    again with dx."""
+    layer = LayerShape("v", 2, 4, 6, 8, 6, 3, op="conv3d", D=8)
+    cost = layer_cost(layer, "sample", 1, 1, _unit_profile(), P_d=2)
+    g = cost["geometry"]
+    assert (g.N, g.C, g.H, g.W, g.F, g.Ho, g.Wo, g.pt, g.pl) == (8, 12, 8, 6, 6, 8, 6, 1, 1)
+    assert layer.flops() == 2 * 497664
+    assert cost["compute"] == {p: pytest.approx(497664 / 1e10, rel=1e-12) for p in cost["compute"]}
+    assert cost["comm"]["halo"] == pytest.approx(2 * 1536, rel=1e-12)
+    sent = [predict_bytes("sample", layer.x_shape, layer.w_shape, "depth=2", {"depth": r}, padding=1, itemsize=4,
+                          op="conv3d")["halo"] for r in (0, 1)]
+    assert sent == [(3072, 3072)] * 2  # each sends a plane forward and its gradient back
+
+
+def test_a_transposed_layer_split_by_height_by_hand():
+    """ConvTranspose2d, 2 samples, 4 -> 6 channels, 8 x 8 to 16 x 16 (stride 2, padding 1,
+    output_padding 1), on height=2: rank 0 computes output rows 0..7, which input rows 0..4
+    reach (ceil((0 + 1 - 2) / 2) to (7 + 1) // 2): its own 0..3 and row 4 of rank 1, whose
+    rows 8..15 rows 4..7 reach, its own. Its kernels are the adjoint convolution of the 8 x 16
+    output block to the 5 x 8 input rows (signed sides 1 and 2 on the split axis, 1 and 0 on
+    the other): 2 * 2 * 6 * 4 * 40 * 9 = 34560 flops a pass, its forward priced at the
+    adjoint's backward-data. Halo: 2 * 4 * 8 float32 (256 bytes), the most a rank receives."""
+    layer = LayerShape("t", 2, 4, 6, 8, 8, 3, stride=2, padding=1, output_padding=1, op="conv_transpose2d")
+    assert layer.out_size == (16, 16)
+    cost = layer_cost(layer, "sample", 1, 1, _unit_profile(), P_h=2)
+    g = cost["geometry"]
+    assert (g.N, g.C, g.H, g.W, g.F, g.Ho, g.Wo, g.pt, g.pb, g.pl, g.pr) == (2, 6, 8, 16, 4, 5, 8, 1, 2, 1, 0)
+    assert cost["passes"] == {"forward": "backward-data", "backward-data": "forward",
+                              "backward-filter": "backward-filter"}
+    assert cost["compute"] == {p: pytest.approx(34560 / 1e10, rel=1e-12) for p in cost["compute"]}
+    assert cost["comm"]["halo"] == pytest.approx(2 * 256, rel=1e-12)
+    received = [predict_bytes("sample", layer.x_shape, layer.w_shape, "height=2", {"height": r}, stride=2,
+                              padding=1, itemsize=4, op="conv_transpose2d", output_padding=1)["halo"][1]
+                for r in (0, 1)]
+    assert received == [256, 256]  # rank 0 its halo row, rank 1 the row's gradient back
+    whole = layer_cost(layer, "sample", 1, 1, _unit_profile())
+    assert whole["compute"]["forward"] == pytest.approx(layer.flops() / 1e10, rel=1e-12) == 2 * 2 * 4 * 6 * 64 * 9 / 1e10
+
+
+def test_a_layer_shape_says_its_kind_and_depth():
+    with pytest.raises(ValueError, match="layer v: a conv3d layer needs the depth D of its volume"):
+        LayerShape("v", 1, 2, 2, 4, 4, 3, op="conv3d")
+    with pytest.raises(ValueError, match="layer c: a conv2d layer has no depth"):
+        LayerShape("c", 1, 2, 2, 4, 4, 3, D=4)
+    with pytest.raises(ValueError, match="a depth axis of 2 ranks splits a volume; conv2d has none"):
+        layer_cost(LayerShape("c", 1, 2, 2, 4, 4, 3), "sample", 1, 1, _unit_profile(), P_d=2)
+
+
+def test_the_planner_splits_a_volume_of_one_sample():
+    """One 32^3 volume on 2 ranks: with spatial grids, the planner splits the volume (its
+    halo moves a plane where a channel split moves the whole activation), tries depth grids for
+    volumes only, and prices its plan as price_plan does; the volume and unet models plan."""
+    from cfp.planner import layer_options, price_plan
+    volume = LayerShape("v", 1, 8, 8, 32, 32, 3, op="conv3d", D=32)
+    chosen = plan([volume], 2, _unit_profile(), spatial=True).choices[0]
+    assert chosen.P_d * chosen.P_h * chosen.P_w == 2 and chosen.P_c == 1
+    assert any(o.P_d == 2 for o in layer_options(volume, 2, _unit_profile(), spatial=True))
+    image = LayerShape("c", 1, 8, 8, 32, 32, 3)
+    assert all(o.P_d == 1 for o in layer_options(image, 2, _unit_profile(), spatial=True))
+    profile = MachineProfile.load("cpu-dev")
+    for name in ("volume", "unet"):
+        shapes = layer_shapes(name, 2, 1, image=16)
+        planned = plan(shapes, 4, profile, spatial=True)
+        assert price_plan(shapes, 4, profile, plan_entries(planned)).time == pytest.approx(planned.time, rel=1e-12)
+        for c in planned.choices:
+            assert all(parts <= size for parts, size in zip((c.P_d, c.P_h, c.P_w), (1,) * (3 - len(c.layer.out_size))
+                                                          + c.layer.out_size))
+
+
 def test_which_groups_stay_inside_a_node_follows_the_placement():
     """A 2 x 2 sample x channel grid on nodes of 2 ranks: channel fastest (the default) keeps
     each channel pair (the row of p_f = 2, the column of p_f = 1) on a node and sends the

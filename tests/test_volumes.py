@@ -557,10 +557,12 @@ def test_per_voxel_cross_entropy_on_any_split(grids, spec):
 
 def volume_grids():
     """(grid, algorithm) of the volume model's training test at this rank count: samples,
-    channels, depth, and depth with channels or height where the ranks allow."""
+    channels, depth, and depth with channels or height where the ranks allow; the planner's
+    grids and algorithms (auto)."""
     if SIZE == 1:
         return [("sample=1", "y")]
-    out = [(f"sample={SIZE}", "sample"), (f"channel={SIZE}", "y"), (f"depth={SIZE}", "y"), (f"depth={SIZE}", "sample")]
+    out = [(f"sample={SIZE}", "sample"), (f"channel={SIZE}", "y"), (f"depth={SIZE}", "y"), (f"depth={SIZE}", "sample"),
+           (None, "auto")]
     if SIZE == 4:
         out += [("depth=2,channel=2", "w"), ("sample=2,depth=2", "x"), ("depth=2,height=2", "y")]
     return out
@@ -573,7 +575,7 @@ _one_rank_volume = {}
 def test_volume_model_trains_like_one_rank(grid, algorithm):
     """--model volume: 20 float64 steps of the 3-D CNN (Conv3d, BatchNorm3d, MaxPool3d,
     GlobalAvgPool3d, Linear) on synthetic volumes, on grids that split samples, channels,
-    depth and height, equal one rank's losses and final weights."""
+    depth and height, and as the planner chooses, equal one rank's losses and final weights."""
     from cfp.train import TrainConfig, train_model
     from test_train import assert_trains_like, weights
 
@@ -585,9 +587,14 @@ def test_volume_model_trains_like_one_rank(grid, algorithm):
     if not _one_rank_volume:
         result, model = train_model(cfg(grid="sample=1", algorithm="y"), world=WORLD.Split(WORLD.Get_rank()))
         _one_rank_volume["run"] = ([h["loss"] for h in result["history"]], weights(model))
-    result, model = train_model(cfg(grid=grid, algorithm=algorithm))
+    result, model = train_model(cfg(grid=grid, algorithm=algorithm, **_planned(algorithm)))
     assert_all_ranks(len(result["history"]) == 20, "20 steps")
     assert_trains_like(result, model, _one_rank_volume["run"], f"volume model on {grid}, {algorithm}", tol=1e-10)
+
+
+def _planned(algorithm):
+    """What a run with `algorithm` needs beyond it: the planner's (auto) machine profile."""
+    return {"profile": "cpu-dev"} if algorithm == "auto" else {}
 
 
 def _mixed_plan(path, layers):
@@ -623,11 +630,11 @@ def test_volume_model_on_a_mixed_plan_trains_like_one_rank(mpi_tmp_path):
 
 def unet_runs():
     """(grid, algorithm, plan name or None): --model unet on grids that split samples, height
-    (and width), channels, and on a mixed plan."""
+    (and width), channels, on a mixed plan, and as the planner chooses (auto)."""
     if SIZE == 1:
         return [("sample=1", "y", None)]
     out = [(f"sample={SIZE}", "sample", None), (f"height={SIZE}", "y", None), (f"channel={SIZE}", "x", None),
-           (None, "y", "mixed")]
+           (None, "y", "mixed"), (None, "auto", None)]
     if SIZE == 4:
         out += [("height=2,width=2", "w", None), ("sample=2,height=2", "y", None)]
     return out
@@ -657,7 +664,7 @@ def test_unet_trains_like_one_rank(grid, algorithm, plan, mpi_tmp_path):
             "body.conv": (f"channel={SIZE}", "w"), "up.conv": (f"width={SIZE}", "x"), "head": (f"sample={SIZE}", "y")})
     else:
         cfg["grid"] = grid
-    result, model = train_model(TrainConfig(algorithm=algorithm, **cfg))
+    result, model = train_model(TrainConfig(algorithm=algorithm, **cfg, **_planned(algorithm)))
     assert_all_ranks(len(result["history"]) == 20, "20 steps")
     assert_trains_like(result, model, _one_rank_unet["run"], f"unet on {grid or plan}, {algorithm}", tol=1e-10)
 
@@ -706,12 +713,10 @@ def test_a_models_ledger_equals_its_predicted_bytes(model_name, spec, algorithm)
     model.free()
 
 
-def test_volume_and_unet_models_refuse_the_planner_and_other_datasets():
+def test_volume_and_unet_models_refuse_other_datasets():
     from cfp.train import TrainConfig, train
     for model, options, message in (
-            ("volume", dict(algorithm="auto"), r"model 'volume' has conv3d layers, which the planner and cost model"),
             ("volume", dict(dataset="digits"), r"--model volume convolves volumes: expected --dataset synthetic"),
-            ("unet", dict(algorithm="auto"), r"model 'unet' has conv_transpose2d layers, which the planner"),
             ("unet", dict(dataset="digits"), r"--model unet labels every pixel: expected --dataset synthetic")):
         base = dict(model=model, dataset="synthetic", epochs=1, batch_size=8, train_samples=16, progress=False)
         raises_on_all_ranks(ValueError, lambda: train(TrainConfig(**{**base, **options})), match=message)

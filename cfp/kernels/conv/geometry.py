@@ -130,7 +130,11 @@ def conv2d_output_shape(x_shape, w_shape, stride=1, padding=0, dilation=1, group
 
 def conv2d_flops(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros"):
     """2 N (C/G) F Ho Wo Kh Kw: the multiply-adds, counted as 2 flops, of each of the three passes."""
-    g = conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode)
+    return geometry_flops(conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, padding_mode))
+
+
+def geometry_flops(g):
+    """2 N (C/G) F Ho Wo Kh Kw of ConvGeometry g: what each of its passes computes."""
     return 2 * g.N * (g.C // g.G) * g.F * g.Ho * g.Wo * g.Kh * g.Kw
 
 

@@ -19,7 +19,12 @@ it is made) and puts them in the form its passes take.
 import typing
 
 from cfp.kernels.conv import passes, transposed, volume
-from cfp.kernels.conv.geometry import conv2d_output_shape, conv_options
+from cfp.kernels.conv.geometry import conv2d_output_shape, conv_geometry, conv_options
+from cfp.kernels.conv.paths import PASSES
+
+_SAME_PASSES = {p: p for p in PASSES}
+# a transposed convolution's passes as its adjoint convolution's (kernels/conv/transposed.py)
+_ADJOINT_PASSES = {"forward": "backward-data", "backward-data": "forward", "backward-filter": "backward-filter"}
 
 
 def _transposed_options(axes):
@@ -69,6 +74,23 @@ def _transposed_output_shape(x_shape, w_shape, groups=1, **options):
     return transposed.conv_transpose_output_shape(x_shape, _torch_shape(w_shape, groups), groups=groups, **options)
 
 
+def _conv2d_plane(x_shape, w_shape, **options):
+    return conv_geometry(x_shape, w_shape, **options), _SAME_PASSES
+
+
+def _conv3d_plane(x_shape, w_shape, **options):
+    return volume.volume_geometry(x_shape, w_shape, **options).plane, _SAME_PASSES
+
+
+def _transposed_plane(x_shape, w_shape, groups=1, **options):
+    t = transposed.transposed_geometry(x_shape, _torch_shape(w_shape, groups), groups=groups, **options)
+    _, read = transposed.adjoint_input(t)
+    if read is None:  # no window reaches this block: its passes compute nothing
+        return None, _ADJOINT_PASSES
+    plane = _conv2d_plane if len(read) == 4 else _conv3d_plane
+    return plane(read, t.w_shape, **t.options)[0], _ADJOINT_PASSES
+
+
 class ConvOp(typing.NamedTuple):
     """One kind of convolution: its name, spatial axes, whether transposed, and its passes on
     NumPy/CuPy blocks, the weight in the convolution's orientation (F, C/groups, *K), keyword
@@ -82,15 +104,22 @@ class ConvOp(typing.NamedTuple):
     backward_filter: typing.Callable
     backward_bias: typing.Callable
     output_shape: typing.Callable
+    # (the 2-D ConvGeometry whose passes compute this kind's passes on blocks of these shapes,
+    # {pass: which of its passes computes it}): a volume's stacked planes (volume.py), a
+    # transposed convolution's adjoint (transposed.py: its forward is the adjoint's
+    # backward-data). None for a transposed block no window reaches. The cost model prices
+    # each pass at that 2-D pass's rate (perfmodel.layer_cost).
+    plane: typing.Callable
 
 
 _TRANSPOSED = (_transposed_forward, _transposed_backward_data, _transposed_backward_filter,
-               transposed.conv_transpose_backward_bias, _transposed_output_shape)
+               transposed.conv_transpose_backward_bias, _transposed_output_shape, _transposed_plane)
 OPS = {
     "conv2d": ConvOp("conv2d", 2, False, conv_options, passes.conv2d_forward, passes.conv2d_backward_data,
-                     passes.conv2d_backward_filter, passes.conv2d_backward_bias, conv2d_output_shape),
+                     passes.conv2d_backward_filter, passes.conv2d_backward_bias, conv2d_output_shape, _conv2d_plane),
     "conv3d": ConvOp("conv3d", 3, False, volume.volume_options, volume.conv3d_forward, volume.conv3d_backward_data,
-                     volume.conv3d_backward_filter, volume.conv3d_backward_bias, volume.conv3d_output_shape),
+                     volume.conv3d_backward_filter, volume.conv3d_backward_bias, volume.conv3d_output_shape,
+                     _conv3d_plane),
     "conv_transpose2d": ConvOp("conv_transpose2d", 2, True, _transposed_options(2), *_TRANSPOSED),
     "conv_transpose3d": ConvOp("conv_transpose3d", 3, True, _transposed_options(3), *_TRANSPOSED),
 }

@@ -130,7 +130,7 @@ def _require(array, name, ndim=None):
     float_dtype(array.dtype, name)
 
 
-def _read(t):
+def adjoint_input(t):
     """The index of the part of y (or dy) the adjoint convolution's windows read (all of it but
     the crop), and that part's shape; None where they read nothing (an input with no positions,
     or windows that miss this block of y): its output is then zero."""
@@ -151,7 +151,7 @@ def conv_transpose_forward(x, w, b=None, stride=1, padding=0, output_padding=0, 
                          f"got shape {getattr(b, 'shape', None)!r}")
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
-    index, read = _read(t)
+    index, read = adjoint_input(t)
     if read is None:  # no window reaches this block of y
         y = xp.zeros(t.out_shape, dtype)
     else:
@@ -179,7 +179,7 @@ def conv_transpose_backward_data(dy, w, x_shape, stride=1, padding=0, output_pad
     _require_dy(dy, t)
     xp = get_array_module(dy, w)
     dtype = xp.result_type(dy.dtype, w.dtype)
-    index, read = _read(t)
+    index, read = adjoint_input(t)
     if read is None:
         return xp.zeros(t.x_shape, dtype)
     dy = xp.ascontiguousarray(dy[index]) if read != t.out_shape else dy
@@ -194,7 +194,7 @@ def conv_transpose_backward_filter(x, dy, w_shape, stride=1, padding=0, output_p
     _require_dy(dy, t)
     xp = get_array_module(x, dy)
     dtype = xp.result_type(x.dtype, dy.dtype)
-    index, read = _read(t)
+    index, read = adjoint_input(t)
     if read is None:
         return xp.zeros(t.w_shape, dtype)
     dy = xp.ascontiguousarray(dy[index]) if read != t.out_shape else dy
