@@ -14,7 +14,7 @@ MPIEXEC ?=
 MPIEXEC_FLAGS ?=
 LAUNCH := MPIEXEC="$(MPIEXEC)" MPIEXEC_FLAGS="$(MPIEXEC_FLAGS)"
 
-.PHONY: test test-scale demo install oracle bench pictures test-system-mpi test-cluster clean
+.PHONY: test test-scale demo install oracle bench pictures test-system-mpi test-cluster clean mutation mutation-repoint
 
 install: $(VENV)/.installed
 
@@ -110,3 +110,9 @@ MUTATION_ARGS ?= --sample 0.1 --jobs 2
 mutation: install
 	$(PY) -m pip install -q 'cosmic-ray>=8.3'
 	$(PY) tests/mutation/run.py $(MUTATION_ARGS)
+
+# After an edit above a listed equivalent mutant: point tests/mutation/equivalent.txt at its
+# lines again, by their text at REPOINT_REV (default HEAD: run it before committing the edit).
+REPOINT_REV ?= HEAD
+mutation-repoint: install
+	$(PY) tests/mutation/run.py --repoint $(REPOINT_REV)

@@ -15,7 +15,7 @@ from .grid import coords_of
 from .kernels import conv_geometry, fold_index, pad_index
 from .kernels.conv import volume_geometry
 from .kernels.conv.transposed import transposed_geometry
-from .layout import gather_plan, index_set
+from .layout import gather_plan, index_set, piece_size
 from .partition import block_range
 from .tensor import move, start_move
 
@@ -177,7 +177,7 @@ class Halo:
         self.at = tuple(span[4] for span in spans)
         # the local kernel's zero padding (a transposed convolution's: its block's signed sides)
         self.padding = tuple(side for span in spans for side in span[2:4])
-        self.pieces, self.wanted = plan["pieces"], plan["wanted"][grid.rank]
+        self.pieces, self.wanted, self.rank = plan["pieces"], plan["wanted"][grid.rank], grid.rank
         self.held = layout.indices(x_shape, grid, grid.coords)
         self.comm = grid.comm
         # per axis: stride, dilation, kernel, the padded block's zero rows before, the rows
@@ -237,6 +237,13 @@ class Halo:
         while it moves (phase 'halo'; the same messages and bytes as exchange)."""
         with comm.tag(layer=layer, phase="halo"):
             return HaloInFlight(self, x, start_move(x, self.held, self.pieces, self.wanted, self.comm))
+
+    def bytes(self, itemsize):
+        """(sent, received) by this rank in one exchange (the adjoint moves the same pieces back),
+        counted as the ledger counts them: each piece that leaves it or reaches it from another."""
+        sent = sum(piece_size(p) for s, d, p in self.pieces if s == self.rank != d)
+        received = sum(piece_size(p) for s, d, p in self.pieces if d == self.rank != s)
+        return sent * itemsize, received * itemsize
 
     def exchange(self, x, layer):
         """x's block extended by the rows and columns the windows read (phase 'halo')."""

@@ -59,8 +59,9 @@ class _Builder:
         self.last = None  # the last convolution built
 
     def choose(self, name):
-        self.current = plan_choice(self.current, self.plan.pop(name, None))
-        spec = dict(self.current)
+        entry = self.plan.pop(name, None)
+        self.current = plan_choice(self.current, entry)
+        spec = dict(self.current, chunks=(entry or {}).get("chunks", 1))  # the layer's own, never the one before's
         try:
             grid = self.grids.get(spec["grid"], spec.get("node_axes"))
         except ValueError as e:
@@ -80,6 +81,8 @@ class _Builder:
                     input_whole=first, need_dx=not first, name=name, seed=self.seed, dtype=self.dtype, **kwargs)
         self.chosen[name] = {"grid": grid.describe(), "algorithm": spec["algorithm"],
                              "filter_groups": layer.filter_groups}
+        if spec["chunks"] > 1:  # (what training pipelines, --overlap all: train.train_step)
+            self.chosen[name]["chunks"] = spec["chunks"]
         if grid.node_axes:
             self.chosen[name]["node_axes"] = ",".join(grid.node_axes)
         self.last = layer
@@ -404,7 +407,7 @@ def _after(size, kernel, stride):
     return (size + 2 * (kernel // 2) - kernel) // stride + 1
 
 
-PLAN_KEYS = ("grid", "algorithm", "filter_groups", "node_axes")
+PLAN_KEYS = ("grid", "algorithm", "filter_groups", "node_axes", "chunks")
 
 
 def read_plan(path):
@@ -472,6 +475,11 @@ def _check_plan_entry(name, entry, ranks=None):
             placement_order(parse_grid_spec(entry["grid"]), entry["node_axes"])
         except ValueError as e:
             raise ValueError(f"plan entry of layer {name}: {e}") from None
+    if "chunks" in entry:
+        positive_int(entry["chunks"], f"chunks of layer {name}")
+        if entry["chunks"] > 1 and entry.get("algorithm") not in ("x", "y", "w"):
+            raise ValueError(f"plan entry of layer {name}: chunks pipeline the collectives of algorithms x, y and w; "
+                             f"give one of them as its \"algorithm\", not {entry.get('algorithm')!r}")
     p_f = entry.get("filter_groups")
     if p_f is not None:
         positive_int(p_f, f"filter_groups of layer {name}")
@@ -481,14 +489,15 @@ def _check_plan_entry(name, entry, ranks=None):
 
 
 def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=None, choose_grids=False,
-                **config):
+                chunks=False, buckets=False, **config):
     """The model `name` (one of MODELS), a Network; config as the builder functions take.
 
     `grid` is the grid of every layer that no plan entry places elsewhere. `plan`: {layer name:
     {"grid", "algorithm", "filter_groups"}} (a plan file's "layers"). With algorithm='auto',
     the planner chooses each layer's algorithm and p_f, and with choose_grids also its grid, for
     the global `batch` under `profile` (a perfmodel.MachineProfile) and `memory_limit` (bytes
-    per rank, or None); the planner's Plan is kept as model.plan.
+    per rank, or None); the planner's Plan is kept as model.plan. chunks, buckets: the planner
+    also chooses each layer's chunks and the gradient buckets (planner.plan).
     """
     kind = model_kind(name)
     arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
@@ -501,7 +510,7 @@ def build_model(name, grid, batch=None, profile=None, memory_limit=None, plan=No
         shapes = layer_shapes(name, batch or 1, **arch)
         fixed = None if choose_grids else (grid.axis_size("sample"), grid.axis_size("channel"))
         the_plan = _planner(shapes, grid.size, profile, memory_limit=memory_limit, grid=fixed,
-                            node_axes=None if choose_grids else grid.node_axes,
+                            node_axes=None if choose_grids else grid.node_axes, chunks=chunks, buckets=buckets,
                             **({} if choose_grids else {"algorithms": CHANNEL_ALGORITHMS}))
         plan = plan_entries(the_plan)
         config["algorithm"] = the_plan.choices[0].algorithm

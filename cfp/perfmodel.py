@@ -490,7 +490,7 @@ def inside_nodes(shape, profile, p_f=1, node_axes=None):
 
 
 def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1,
-               node_axes=None, P_d=1):
+               node_axes=None, P_d=1, chunks=1):
     """Predicted seconds (per phase, compute and communication) and bytes per rank of one
     forward and backward pass of `layer` under `algorithm` on a P_n x P_d x P_h x P_w x P_c grid
     (P_d, P_h, P_w > 1: the image, or a volume, split over depth, height and width, with a halo
@@ -503,6 +503,11 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     A collective runs over the link inside a node where each of its groups lies inside one
     (inside_nodes: the grid's placement, `node_axes`, on the profile's nodes), else over the
     link between nodes (docs/design.md, "Rank placement").
+
+    chunks > 1: the layer's passes pipelined over that many chunks of its samples, each chunk's
+    collectives in flight while the next computes (ConvAlgorithm.pipelined; stationary-x, -y
+    and -w): each pass priced by pipeline_seconds, its comm the part left exposed, "hidden"
+    the part the chunks' kernels hide.
     """
     cls = algorithm_class(algorithm, layer.groups)
     op = conv_op(layer.op)
@@ -533,10 +538,14 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     groups = {"row": (p_f, inside["row"]), "column": (q, inside["column"]),
               "gradient": (P_n * spatial, inside["gradient"])}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
-    for m in cls.messages:
-        if message_sent(m, layer.first, not layer.first):
-            ranks, intra = groups[m.group]
-            comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
+    sent = [m for m in cls.messages if message_sent(m, layer.first, not layer.first)]
+    for m in sent:
+        ranks, intra = groups[m.group]
+        comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
+    hidden = {phase: 0.0 for phase in PHASES}
+    if chunks > 1:
+        _pipeline(layer, cls, chunks, n, read, filters, s["seen"], windows, profile, compute, comm, hidden,
+                  [m for m in sent if m.group in ("row", "column")], groups, result)
     if spatial > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
         received = n * x_channels * max(0, needed - math.prod(s["x"])) * item
         halo = profile.collective_time("alltoall", spatial, received * spatial / (spatial - 1), inside["halo"])
@@ -573,8 +582,92 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
             "gradient_intra": inside["gradient"],
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
+            "chunks": chunks, "hidden": hidden,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
+
+
+def pipelines(cls, first=False):
+    """Whether `cls`'s layers pipeline their collectives over chunks of samples
+    (ConvAlgorithm.pipelined): those with messages of their own besides the gradient sum,
+    stationary-x, -y and -w (train.pipelined_layers)."""
+    return any(m.group in ("row", "column") and message_sent(m, first, not first) for m in cls.messages)
+
+
+def pipeline_seconds(chunks, compute, gather=0.0, scatter=0.0, progress=0.0):
+    """Seconds of one pass in `chunks` chunks, each computing for `compute` seconds between its
+    gather (an allgather of its input, `gather` seconds blocking) and its reduce-scatter
+    (`scatter`), as ConvAlgorithm.pipelined runs them: chunk 0's gather is waited for at once;
+    chunk i + 1's is started before chunk i computes and chunk i's reduce-scatter after it, so
+    that while a chunk computes the started collectives move, one after another on the link
+    (in the order started), at `progress` of their blocking rate (MachineProfile.progress_of);
+    a wait moves what is left of them up to the one waited for at the full rate, exposed. The
+    last chunk's reduce-scatters are waited for at the end. One chunk: compute + gather +
+    scatter."""
+    if chunks <= 1:
+        return compute + gather + scatter
+    t, link = gather, []  # link: [what, seconds left] of the started collectives, in order
+    for i in range(chunks):
+        if i + 1 < chunks and gather:
+            link.append(["gather", gather])
+        budget = compute * progress  # what the link moves while this chunk computes
+        for item in link:
+            moved = min(item[1], budget)
+            item[1] -= moved
+            budget -= moved
+        t += compute
+        if i + 1 < chunks and gather:  # the next chunk's input, and all started before it
+            last = max(j for j, item in enumerate(link) if item[0] == "gather")
+            t += sum(item[1] for item in link[:last + 1])
+            link = link[last + 1:]
+        if scatter:
+            link.append(["scatter", scatter])
+    return t + sum(item[1] for item in link)
+
+
+def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, compute, comm, hidden, sent, groups,
+              result):
+    """layer_cost's `compute`, `comm` and `hidden` (dicts by phase, updated) for the layer's
+    passes in `chunks` chunks of its n samples: each chunk's kernels priced at the chunk's own
+    geometry (the largest chunk, for all), each chunk's collectives at a chunks-th of the
+    bytes. Forward: gather x, compute, reduce-scatter y. Backward under stationary-x and -w
+    (dy gathered): one pipeline, per chunk both passes, its dx reduce-scattered (-w); under -y
+    backward-data alone, its dx reduce-scattered, and backward-filter on the whole block."""
+    if not pipelines(cls, layer.first):
+        raise ValueError(f"layer {layer.name}: chunks={chunks}: its algorithm pipelines no collectives "
+                         f"(stationary-x, -y and -w do)")
+    if chunks > max(n, 1):
+        raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds")
+    local, passes = local_geometry(layer, -(-n // chunks), read, filters, seen, windows)
+    flops = geometry_flops(local)
+    chunk = {}
+    for p in PASSES:
+        path, rows = rate_key(passes[p], local, "float32")
+        chunk[p] = 0.0 if layer.first and p == "backward-data" or not flops else \
+            profile.kernel_time(passes[p], path, flops, rows, geometry_key(local))
+    progress = profile.progress_of(all(groups[m.group][1] for m in sent))
+
+    def part(phase, collective):
+        return sum(profile.collective_time(m.collective, groups[m.group][0], result[m.tensor] / chunks,
+                                           groups[m.group][1]) for m in sent if m.phase == phase and m.collective == collective)
+
+    stages = [(("forward",), part("forward", "allgather"), part("forward", "reduce_scatter"))]
+    if any(m.phase == "backward-filter" and m.collective == "allgather" for m in sent):  # x, w
+        stages.append((("backward-filter", "backward-data"), part("backward-filter", "allgather"),
+                       part("backward-data", "reduce_scatter")))
+    else:  # y: dy is its own; backward-filter is one blocking pass
+        stages.append((("backward-data",), 0.0, part("backward-data", "reduce_scatter")))
+    for phases, gather, scatter in stages:
+        c = sum(chunk[p] for p in phases)
+        exposed = pipeline_seconds(chunks, c, gather, scatter, progress) - chunks * c
+        # the exposed and hidden time shared among the stage's phases as their collectives' time
+        moved = {p: chunks * (part(p, "allgather") + part(p, "reduce_scatter")) for p in phases}
+        total = sum(moved.values())
+        for p in phases:
+            compute[p] = chunks * chunk[p]
+            share = moved[p] / total if total else 1.0 / len(phases)
+            comm[p] = exposed * share
+            hidden[p] = max(0.0, total - exposed) * share
 
 
 def local_geometry(layer, n, read, filters, seen, windows):

@@ -16,10 +16,13 @@ import itertools
 import math
 
 from .grid import AXES, ProcessGrid, factorizations, placed_axes, placement_order
-from .perfmodel import layer_cost, overlapped_step
+from .perfmodel import layer_cost, overlapped_step, pipelines
+from .algorithms import algorithm_class
 from .report import format_table
 
 CHANNEL_ALGORITHMS = ("x", "y", "w")
+CHUNKS = (1, 2, 4)  # the chunks of samples a pipelined layer may run in (plan(..., chunks=True))
+BUCKETS_MB = (1, 4, 25)  # the gradient buckets a plan may sum in during backward (plan(..., buckets=True))
 
 
 @dataclasses.dataclass
@@ -35,6 +38,7 @@ class Choice:
     P_w: int = 1
     node_axes: tuple = None  # the grid's placement (grid.ProcessGrid); None: channel fastest
     P_d: int = 1  # a volume's depth axis
+    chunks: int = 1  # > 1: its passes pipelined over that many chunks of samples (perfmodel.pipeline_seconds)
 
     @property
     def grid(self):
@@ -62,7 +66,8 @@ class Choice:
 
     @property
     def label(self):
-        return self.algorithm + (f" (p_f={self.p_f})" if self.algorithm == "w" else "")
+        return self.algorithm + (f" (p_f={self.p_f})" if self.algorithm == "w" else "") + \
+            (f" in {self.chunks} chunks" if self.chunks > 1 else "")
 
 
 def placements(shape, profile, node_axes=None):
@@ -87,14 +92,18 @@ def placements(shape, profile, node_axes=None):
 
 
 def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORITHMS, grid=None,
-                  optimizer_buffers=1, spatial=False, node_axes=None):
+                  optimizer_buffers=1, spatial=False, node_axes=None, chunks=False):
     """Every (grid, placement, algorithm, p_f) for `layer` on `ranks` ranks (or on the fixed
     `grid` (P_n, P_c), (P_n, P_h, P_w, P_c) or (P_n, P_d, P_h, P_w, P_c)), with its predicted
     cost. Data parallelism needs P_c = 1 (on a grid with P_c > 1 it would only replicate work).
     spatial: also the grids that split the image over height and width, a volume also over
     depth (as far as the layer's output has planes, rows and columns). The placements are
     `placements`' (one unless the grid spans nodes of a two-link profile; `node_axes` given:
-    that one)."""
+    that one). chunks: also x, y and w in each of CHUNKS chunks of the samples a rank holds, on
+    grids with channel ranks to exchange with and where the profile's links progress while
+    ranks compute (with none, a pipeline hides nothing and only adds its chunks' latencies:
+    one chunk)."""
+    progress = chunks and any(v > 0 for v in profile.progress.values())
     volume = len(layer.spatial) == 3
     if grid is not None:
         grid = tuple(grid)
@@ -115,11 +124,14 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
             if algorithm != "sample" and P_c == 1 and algorithm != "y":
                 continue  # with one channel rank x, y and w are the same computation: keep one
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
-            for p_f, placed in itertools.product(p_fs, placements(
-                    {"sample": P_n, "depth": P_d, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes)):
-                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed, P_d)
+            ks = [k for k in CHUNKS if k <= layer.N // P_n] if progress and P_c > 1 and pipelines(
+                algorithm_class(algorithm, layer.groups), layer.first) else [1]
+            for p_f, placed, k in itertools.product(p_fs, placements(
+                    {"sample": P_n, "depth": P_d, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes),
+                    ks):
+                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed, P_d, k)
                 out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost, P_h=P_h, P_w=P_w,
-                                  node_axes=placed, P_d=P_d))
+                                  node_axes=placed, P_d=P_d, chunks=k))
     return out
 
 
@@ -220,6 +232,7 @@ def _best_path(options, profile, price, count_temporary=False):
 class Plan:
     choices: list
     ranks: int
+    bucket_mb: float = 0  # > 0: the gradient buckets the planner chose (plan(..., buckets=True)); 0: blocking
 
     def to_json(self):
         """The plan file's content: {"layers": {layer name: {"grid", "algorithm", "filter_groups",
@@ -233,6 +246,16 @@ class Plan:
     @property
     def memory(self):
         return _memory(self.choices)
+
+    overlapped_time = None  # the step with the chosen buckets (choose_bucket)
+
+    def choose_bucket(self, profile, sizes=BUCKETS_MB):
+        """The bucket of `sizes` (MiB) whose overlapped step (overlapped) is the fastest, kept
+        where it beats the blocking step (else 0: every gradient sum blocking)."""
+        best = min(sizes, key=lambda b: self.overlapped(profile, b)["time"])
+        time = self.overlapped(profile, best)["time"]
+        self.bucket_mb, self.overlapped_time = (best, time) if time < self.time else (0, None)
+        return self.bucket_mb
 
     def overlapped(self, profile, bucket_mb):
         """perfmodel.overlapped_step of this plan: its step with the gradient sums started in
@@ -255,8 +278,12 @@ class Plan:
                          f"{sum(c.cost['comm'].values()) * 1e3:.2f}",
                          f"{sum(c.cost.get('layers', {}).values()) * 1e3:.2f}", f"{c.redistribution * 1e3:.2f}",
                          f"{c.cost['bytes'] / mib:.2f}"))
-        return (format_table(rows) + f"\npredicted iteration {self.time * 1e3:.2f} ms on {self.ranks} "
+        text = (format_table(rows) + f"\npredicted iteration {self.time * 1e3:.2f} ms on {self.ranks} "
                 f"ranks, {self.memory / mib:.2f} MiB per rank")
+        if self.bucket_mb:
+            text += (f"\ngradient sums in buckets of {self.bucket_mb:g} MiB during backward: "
+                     f"{self.overlapped_time * 1e3:.2f} ms")
+        return text
 
 
 def plan_entries(the_plan):
@@ -268,6 +295,8 @@ def plan_entries(the_plan):
         entry = {"grid": c.grid, "algorithm": c.algorithm}
         if c.algorithm == "w":
             entry["filter_groups"] = c.p_f
+        if c.chunks > 1:
+            entry["chunks"] = c.chunks
         if c.node_axes:
             entry["node_axes"] = ",".join(c.node_axes)
         out[c.layer.name] = entry
@@ -291,9 +320,9 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
             raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a grid of {ranks} ranks")
         node_axes = placed_axes(ProcessGrid.shape_of(entry["grid"]), entry.get("node_axes"))
         cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers,
-                          P_h, P_w, node_axes, P_d)
+                          P_h, P_w, node_axes, P_d, entry.get("chunks", 1))
         choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w,
-                              node_axes=node_axes, P_d=P_d))
+                              node_axes=node_axes, P_d=P_d, chunks=cost["chunks"]))
     for k, choice in enumerate(choices):
         choice.redistribution = redistribution_time(choices[:k], choice, profile)
     return Plan(choices, ranks)
@@ -334,7 +363,7 @@ def _within(options, profile, memory_limit, ranks):
 
 
 def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHANNEL_ALGORITHMS,
-         grid=None, optimizer_buffers=1, spatial=False, node_axes=None):
+         grid=None, optimizer_buffers=1, spatial=False, node_axes=None, chunks=False, buckets=False):
     """The fastest plan for `layers` (perfmodel.LayerShape, in order) on `ranks` ranks whose
     predicted memory per rank is at most `memory_limit` bytes (None: no limit).
 
@@ -343,11 +372,14 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
     (a volume's depth too), layer by layer.
     node_axes: every layer's placement (grid.ProcessGrid); None: each layer's chosen with its
     grid where the grid spans the profile's nodes (placements).
+    chunks: also the x, y and w layers pipelined in chunks (layer_options). buckets: the plan's
+    gradient sums in the buckets (BUCKETS_MB) whose overlapped step is the fastest
+    (Plan.choose_bucket; the plan itself is chosen with the sums blocking).
     Raises ValueError when no plan fits the limit, naming the smallest memory possible.
     """
     if not layers:
         raise ValueError("plan: no layers given")
-    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers, spatial, node_axes)
+    options = [layer_options(L, ranks, profile, algorithms, grid, optimizer_buffers, spatial, node_axes, chunks)
                for L in layers]
     for L, opts in zip(layers, options):
         if not opts:
@@ -359,4 +391,7 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
     path = [dataclasses.replace(c) for c in path]
     for k, choice in enumerate(path):
         choice.redistribution = redistribution_time(path[:k], choice, profile)
-    return Plan(path, ranks)
+    result = Plan(path, ranks)
+    if buckets:
+        result.choose_bucket(profile)
+    return result

@@ -311,14 +311,22 @@ def pipelined_layers(model):
     return [m for m in walk(model) if isinstance(m, Conv2d) and set(m.conv.messages) - {GRADIENT_SYNC}]
 
 
+def _chunks_of(layer, chunks):
+    """A pipelined layer's chunks: `chunks` itself, or its entry where it is {layer name: k}."""
+    return chunks.get(layer.name, 1) if isinstance(chunks, dict) else chunks
+
+
 def check_chunks(model, chunks, batch_size, option=None):
     """ValueError unless every pipelined layer's ranks hold at least `chunks` samples of a
     batch of `batch_size` (its smallest sample block): the same on every rank, as the batch
-    size and the grids are. option: how the message names the setting (default --chunks K)."""
+    size and the grids are. chunks: one count for every layer, or {layer name: k} (a plan's).
+    option: how the message names the setting, {k} its count (default --chunks K)."""
     for layer in pipelined_layers(model):
         held = batch_size // layer.grid.axis_size("sample")
-        if chunks > held:
-            raise ValueError(f"{option or f'--chunks {chunks}'} is more than the {held} sample(s) a rank of layer {layer.name} "
+        k = _chunks_of(layer, chunks)
+        if k > held:
+            what = f"--chunks {k}" if option is None else option.format(k=k)
+            raise ValueError(f"{what} is more than the {held} sample(s) a rank of layer {layer.name} "
                              f"holds (batch {batch_size} over sample={layer.grid.axis_size('sample')}); "
                              f"expected --chunks <= {held}")
 
@@ -335,17 +343,18 @@ def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=
     The batch is checked once (check_batch); the layers then run without checks of their own.
     bucket_mb > 0: the weight gradients' allreduces are started in buckets of that many MiB
     while backward runs (algorithms.base.overlapped_gradient_sync) and waited for before the
-    update; 0: each layer sums its gradients when it has them, blocking. chunks > 1: the
+    update; 0: each layer sums its gradients when it has them, blocking. chunks > 1 (or, per
+    layer, {layer name: k}: a plan's): the
     stationary-x/-y/-w layers run their passes over that many chunks of samples, each chunk's
     collectives in flight while the next computes (ConvAlgorithm.pipelined; check_chunks
     first), and are left at one chunk (evaluation's batches may be smaller). halo_interior:
     the convolutions on a split image that convolve their own block compute its interior while
     the halo moves (halo_interior_layers), for this step."""
     shape = check_batch(model.input_spec, x_local, y_local)
-    layers = pipelined_layers(model) if chunks > 1 else []
+    layers = [m for m in pipelined_layers(model) if _chunks_of(m, chunks) > 1]
     interiors = halo_interior_layers(model) if halo_interior else []
     for layer in layers:
-        layer.conv.chunks = chunks
+        layer.conv.chunks = _chunks_of(layer, chunks)
     for layer in interiors:
         layer.conv.halo_interior = True
     try:
@@ -425,7 +434,10 @@ def _build(cfg, world, x_train, dtype, classes, threads):
         arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
         profile = machine_profile(cfg.profile, world, threads, layer_shapes(cfg.model, cfg.batch_size, **arch))
         config.update(batch=cfg.batch_size, profile=profile, choose_grids=cfg.grid is None,
-                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20)
+                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20,
+                      # what --overlap leaves to the planner: the chunks of each layer, the bucket
+                      chunks=cfg.overlap == "all" and cfg.chunks == 1,
+                      buckets=cfg.overlap in ("grads", "all") and not cfg.bucket_mb)
     elif cfg.plan:
         config.update(plan=read_plan(cfg.plan), batch=cfg.batch_size)
     base = ProcessGrid(cfg.grid or f"sample={world.Get_size()}", comm=world, node_axes=cfg.node_axes)
@@ -467,6 +479,8 @@ def train_model(cfg, world=None):
             print(f"{source}:\n{model.describe_plan()}", flush=True)
             if model.plan is not None:
                 print(f"predicted {model.plan.memory / 2 ** 20:.2f} MiB per rank for the convolutions", flush=True)
+            if model.plan is not None and session.bucket_mb == model.plan.bucket_mb > 0:
+                print(f"gradient sums in buckets of {session.bucket_mb:g} MiB (the planner's)", flush=True)
         if cfg.resume:
             session.resume()
         if cfg.eval_only:
@@ -497,8 +511,9 @@ class _Session:
         if len(self.loader) == 0:
             raise ValueError(f"batch size {cfg.batch_size} is larger than the {len(x_train)} training samples")
         self.bucket_mb, self.chunks, self.halo_interior = cfg.overlap_settings()
-        check_chunks(model, self.chunks, cfg.batch_size,
-                     None if self.chunks == cfg.chunks else f"--overlap {cfg.overlap}'s {self.chunks} chunks")
+        self._planned_overlap(cfg, model)
+        check_chunks(model, self.chunks, cfg.batch_size, None if self.chunks == cfg.chunks else
+                     "the plan's {k} chunks" if isinstance(self.chunks, dict) else f"--overlap {cfg.overlap}'s {{k}} chunks")
         self.loss_fn = SoftmaxCrossEntropy(self.grid)  # (logits whole but for samples: Network.logits_spec)
         self.positions = int(np.prod(y_train.shape[1:]))  # labels per sample: 1, or a label map's pixels
         self.optimizer = _optimizer(cfg, model.parameters())
@@ -508,6 +523,25 @@ class _Session:
         self.history, self.epochs_log, self.step, self.first_epoch, self.skip = [], [], 0, 0, 0
         self.first_step, self.images, self.last_checkpoint = 0, 0, None
         self.ledger = comm.CommLedger()
+
+    def _planned_overlap(self, cfg, model):
+        """The plan's chunks per layer and, the planner's, its bucket, where the run leaves them
+        to it: a plan pipelines layers in chunks under --overlap all only (--chunks not given;
+        a plan the planner made with --overlap all says so for every layer, one chunk where it
+        gave none); the planner's bucket serves --overlap grads and all where --bucket-mb is
+        not given."""
+        planned = {name: e["chunks"] for name, e in model.layers.items() if e.get("chunks", 1) > 1}
+        if planned and cfg.overlap != "all":
+            listed = ", ".join(f"{name} in {k} chunks" for name, k in planned.items())
+            raise ValueError(f"the plan pipelines {listed}, which --overlap all runs: train it with --overlap all, "
+                             f"or with a plan without \"chunks\"")
+        if planned and cfg.chunks > 1:
+            raise ValueError(f"--chunks {cfg.chunks} and the plan's \"chunks\" both say how the layers pipeline: "
+                             f"give one or the other")
+        if cfg.overlap == "all" and cfg.chunks == 1 and (planned or model.plan is not None):
+            self.chunks = planned
+        if model.plan is not None and model.plan.bucket_mb and not cfg.bucket_mb and cfg.overlap in ("grads", "all"):
+            self.bucket_mb = model.plan.bucket_mb
 
     def resume(self):
         """Continue from the checkpoint resume_point picks (under any grid or plan)."""

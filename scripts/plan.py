@@ -21,6 +21,7 @@ from cfp.io import check_writable, save_json
 from cfp.models import MODELS, layer_shapes
 from cfp.perfmodel import MachineProfile
 from cfp.planner import plan
+from cfp.train import OVERLAPS
 
 
 def parse_args(argv):
@@ -41,9 +42,15 @@ def parse_args(argv):
     p.add_argument("--spatial", action="store_true",
                    help="also consider grids that split the image over height and width (a volume also "
                         "over depth), layer by layer")
+    p.add_argument("--overlap", default="off", metavar=cli.one_of(OVERLAPS),
+                   help="what the plan may overlap: off (every collective blocking), grads (also choose the "
+                        "gradient buckets) or all (also each x, y and w layer's chunks, which the plan file "
+                        "records for train.py --overlap all)")
     p.add_argument("--out", help="write the plan here as a plan file for scripts/train.py --plan")
     args = p.parse_args(argv)
     int_options(args, positive=("width", "depth", "image", "in_channels", "batch", "ranks"))
+    if args.overlap not in OVERLAPS:
+        raise ValueError(f"unknown --overlap {args.overlap!r}; expected one of {', '.join(OVERLAPS)}")
     if args.memory_limit is not None:
         finite_number(args.memory_limit, "--memory-limit", above=0)
     return args
@@ -63,7 +70,8 @@ def main(argv=None):
             raise ValueError(f"grid {args.grid} has {math.prod(grid)} ranks, --ranks says {args.ranks}")
     limit = None if args.memory_limit is None else args.memory_limit * 2 ** 20
     kwargs = {"algorithms": ("sample",)} if args.data_parallel else {}
-    result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, spatial=args.spatial, **kwargs)
+    result = plan(layers, args.ranks, profile, memory_limit=limit, grid=grid, spatial=args.spatial,
+                  chunks=args.overlap == "all", buckets=args.overlap != "off", **kwargs)
     inputs = f"{args.image}^3 volumes" if MODELS[args.model].volumes else f"{args.image}x{args.image} images"
     print(f"# {args.model} width {args.width}, {inputs}, global batch {args.batch}, "
           f"{args.ranks} ranks, profile {profile.name}")

@@ -74,3 +74,19 @@ def test_since_reads_the_changed_lines_of_a_diff():
             "@@ -50,2 +51,0 @@\n-gone\n-gone\n"
             "diff --git a/cfp/old.py b/cfp/old.py\n--- a/cfp/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-z\n")
     assert run.diff_lines(diff) == {"cfp/comm.py": {10, 11, 12, 41}}
+
+
+def test_repoint_follows_each_entrys_line_by_its_text():
+    """--repoint: an entry whose line moved (a line inserted above) points at its text again,
+    an "as L:C" reference with it; an unchanged one stays; one whose text is gone, or now on
+    two lines, is left as it was and named."""
+    old = {"m.py": ["a = 1", "b = 2", "c = 3", "d = 4"]}
+    new = {"m.py": ["new = 0", "a = 1", "b = 2", "c = 9", "d = 4", "d = 4"]}
+    entries = ["# comment", "m.py:2:4 core/NumberReplacer  # b",
+               "m.py:1:4 core/NumberReplacer  # as 2:4, a", "m.py:3:4 core/NumberReplacer  # c",
+               "m.py:4:4 core/NumberReplacer  # d", ""]
+    result, lost = run.repointed(entries, old, new)
+    assert result == ["# comment", "m.py:3:4 core/NumberReplacer  # b",
+                      "m.py:2:4 core/NumberReplacer  # as 3:4, a", "m.py:3:4 core/NumberReplacer  # c",
+                      "m.py:4:4 core/NumberReplacer  # d", ""]
+    assert lost == ["m.py:3:4 core/NumberReplacer  # c", "m.py:4:4 core/NumberReplacer  # d"]

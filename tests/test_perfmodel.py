@@ -1,5 +1,6 @@
 """The cost model and the planner: profile loading and its errors, the alpha-beta formulas, the
 model's message sizes against predict_bytes, and the planner's choices and memory limit."""
+import dataclasses
 import json
 
 import pytest
@@ -324,6 +325,76 @@ def test_the_planner_splits_a_volume_of_one_sample():
         for c in planned.choices:
             assert all(parts <= size for parts, size in zip((c.P_d, c.P_h, c.P_w), (1,) * (3 - len(c.layer.out_size))
                                                           + c.layer.out_size))
+
+
+@pytest.mark.parametrize("chunks,compute,gather,scatter,progress,expected", [
+    (1, 1.0, 0.5, 0.5, 1.0, 2.0),  # one chunk: every collective blocking
+    (2, 1.0, 0.5, 0.5, 0.0, 4.0),  # no progress: each chunk's collectives after its kernels
+    # chunk 0's gather (0.5) waited for; while chunk 0 computes, chunk 1's gather moves; while
+    # chunk 1 computes, chunk 0's reduce-scatter; chunk 1's (0.5) waited for at the end
+    (2, 1.0, 0.5, 0.5, 1.0, 3.0),
+    # reduce-scatters only, at half rate: after chunk 1, 0.1 of chunk 0's left (moved with chunk
+    # 2), then 0.4 of chunk 1's moves and 0.2 of it and chunk 2's 0.6 are left at the end
+    (3, 1.0, 0.0, 0.6, 0.5, 3.8),
+    # gathers only, larger than a chunk's kernels: each wait moves what is left of the next one
+    (3, 1.0, 2.0, 0.0, 1.0, 2.0 + 3 * 1.0 + 2 * 1.0),
+])
+def test_a_pipeline_of_chunks_by_hand(chunks, compute, gather, scatter, progress, expected):
+    from cfp.perfmodel import pipeline_seconds
+    assert pipeline_seconds(chunks, compute, gather, scatter, progress) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_layer_in_chunks_is_priced_as_its_pipeline():
+    """Stationary-x on channel=2 in 2 chunks, 8 samples: each chunk's kernels at 4 samples and
+    each chunk's collectives at half the bytes (one more latency each), the forward's
+    reduce-scatter and the backward's allgather of dy each a pipeline of their own; at progress
+    0 nothing is hidden, at progress 1 the chunks' kernels hide all but the last chunk's."""
+    from cfp.perfmodel import pipeline_seconds
+    layer = LayerShape("L", 8, 16, 16, 8, 8, 3)
+    data = profile_data(alpha=1e-5, beta=1e-9)
+    blocking = layer_cost(layer, "x", 1, 2, MachineProfile(data))
+    for progress in (0.0, 1.0):
+        profile = MachineProfile(dict(data, progress={"intra": progress}))
+        cost = layer_cost(layer, "x", 1, 2, profile, chunks=2)
+        half = layer_cost(dataclasses.replace(layer, N=4), "x", 1, 2, profile)
+        assert cost["compute"] == pytest.approx({p: 2 * t for p, t in half["compute"].items()}, rel=1e-12)
+        forward = pipeline_seconds(2, half["compute"]["forward"], 0.0, half["comm"]["forward"], progress)
+        assert cost["comm"]["forward"] == pytest.approx(forward - 2 * half["compute"]["forward"], rel=1e-12)
+        both = half["compute"]["backward-filter"] + half["compute"]["backward-data"]
+        backward = pipeline_seconds(2, both, half["comm"]["backward-filter"], 0.0, progress)
+        assert cost["comm"]["backward-filter"] == pytest.approx(backward - 2 * both, rel=1e-12)
+        assert cost["comm"]["gradient-sync"] == blocking["comm"]["gradient-sync"]
+        moved = 2 * (half["comm"]["forward"] + half["comm"]["backward-filter"])
+        assert sum(cost["hidden"].values()) == pytest.approx(moved - cost["comm"]["forward"]
+                                                            - cost["comm"]["backward-filter"], rel=1e-9)
+        assert (sum(cost["hidden"].values()) > 1e-12) == (progress > 0)
+    with pytest.raises(ValueError, match="layer L: chunks=2: its algorithm pipelines no collectives"):
+        layer_cost(layer, "sample", 2, 1, MachineProfile(data), chunks=2)
+    with pytest.raises(ValueError, match="layer L: chunks=9 is more than the 8 sample"):
+        layer_cost(layer, "x", 1, 2, MachineProfile(data), chunks=9)
+
+
+def test_the_planner_pipelines_where_the_links_progress():
+    """A wide layer of 8 samples on channel=4 whose collectives cost about its kernels: with a
+    profile whose links move data while ranks compute the planner runs it in chunks and writes
+    them into the plan (priced again the same by price_plan); where they do not (progress 0),
+    or without chunks=True, it keeps one chunk. With buckets=True a data-parallel plan's
+    gradient sums are bucketed where that beats blocking."""
+    from cfp.planner import price_plan
+    layers = [LayerShape("a", 8, 256, 256, 8, 8, 3), LayerShape("b", 8, 256, 256, 8, 8, 3)]
+    data = profile_data(alpha=1e-6, beta=2e-9, rate=2e10)
+    flowing = MachineProfile(dict(data, progress={"intra": 1.0}))
+    chosen = plan(layers, 4, flowing, algorithms=("x", "y", "w"), chunks=True)
+    assert all(c.chunks > 1 for c in chosen.choices), chosen.table()
+    entries = plan_entries(chosen)
+    assert all(e["chunks"] == c.chunks for e, c in zip(entries.values(), chosen.choices))
+    assert price_plan(layers, 4, flowing, entries).time == pytest.approx(chosen.time, rel=1e-12)
+    assert chosen.time < plan(layers, 4, flowing, algorithms=("x", "y", "w")).time
+    for profile, chunks in ((MachineProfile(data), True), (flowing, False)):
+        assert all(c.chunks == 1 for c in plan(layers, 4, profile, algorithms=("x", "y", "w"), chunks=chunks).choices)
+    bucketed = plan(layers, 4, flowing, algorithms=("sample",), buckets=True)
+    assert bucketed.bucket_mb in (1, 4, 25) and bucketed.overlapped_time < bucketed.time
+    assert plan(layers, 4, MachineProfile(data), algorithms=("sample",), buckets=True).bucket_mb == 0
 
 
 def test_which_groups_stay_inside_a_node_follows_the_placement():

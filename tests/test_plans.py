@@ -95,6 +95,27 @@ def test_the_planners_own_plan_trains_like_one_rank():
     assert_trains_like(result, model, one_rank, "the planner's plan")
 
 
+def test_the_planners_chunks_and_buckets_under_overlap_all(mpi_tmp_path):
+    """--algorithm auto --overlap all with a profile whose links progress (cpu-dev's with
+    progress 1): the planner chooses each layer's chunks, which the model runs, and the run
+    trains like one rank."""
+    from cfp.io import load_json, save_json
+    from cfp.perfmodel import PROFILE_DIR
+    path = mpi_tmp_path / "flowing.json"
+    if WORLD.Get_rank() == 0:
+        save_json(str(path), dict(load_json(f"{PROFILE_DIR}/cpu-dev.json", "profile"), progress={"intra": 1.0}))
+    WORLD.Barrier()
+    one_rank = serial_run("y")
+    result, model = train_model(config(algorithm="auto", grid=None, profile=str(path), overlap="all"))
+    chunked = [c.layer.name for c in model.plan.choices if c.chunks > 1]
+    split = [c.layer.name for c in model.plan.choices if c.P_c > 1 and c.algorithm != "sample"]
+    assert_all_ranks(chunked == [n for n, e in model.layers.items() if e.get("chunks", 1) > 1],
+                     f"the plan's chunked layers {chunked}, the model's {model.layers}")
+    # (at 4 ranks this profile's plan runs a channel-split layer in chunks; at 2 it keeps one chunk)
+    assert_all_ranks(SIZE != 4 or chunked, f"no layer in chunks among the channel-split {split}")
+    assert_trains_like(result, model, one_rank, "the planner's chunks under --overlap all")
+
+
 @pytest.mark.parametrize("name", sorted(plans()))
 def test_ledger_equals_the_predicted_bytes(name):
     """One training step under the plan: for every convolution and every redistribution, the
@@ -166,6 +187,9 @@ def test_bad_plans_are_refused_on_every_rank(mpi_tmp_path):
         ({"fc": {"algorithm": "z"}}, "plan entry of layer fc: unknown algorithm 'z'"),
         ({"fc": {"algorithm": "y", "filter_groups": 2}}, "filter_groups applies to algorithm 'w' only"),
         ({"fc": {"grid": SAMPLE, "colour": "red"}}, "plan entry of layer fc: expected an object with keys among"),
+        ({"fc": {"algorithm": "sample", "chunks": 2}}, "plan entry of layer fc: chunks pipeline the collectives of "
+                                                       "algorithms x, y and w; give one of them"),
+        ({"fc": {"algorithm": "x", "chunks": 0}}, "chunks of layer fc must be a positive integer, got 0"),
     ]
     if SIZE == 4:
         cases.append(({"fc": {"grid": CHANNEL, "algorithm": "w", "filter_groups": 3}},
@@ -175,6 +199,38 @@ def test_bad_plans_are_refused_on_every_rank(mpi_tmp_path):
         raises_on_all_ranks(ValueError, lambda: train(config(plan=path)), match=message)
     raises_on_all_ranks(ValueError, lambda: train(config(plan=path, algorithm="auto")),
                         match="--plan and --algorithm auto both choose")
+
+
+def test_a_plans_chunks_pipeline_its_layers_under_overlap_all(mpi_tmp_path, monkeypatch):
+    """A plan giving layers their own chunks (2 and 3, on channel and sample x channel grids):
+    under --overlap all those layers pipeline their collectives in that many chunks (the
+    non-blocking calls are counted) and 20 float64 steps equal the same plan's without chunks
+    under --overlap off, with the same bytes outside the gradient sum; without --overlap all,
+    or with --chunks too, the plan is refused with a message naming its chunks."""
+    from test_train import _phase_bytes, weights
+    started = []
+    real = C.iallgather
+    monkeypatch.setattr(C, "iallgather", lambda *a, **k: started.append(1) or real(*a, **k))
+    layers = {"stem.conv": {"grid": SAMPLE, "algorithm": "sample"},
+              "layer1.conv1": {"grid": CHANNEL, "algorithm": "y", "chunks": 2},
+              "layer2.conv1": {"grid": SQUARE, "algorithm": "x", "chunks": 3},
+              "layer3.conv1": {"grid": CHANNEL, "algorithm": "w"}, "fc": {"grid": SAMPLE, "algorithm": "sample"}}
+    blocking = {name: {k: v for k, v in e.items() if k != "chunks"} for name, e in layers.items()}
+    off, model = train_model(config(plan=write_plan(mpi_tmp_path, "blocking", blocking), overlap="off"))
+    expected = ([h["loss"] for h in off["history"]], weights(model))
+    path = write_plan(mpi_tmp_path, "chunked", layers)
+    started.clear()
+    result, model = train_model(config(plan=path, overlap="all"))
+    assert_all_ranks(SIZE == 1 or len(started) >= 20 * 2, f"{len(started)} chunks' allgathers started")
+    assert_trains_like(result, model, expected, "a plan's chunks under --overlap all", tol=1e-12)
+    before, after = _phase_bytes(off), _phase_bytes(result)
+    assert_all_ranks(all(before.get(p) == after.get(p) for p in set(before) | set(after) if p != "gradient-sync"),
+                     f"bytes by phase: {after}, blocking {before}")
+    raises_on_all_ranks(ValueError, lambda: train(config(plan=path)),
+                        match="the plan pipelines layer1.conv1 in 2 chunks, layer2.conv1 in 3 chunks, which --overlap "
+                              "all runs")
+    raises_on_all_ranks(ValueError, lambda: train(config(plan=path, overlap="all", chunks=2)),
+                        match="--chunks 2 and the plan's \"chunks\" both say")
 
 
 @pytest.mark.parametrize("name", sorted(plans()))

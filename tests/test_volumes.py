@@ -685,7 +685,8 @@ def ledger_runs():
 def test_a_models_ledger_equals_its_predicted_bytes(model_name, spec, algorithm):
     """One training step of the volume and unet models: every convolution's (Conv3d,
     ConvTranspose2d, the classifier after a volume's global pooling, whose depth ranks hold
-    copies) and every redistribution's bytes per phase are Network.predicted_bytes, exactly."""
+    copies), every pooling and upsampling layer's halo and every redistribution's bytes per
+    phase are Network.predicted_bytes, exactly."""
     from cfp.grid import Grids
     from cfp.models import build_model
     from cfp.nn import SoftmaxCrossEntropy
@@ -707,9 +708,12 @@ def test_a_models_ledger_equals_its_predicted_bytes(model_name, spec, algorithm)
     predicted = model.predicted_bytes(itemsize=8)
     measured = {k: (t["bytes_sent"], t["bytes_received"]) for k, t in ledger.totals(by=("layer", "phase")).items()}
     wrong = {k: (measured.get(k, (0, 0)), v) for k, v in predicted.items() if measured.get(k, (0, 0)) != v}
-    unpredicted = [k for k in measured if k[1] == "redistribute" and k not in predicted]
+    unpredicted = [k for k in measured if k[1] in ("redistribute", "halo") and k not in predicted]
     assert_all_ranks(not wrong and not unpredicted,
                      f"{model_name} on {spec}: (measured, predicted) {wrong}; not predicted {unpredicted}")
+    pooled = [k for k in predicted if k[1] == "halo" and k[0] in ("MaxPool3d", "MaxPool2d", "Upsample")]
+    split = any(a in spec for a in ("depth", "height", "width"))
+    assert_all_ranks(SIZE == 1 or pooled or not split, f"{model_name} on {spec}: no pooling halo predicted")
     model.free()
 
 

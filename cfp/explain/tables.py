@@ -52,7 +52,9 @@ class Step:
     def title(self):
         m = self.message
         if m.phase == "halo":
-            what = "the halo rows and columns of x" if m.tensor == "x" else "the gradient of the halo back (adjoint)"
+            volume = any(r is not None and len(r[2]) == 5 for r in self.result)  # (a volume's halo has planes too)
+            what = f"the halo {'planes, ' if volume else ''}rows and columns of x" if m.tensor == "x" else \
+                "the gradient of the halo back (adjoint)"
             return f"halo: alltoall {what}"
         verb = {"allgather": "allgather", "reduce_scatter": "reduce-scatter", "allreduce": "allreduce"}[m.collective]
         tensor = {("x", "forward"): "x", ("x", "backward-data"): "dx", ("y", "forward"): "y",

@@ -184,7 +184,7 @@ class Network(Sequential):
     gradient of the input (None: the first layer computes none).
 
     Attributes: `grids` (grid.Grids: the grids the layers run on, freed by free()), `layers`
-    ({layer name: {"grid", "algorithm", "filter_groups"}} as built, in order), `plan` (the
+    ({layer name: {"grid", "algorithm", "filter_groups"[, "chunks"]}} as built, in order), `plan` (the
     planner's Plan when it chose them, else None).
     """
 
@@ -236,7 +236,8 @@ class Network(Sequential):
 
     def predicted_bytes(self, itemsize):
         """{(layer, phase): (bytes sent, bytes received)} this rank's ledger must show for the
-        last training step: each convolution's phases (perfmodel.predict_bytes) and each
+        last training step: each convolution's phases (perfmodel.predict_bytes), each pooling
+        and upsampling layer's halo on a split image (its halo plan's pieces) and each
         redistribution (phase 'redistribute', perfmodel.redistribute_bytes)."""
         out = {}
         for m in walk(self):
@@ -244,8 +245,10 @@ class Network(Sequential):
                 out[(m.name, "redistribute")] = m.predicted_bytes(itemsize)
             elif hasattr(m, "predicted_bytes") and getattr(m, "input_shape", None) is not None \
                     and not isinstance(m, Redistribute):
-                for phase, moved in m.predicted_bytes(itemsize).items():
-                    out[(m.name, phase)] = moved
+                for phase, (sent, received) in m.predicted_bytes(itemsize).items():
+                    # (layers of one class and no name, pooling, share their ledger rows)
+                    before = out.get((m.describe(), phase), (0, 0))
+                    out[(m.describe(), phase)] = (before[0] + sent, before[1] + received)
         return out
 
     def describe_plan(self):
@@ -258,7 +261,8 @@ class Network(Sequential):
             elif getattr(m, "name", None) in self.layers:
                 e = self.layers[m.name]
                 p_f = f" p_f={e['filter_groups']}" if e["filter_groups"] else ""
-                lines.append(f"  {m.name}: grid {e['grid']}, algorithm {e['algorithm']}{p_f}")
+                chunks = f", {e['chunks']} chunks" if e.get("chunks", 1) > 1 else ""
+                lines.append(f"  {m.name}: grid {e['grid']}, algorithm {e['algorithm']}{p_f}{chunks}")
         return "\n".join(lines)
 
     def free(self):

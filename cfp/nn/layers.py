@@ -61,6 +61,14 @@ class _PerPosition(Module):
     def _halo_back(self, dx):
         return dx if self._plan is None else self._plan.adjoint(dx, self.describe())
 
+    def predicted_bytes(self, itemsize):
+        """{"halo": (sent, received)} of the last forward's halo exchange and its adjoint (a
+        training step runs both), {} where the image is whole (Network.predicted_bytes)."""
+        if getattr(self, "_plan", None) is None:
+            return {}
+        sent, received = self._plan.bytes(itemsize)
+        return {"halo": (sent + received, received + sent)}
+
 
 class ReLU(Module):
     def forward(self, x):

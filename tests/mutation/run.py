@@ -11,11 +11,15 @@ its source line (also in WORKDIR/report.txt).
 
   python tests/mutation/run.py [--workdir DIR] [--sample F] [--seed S] [--jobs J] [--group NAME]
                                [--rerun REPORT] [--since REV]
+  python tests/mutation/run.py --repoint REV
 
 --since REV runs only the mutants on lines changed since git revision REV (mutation-test what a
 change touched). --rerun runs only the survivors a previous report lists (after tests were written for them),
 matched by module, column, operator and the text of their line (so edits above them do not
-lose them); the sample does not apply to them.
+lose them); the sample does not apply to them. --repoint REV rewrites equivalent.txt after an
+edit: each entry whose line (its text at REV) has moved is pointed at the one line of the
+module that now has that text, "as L:C" references with it (`make mutation-repoint`, REV
+default HEAD); an entry whose text is gone or repeated is named and left for a person.
 """
 import argparse
 import concurrent.futures
@@ -254,6 +258,64 @@ def collect(group, db, tree, elapsed, skipped):
             "survivors": sorted(survivors, key=lambda s: (s.split(":")[0], int(s.split(":")[1])))}
 
 
+def repointed(entries, old_lines, new_lines):
+    """(equivalent.txt's lines with every moved entry repointed, [entries left alone: their
+    line's text is gone or on several lines]) from its lines `entries` and, per module,
+    `old_lines` (the module's lines at the entries' revision) and `new_lines` (now). An entry
+    stays where its line is unchanged, moves to the one line that has its text, and "as L:C" in
+    an entry follows line L of its own module."""
+    moved, out, lost = {}, [], []
+    for raw in entries:
+        m = re.match(r"^(\S+?):(\d+):(\d+) (.*)$", raw)
+        if not m:
+            out.append(raw)
+            continue
+        module, line, rest = m.group(1), int(m.group(2)), raw[m.end(1) + 1 + len(m.group(2)):]
+        old, new = old_lines[module], new_lines[module]
+        text = old[line - 1] if line <= len(old) else None
+        if line <= len(new) and new[line - 1] == text:
+            out.append(raw)
+            continue
+        hits = [i + 1 for i, t in enumerate(new) if t == text]
+        if len(hits) != 1:
+            lost.append(raw)
+            out.append(raw)
+            continue
+        moved[(module, line)] = hits[0]
+        out.append(f"{module}:{hits[0]}{rest}")
+    result = []
+    for raw in out:
+        m = re.match(r"^(\S+?):\d+:\d+ ", raw)
+        if m:
+            module = m.group(1)
+            raw = re.sub(r"as (\d+):(\d+)", lambda a: f"as {moved.get((module, int(a.group(1))), int(a.group(1)))}:"
+                                                      f"{a.group(2)}", raw)
+        result.append(raw)
+    return result, lost
+
+
+def repoint(rev):
+    """--repoint: equivalent.txt rewritten against the sources at git revision `rev` (repointed)."""
+    path = os.path.join(HERE, "equivalent.txt")
+    with open(path) as f:
+        entries = f.read().split("\n")
+    modules = sorted({m.group(1) for m in (re.match(r"^(\S+?):\d+:\d+ ", e) for e in entries) if m})
+    old = {m: subprocess.run(["git", "show", f"{rev}:{m}"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split("\n") for m in modules}
+    new = {}
+    for m in modules:
+        with open(os.path.join(ROOT, m)) as f:
+            new[m] = f.read().split("\n")
+    result, lost = repointed(entries, old, new)
+    with open(path, "w") as f:
+        f.write("\n".join(result))
+    changed = sum(a != b for a, b in zip(entries, result))
+    print(f"{changed} entries repointed against {rev}; {len(lost)} whose line is gone or repeated:")
+    for e in lost:
+        print(f"  {e}")
+    return 1 if lost else 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cfp-mutation"))
@@ -264,7 +326,11 @@ def main(argv=None):
     p.add_argument("--report-only", action="store_true", help="report on the sessions already in --workdir")
     p.add_argument("--rerun", metavar="REPORT", help="run only the survivors listed in this report.txt")
     p.add_argument("--since", metavar="REV", help="run only the mutants on lines changed since this git revision")
+    p.add_argument("--repoint", metavar="REV", help="point equivalent.txt's entries at their lines' text as of this "
+                                                    "git revision, and run nothing")
     args = p.parse_args(argv)
+    if args.repoint is not None:
+        return repoint(args.repoint)
     if args.rerun is not None:
         args.rerun = load_survivors(args.rerun)
         if not args.rerun:
