@@ -42,6 +42,10 @@ LAYERS = [
     LayerShape("32x32 3x3", 32, 64, 64, 32, 32, 3),
     LayerShape("1x1 reduce", 32, 256, 64, 16, 16, 1),
     LayerShape("8x8 3x3", 16, 256, 256, 8, 8, 3),
+    # a volume's Conv3d, priced as its stacked planes, and a ConvTranspose2d, as its adjoint
+    LayerShape("16^3 3x3x3 volume", 2, 32, 32, 16, 16, 3, op="conv3d", D=16),
+    LayerShape("transposed 3x3/2", 8, 128, 64, 16, 16, 3, stride=2, padding=1, output_padding=1,
+               op="conv_transpose2d"),
 ]
 
 
@@ -154,10 +158,10 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     for layer in [] if args.memory_only else LAYERS:
-        x = rng.standard_normal((layer.N, layer.C, layer.H, layer.W)).astype(np.float32)
-        w = rng.standard_normal((layer.F, layer.C, layer.K, layer.K)).astype(np.float32)
+        x = rng.standard_normal(layer.x_shape).astype(np.float32)
+        w = rng.standard_normal(layer.w_shape).astype(np.float32)
         b = np.zeros(layer.F, dtype=np.float32)
-        dy = rng.standard_normal((layer.N, layer.F) + layer.out_hw).astype(np.float32)
+        dy = rng.standard_normal((layer.N, layer.F) + layer.out_size).astype(np.float32)
         chosen = plan([layer], P, profile).choices[0]
         measured_rows = []
         # Every option the planner weighs, plus data parallelism where P_n > N (it idles ranks).
@@ -165,14 +169,15 @@ def main(argv=None):
             grid = ProcessGrid(f"sample={option.P_n},channel={option.P_c}", node_axes=option.node_axes)
             p_f = option.p_f if option.algorithm == "w" else None
             t = measure_conv(world, grid, option.algorithm, p_f, x, w, b, dy, layer.stride, layer.pad,
-                             args.repeats, args.warmup)
+                             args.repeats, args.warmup, op=layer.op, output_padding=layer.output_padding)
             grid.free()
             measured = t["forward_s"] + t["backward_s"]
             cost = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f,
                               node_axes=option.node_axes)
             predicted = sum(cost["compute"].values()) + sum(cost["comm"].values())  # the convolution alone
             measured_rows.append({
-                "layer": layer.name, "shape": f"{layer.N},{layer.C},{layer.F},{layer.H}x{layer.W},{layer.K}",
+                "layer": layer.name, "shape": f"{layer.N},{layer.C},{layer.F},{'x'.join(map(str, layer.spatial))},"
+                                              f"{layer.K}",
                 "grid": option.placed, "algorithm": option.label, "measured_s": measured,
                 "predicted_s": predicted, "error": predicted / measured - 1,
                 "planner_choice": (option.placed, option.label) == (chosen.placed, chosen.label)})
