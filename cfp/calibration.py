@@ -21,7 +21,6 @@ import sys
 import time
 
 import numpy as np
-import scipy.optimize
 from mpi4py import MPI
 
 from . import backend, comm
@@ -184,6 +183,14 @@ def collective_call(name, group, m_bytes, grid=None):
     return lambda: x.redistribute(by_channel)
 
 
+def _nnls(a, b):
+    """The non-negative least-squares solution x of a x = b (scipy.optimize.nnls). Imported
+    here, when a calibration fits: scipy.optimize takes a third of a second to import, which
+    every script that imports cfp.train (all of them) would otherwise pay at its start."""
+    import scipy.optimize
+    return scipy.optimize.nnls(a, b)[0]
+
+
 def fit_alpha_beta(samples):
     """Non-negative least-squares (alpha, beta) from [(steps, volume bytes, seconds, measured seconds)]
     where `seconds` is what alpha and beta must explain (the measurement less the packing),
@@ -193,7 +200,7 @@ def fit_alpha_beta(samples):
     a = np.array([[s, v] for s, v, _, _ in samples], dtype=np.float64)
     t = np.array([sec for _, _, sec, _ in samples])
     weights = 1.0 / np.maximum(np.array([total for *_, total in samples]), 1e-9)
-    alpha, beta = scipy.optimize.nnls(a * weights[:, None], t * weights)[0]
+    alpha, beta = _nnls(a * weights[:, None], t * weights)
     return float(alpha), float(beta)
 
 
@@ -429,7 +436,7 @@ def _fit_line(points):
     a = np.array([[1.0, u] for u, _ in points])
     t = np.array([s for _, s in points])
     weights = 1.0 / np.maximum(t, 1e-9)
-    fixed, rate = scipy.optimize.nnls(a * weights[:, None], t * weights)[0]
+    fixed, rate = _nnls(a * weights[:, None], t * weights)
     return [float(fixed), float(rate)]
 
 
