@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_one_failing_rank_does_not_hang_the_run(tmp_path):
     case = os.path.join(HERE, "harness", "one_rank_fails_in_collective.py")
     cmd = mpiexec(2, sys.executable, "-m", "mpi4py", "-m", "pytest", "--with-mpi",
-                  "-p", "no:cacheprovider", "-q", "--timeout=10", f"--rootdir={tmp_path}", case)
+                  "-p", "no:cacheprovider", "-q", "--timeout=4", f"--rootdir={tmp_path}", case)
     start = time.time()
     proc = subprocess.run(cmd, env=single_thread_env(MPIEXEC_TIMEOUT=100), capture_output=True,
                           text=True, timeout=140, cwd=tmp_path)
