@@ -31,6 +31,7 @@ from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forwar
 from .kernels import settings as kernel_settings
 from .kernels.conv import paths
 from .kernels.conv.geometry import geometry_flops
+from .kernels.conv.volume import copied_elements, copy_passes, volume_geometry
 from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy,
                  Upsample)
 from .nn.module import Parameter
@@ -427,6 +428,7 @@ def top_up(world, profile_data, geometries, repeats=5):
 # (n, c, side) of the element-wise layers' inputs: 1 to 2^20 elements, large images with few
 # channels and small ones with many (a network's last stages).
 LAYER_SIZES = ((1, 1, 2), (8, 16, 8), (32, 256, 2), (32, 128, 4), (8, 64, 16), (32, 64, 16), (64, 64, 16))
+VOLUME_SIZES = ((1, 4, 8), (2, 16, 16), (1, 32, 32))  # (samples, channels, side) of the volumes timed
 PARAMETER_SIZES = (1, 4096, 1 << 16, 1 << 20)
 
 
@@ -445,11 +447,12 @@ def calibrate_layers(world, repeats):
     the cost model adds to the convolutions (perfmodel.LAYER_KINDS), on every rank of `world`
     at once, each on a grid of its own (the slowest rank's median):
     batchnorm, relu, maxpool (2x2, per input element), upsample (nearest by 2, per input
-    element), add (a residual block's sum of its two
-    branches and of their gradients), loss (the global pool, the classifier's flatten and the
-    softmax cross-entropy, per logit), conv (a convolution module's own time beyond its
-    kernels: its fixed cost), and optimizer (SGD with momentum, per parameter tensor and
-    element); each module inside the containers a model runs it in (`through`)."""
+    element), add (a residual block's sum of its two branches and of their gradients), loss
+    (the global pool, the classifier's flatten and the softmax cross-entropy, per logit), conv
+    (a convolution module's own time beyond its kernels: its fixed cost), volume (a volume's
+    copies of its planes around its 2-D passes, per element copied: kernels/conv/volume.py's
+    copy_passes and copied_elements), and optimizer (SGD with momentum, per parameter tensor
+    and element); each module inside the containers a model runs it in (`through`)."""
     grid = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
     rng = np.random.default_rng(0)
     cold = _Cold()
@@ -486,6 +489,13 @@ def calibrate_layers(world, repeats):
                 pool.backward(loss.backward())
             points["loss"].append((elements, median(head)))
         out = {kind: _fit_line(p) for kind, p in points.items()}
+        stacking = []
+        for n, c, side in VOLUME_SIZES:  # a volume's copies of its planes (kernels/conv/volume.py)
+            x = rng.standard_normal((n, c, side, side, side)).astype(np.float32)
+            w_shape = (c, c, 3, 3, 3)
+            plane = volume_geometry(x.shape, w_shape, padding=1).plane
+            stacking.append((copied_elements(plane), median(lambda: copy_passes(x, w_shape, padding=1))))
+        out["volume"] = _fit_line(stacking)
         conv = Conv2d(grid, 1, 1, 1, algorithm="sample", bias=False, name="calibration")
         tiny = np.ones((1, 1, 1, 1), np.float32)
         conv.input_shape = tiny.shape

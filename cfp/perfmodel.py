@@ -21,6 +21,7 @@ from .halo import halo_plan, window_options, window_spans
 from .layout import piece_size
 from .kernels.conv import conv_op
 from .kernels.conv.geometry import geometry_flops
+from .kernels.conv.volume import copied_elements
 from .kernels.conv.paths import PASSES, geometry_key, pass_bytes, rate_key  # the kernel path table: its passes and its choice
 from .partition import block_sizes, gather_group, scatter_group
 
@@ -261,7 +262,7 @@ class LayerShape:
 FORMAT = 2  # the profile format read here (cfp/calibration.py writes it)
 # The layers between convolutions the model times (calibration.calibrate_layers measures them):
 # each [seconds, seconds per element] of one forward and backward.
-LAYER_KINDS = ("batchnorm", "relu", "maxpool", "upsample", "add", "loss", "conv", "optimizer")
+LAYER_KINDS = ("batchnorm", "relu", "maxpool", "upsample", "add", "loss", "conv", "optimizer", "volume")
 ANY_PATH = "*"  # a profile's rates for whatever path a pass takes (a model of another machine's kernels)
 
 
@@ -527,12 +528,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     x_bytes, y_bytes = n * read * needed * item, n * filters * out * item
     inside = inside_nodes(shape, profile, p_f, node_axes)
     local, passes = local_geometry(layer, n, read, filters, s["seen"], windows)
-    flops = geometry_flops(local) if local is not None else 0
-    keys = {p: rate_key(passes[p], local, "float32") if local is not None else (None, None) for p in PASSES}
-    named = None if local is None else geometry_key(local)
-    compute = {pass_name: 0.0 if layer.first and pass_name == "backward-data" or not flops else
-               profile.kernel_time(passes[pass_name], path, flops, path_rows, named)
-               for pass_name, (path, path_rows) in keys.items()}
+    compute, keys = _pass_seconds(layer, local, passes, profile)
     comm = {phase: 0.0 for phase in PHASES}
     spatial = P_d * P_h * P_w
     groups = {"row": (p_f, inside["row"]), "column": (q, inside["column"]),
@@ -579,6 +575,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     }
     layers = _layers_time(layer, profile, y_kept, s["y_filters"], w_count, optimizer_buffers,
                           P_n * spatial, inside["gradient"])
+
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
             "gradient_intra": inside["gradient"],
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
@@ -638,13 +635,7 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
                          f"(stationary-x, -y and -w do)")
     if chunks > max(n, 1):
         raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds")
-    local, passes = local_geometry(layer, -(-n // chunks), read, filters, seen, windows)
-    flops = geometry_flops(local)
-    chunk = {}
-    for p in PASSES:
-        path, rows = rate_key(passes[p], local, "float32")
-        chunk[p] = 0.0 if layer.first and p == "backward-data" or not flops else \
-            profile.kernel_time(passes[p], path, flops, rows, geometry_key(local))
+    chunk, _ = _pass_seconds(layer, *local_geometry(layer, -(-n // chunks), read, filters, seen, windows), profile)
     progress = profile.progress_of(all(groups[m.group][1] for m in sent))
 
     def part(phase, collective):
@@ -668,6 +659,21 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
             share = moved[p] / total if total else 1.0 / len(phases)
             comm[p] = exposed * share
             hidden[p] = max(0.0, total - exposed) * share
+
+
+def _pass_seconds(layer, local, passes, profile):
+    """({pass: seconds} of the layer's local kernels, {pass: (path, GEMM rows)}) on the 2-D
+    geometry `local` (local_geometry) whose `passes` compute them: each at its path's measured
+    rate (kernel_time), a volume's with a third each of the copies of its planes around them
+    (volume.copied_elements, at the profile's 'volume' rate); none for the first layer's
+    backward-data or a block no window reaches."""
+    flops = geometry_flops(local) if local is not None else 0
+    keys = {p: rate_key(passes[p], local, "float32") if local is not None else (None, None) for p in PASSES}
+    named = None if local is None else geometry_key(local)
+    copies = profile.layer_time("volume", copied_elements(local)) / 3 if flops and len(layer.spatial) == 3 else 0.0
+    seconds = {p: 0.0 if layer.first and p == "backward-data" or not flops else
+               profile.kernel_time(passes[p], path, flops, rows, named) + copies for p, (path, rows) in keys.items()}
+    return seconds, keys
 
 
 def local_geometry(layer, n, read, filters, seen, windows):

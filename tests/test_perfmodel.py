@@ -270,6 +270,13 @@ def test_a_volume_split_by_depth_by_hand():
     sent = [predict_bytes("sample", layer.x_shape, layer.w_shape, "depth=2", {"depth": r}, padding=1, itemsize=4,
                           op="conv3d")["halo"] for r in (0, 1)]
     assert sent == [(3072, 3072)] * 2  # each sends a plane forward and its gradient back
+    # The copies of the planes around the 2-D passes (volume.copied_elements): the stacked
+    # input 8 x 12 x 8 x 6 (4608) three times and the output planes 8 x 6 x 8 x 6 (2304) three
+    # times, 20736 elements, at a profile's 'volume' rate of 1 s + 1e-3 s an element, a third
+    # to each pass.
+    copying = MachineProfile(dict(profile_data(), layers={"volume": [1.0, 1e-3]}))
+    cost = layer_cost(layer, "sample", 1, 1, copying, P_d=2)
+    assert cost["compute"] == {p: pytest.approx(497664 / 1e10 + (1.0 + 20.736) / 3, rel=1e-12) for p in cost["compute"]}
 
 
 def test_a_transposed_layer_split_by_height_by_hand():

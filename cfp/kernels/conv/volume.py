@@ -193,6 +193,28 @@ def _unstack_add(d_stacked, v, xp, dtype, H, W):
     return dx.reshape(v.N, v.C, v.D, H, W)
 
 
+def copied_elements(plane):
+    """The elements a volume's three passes copy around their 2-D passes, counted on the
+    stacked convolution `plane` (its ConvGeometry): its input stacked twice (forward,
+    backward-filter) and unstacked once (backward-data), its output's planes turned into
+    samples three times (y, and dy for each backward pass). The cost model adds their time to
+    a volume's layer (perfmodel.layer_cost), at the rate calibration times on copy_passes."""
+    return 3 * plane.N * plane.C * plane.H * plane.W + 3 * plane.N * plane.F * plane.Ho * plane.Wo
+
+
+def copy_passes(x, w_shape, **options):
+    """The copies copied_elements counts, made on x (N, C, D, H, W) for a kernel of w_shape
+    with these options (zero padding): what calibration times (calibrate_layers' 'volume')."""
+    v = volume_geometry(x.shape, w_shape, **options)
+    xp = get_array_module(x)
+    stacked = _stack(x, v, xp)
+    _stack(x, v, xp)
+    _unstack_add(stacked, v, xp, x.dtype, v.plane.H, v.plane.W)
+    y = xp.zeros((v.N, v.F, v.Do, v.plane.Ho, v.plane.Wo), x.dtype)
+    for _ in range(3):
+        _planes_as_samples(y, xp)
+
+
 def _filters2(w, v):
     """w (F, C/G, Kd, Kh, Kw) as the stacked convolution's (F, Kd C/G, Kh, Kw), (plane, channel)."""
     F, Cg, Kd, Kh, Kw = w.shape
