@@ -257,6 +257,25 @@ class Plan:
         self.bucket_mb, self.overlapped_time = (best, time) if time < self.time else (0, None)
         return self.bucket_mb
 
+    def pipelined(self, profile, chunks=CHUNKS, optimizer_buffers=1):
+        """This plan with each x, y and w layer on a grid with channel ranks run in the number
+        of `chunks` (no more than the samples its ranks hold) whose pipeline is the fastest
+        (layer_cost's chunks), its grids and algorithms kept: what pipelining the layers'
+        collectives gives the plan (simulate.py's overlapped columns; plan(..., chunks=True)
+        chooses grids with chunks in view). A profile whose links do not progress keeps one."""
+        flowing = any(v > 0 for v in profile.progress.values())
+        choices = []
+        for c in self.choices:
+            best = c
+            if flowing and c.P_c > 1 and pipelines(algorithm_class(c.algorithm, c.layer.groups), c.layer.first):
+                for k in (k for k in chunks if 1 < k <= c.layer.N // c.P_n):
+                    cost = layer_cost(c.layer, c.algorithm, c.P_n, c.P_c, profile, c.p_f if c.algorithm == "w" else None,
+                                      optimizer_buffers, c.P_h, c.P_w, c.node_axes, c.P_d, k)
+                    if cost["time"] < best.cost["time"]:
+                        best = dataclasses.replace(c, cost=cost, chunks=k)
+            choices.append(best)
+        return Plan(choices, self.ranks, self.bucket_mb)
+
     def overlapped(self, profile, bucket_mb):
         """perfmodel.overlapped_step of this plan: its step with the gradient sums started in
         buckets of bucket_mb MiB during backward (the plan itself chosen without overlap)."""

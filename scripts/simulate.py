@@ -17,11 +17,13 @@ Data parallelism cannot give a rank less than one sample, so where P exceeds the
 on `batch` ranks and the rest idle; the tables mark those rows.
 
 What the numbers are: predictions of the alpha-beta-gamma model (docs/design.md section 4), not
-measurements. Only convolutions (and the classifier as a 1x1 convolution) are modelled: batch
-norm, ReLU, pooling, the loss and the optimizer step cost nothing here. Each plan's step is
+measurements. The convolutions (and the classifier as a 1x1 convolution) are modelled, and
+the layers between them and the update where the profile times them (reference-v100 does not:
+there batch norm, ReLU, pooling, the loss and the optimizer step cost nothing). Each plan's step is
 given twice: every collective blocking, and with the gradient allreduces started in buckets of
 --bucket-mb MiB during backward (perfmodel.overlapped_step, at the profile's measured progress of
-a started collective; the plans are chosen without overlap).
+a started collective) and each x, y and w layer pipelined over the chunks of samples that pay
+(planner.Plan.pipelined, perfmodel.pipeline_seconds); the plans are chosen without overlap.
 """
 import collections
 import importlib.util
@@ -56,14 +58,18 @@ def describe(plan):
 
 def summarize(plan, memory_limit, profile, bucket_mb):
     """The numbers of a plan that the tables, the plot and the JSON show; overlapped_time_s
-    and hidden_s with the gradient sums in buckets of bucket_mb MiB (Plan.overlapped)."""
+    and hidden_s with the gradient sums in buckets of bucket_mb MiB (Plan.overlapped) and each
+    x, y and w layer pipelined in the chunks that pay (Plan.pipelined), pipelined_layers of
+    them."""
     grids, algorithms = describe(plan)
-    overlapped = plan.overlapped(profile, bucket_mb)
+    pipelined = plan.pipelined(profile)
+    overlapped = pipelined.overlapped(profile, bucket_mb)
     return {
         "ranks_used": plan.ranks,
         "time_s": plan.time,
         "overlapped_time_s": overlapped["time"],
         "hidden_s": overlapped["hidden"],
+        "pipelined_layers": sum(c.chunks > 1 for c in pipelined.choices),
         "compute_s": sum(sum(c.cost["compute"].values()) for c in plan.choices),
         "allreduce_bytes_per_rank": sum(allreduce_bytes(c) for c in plan.choices),
         "allreduce_s": sum(c.cost["comm"]["gradient-sync"] for c in plan.choices),
@@ -216,11 +222,14 @@ def run_simulation(args):
     print(f"Profile: {profile.name}. {profile.source}\n")
     print(f"Global batch {args.batch} at every scale (strong scaling); memory limit per rank for the "
           f"hybrid plans: {limit_text}. Times are predictions of cfp's cost model, not measurements. "
-          "Only convolutions and the classifier are modelled (batch norm, ReLU, pooling, the loss and "
-          "the optimizer are not). 'overlapped': the same plans with the gradient allreduces started in "
-          f"buckets of {args.bucket_mb:g} MiB during backward, a started allreduce moving at "
+          + ("Only convolutions and the classifier are modelled (this profile times no batch norm, ReLU, "
+             "pooling, loss or optimizer). " if not any(f or r for f, r in profile.layers.values()) else
+             "Convolutions, the layers between them and the update are modelled (the profile's layer times). ")
+          + "'overlapped': the same plans with the gradient allreduces started in "
+          f"buckets of {args.bucket_mb:g} MiB during backward and each x, y and w layer pipelined in the "
+          "chunks of samples that pay, a started collective moving at "
           f"{profile.progress_of(True):.0%} (inside a node) and {profile.progress_of(False):.0%} (between "
-          "nodes) of its rate while backward computes (the profile's progress). Data parallelism "
+          "nodes) of its rate while its rank computes (the profile's progress). Data parallelism "
           f"cannot use more ranks than samples: above {args.batch} GPUs it runs on {args.batch} and the "
           "rest idle. Allreduce MB: bytes each rank sends in the ring allreduces of its weight-gradient "
           "shards. '(over)': the plan needs more memory than the limit. What was checked: the model's form "

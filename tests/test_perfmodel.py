@@ -399,6 +399,15 @@ def test_the_planner_pipelines_where_the_links_progress():
     assert chosen.time < plan(layers, 4, flowing, algorithms=("x", "y", "w")).time
     for profile, chunks in ((MachineProfile(data), True), (flowing, False)):
         assert all(c.chunks == 1 for c in plan(layers, 4, profile, algorithms=("x", "y", "w"), chunks=chunks).choices)
+    # the blocking plan's layers pipelined where that pays, grids and algorithms kept (simulate.py's
+    # overlapped columns)
+    blocking = plan(layers, 4, flowing, algorithms=("x", "y", "w"))
+    piped = blocking.pipelined(flowing)
+    assert [(c.grid, c.label.split(" in ")[0]) for c in piped.choices] == [(c.grid, c.label) for c in blocking.choices]
+    assert all(c.chunks > 1 for c in piped.choices) and piped.time < blocking.time
+    assert piped.time == pytest.approx(price_plan(layers, 4, flowing, plan_entries(piped)).time, rel=1e-12)
+    assert all(c.chunks == 1 for c in plan(layers, 4, MachineProfile(data), algorithms=("x", "y", "w"))
+               .pipelined(MachineProfile(data)).choices)
     bucketed = plan(layers, 4, flowing, algorithms=("sample",), buckets=True)
     assert bucketed.bucket_mb in (1, 4, 25) and bucketed.overlapped_time < bucketed.time
     assert plan(layers, 4, MachineProfile(data), algorithms=("sample",), buckets=True).bucket_mb == 0
