@@ -491,7 +491,7 @@ def inside_nodes(shape, profile, p_f=1, node_axes=None):
 
 
 def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=1, P_h=1, P_w=1,
-               node_axes=None, P_d=1, chunks=1):
+               node_axes=None, P_d=1, chunks=1, halo_interior=False):
     """Predicted seconds (per phase, compute and communication) and bytes per rank of one
     forward and backward pass of `layer` under `algorithm` on a P_n x P_d x P_h x P_w x P_c grid
     (P_d, P_h, P_w > 1: the image, or a volume, split over depth, height and width, with a halo
@@ -508,7 +508,10 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     chunks > 1: the layer's passes pipelined over that many chunks of its samples, each chunk's
     collectives in flight while the next computes (ConvAlgorithm.pipelined; stationary-x, -y
     and -w): each pass priced by pipeline_seconds, its comm the part left exposed, "hidden"
-    the part the chunks' kernels hide.
+    the part the chunks' kernels hide. halo_interior: on a split image, the interior of the
+    block computed while the halo moves (ConvAlgorithm.halo_interior, where the algorithm
+    convolves its own block, conv2d): the forward halo hidden, at the link's progress, behind
+    the interior's share of the forward kernels (the halo's adjoint stays blocking).
     """
     cls = algorithm_class(algorithm, layer.groups)
     op = conv_op(layer.op)
@@ -534,18 +537,24 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     groups = {"row": (p_f, inside["row"]), "column": (q, inside["column"]),
               "gradient": (P_n * spatial, inside["gradient"])}
     result = {"x": x_bytes, "y": y_bytes, "w": w_count * item}  # bytes of each collective's whole result
+    hidden = {phase: 0.0 for phase in PHASES}
     sent = [m for m in cls.messages if message_sent(m, layer.first, not layer.first)]
     for m in sent:
         ranks, intra = groups[m.group]
         comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
-    hidden = {phase: 0.0 for phase in PHASES}
     if chunks > 1:
         _pipeline(layer, cls, chunks, n, read, filters, s["seen"], windows, profile, compute, comm, hidden,
                   [m for m in sent if m.group in ("row", "column")], groups, result)
     if spatial > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
         received = n * x_channels * max(0, needed - math.prod(s["x"])) * item
         halo = profile.collective_time("alltoall", spatial, received * spatial / (spatial - 1), inside["halo"])
-        comm["halo"] = halo * (1 if layer.first else 2)
+        exposed = halo
+        if halo_interior and op.name == "conv2d" and cls.convolves_own(layer.first):
+            interior = math.prod(max(0, y - -(-(w[3] - x) // layer.stride)) / y
+                                 for y, x, w in zip(s["y"], s["x"], windows) if y)
+            exposed = max(0.0, halo - profile.progress_of(inside["halo"]) * interior * compute["forward"])
+            hidden["halo"] = halo - exposed
+        comm["halo"] = exposed + (0 if layer.first else halo)
     weights = w_count * item
     # The kernels' workspace (cfp/kernels/workspace.py), kept from call to call, as large as the
     # largest call's temporaries. A pass by Winograd asks for what its path counts

@@ -102,7 +102,8 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
     that one). chunks: also x, y and w in each of CHUNKS chunks of the samples a rank holds, on
     grids with channel ranks to exchange with and where the profile's links progress while
     ranks compute (with none, a pipeline hides nothing and only adds its chunks' latencies:
-    one chunk)."""
+    one chunk), and each layer on a split image that convolves its own block with its interior
+    computed while the halo moves (layer_cost's halo_interior): what --overlap all runs."""
     progress = chunks and any(v > 0 for v in profile.progress.values())
     volume = len(layer.spatial) == 3
     if grid is not None:
@@ -129,7 +130,8 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
             for p_f, placed, k in itertools.product(p_fs, placements(
                     {"sample": P_n, "depth": P_d, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes),
                     ks):
-                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed, P_d, k)
+                cost = layer_cost(layer, algorithm, P_n, P_c, profile, p_f, optimizer_buffers, P_h, P_w, placed, P_d, k,
+                                  halo_interior=chunks)
                 out.append(Choice(layer, P_n, P_c, algorithm, cost["p_f"], cost, P_h=P_h, P_w=P_w,
                                   node_axes=placed, P_d=P_d, chunks=k))
     return out
@@ -260,20 +262,22 @@ class Plan:
     def pipelined(self, profile, chunks=CHUNKS, optimizer_buffers=1):
         """This plan with each x, y and w layer on a grid with channel ranks run in the number
         of `chunks` (no more than the samples its ranks hold) whose pipeline is the fastest
-        (layer_cost's chunks), its grids and algorithms kept: what pipelining the layers'
-        collectives gives the plan (simulate.py's overlapped columns; plan(..., chunks=True)
-        chooses grids with chunks in view). A profile whose links do not progress keeps one."""
+        (layer_cost's chunks), and each layer on a split image with its interior computed while
+        the halo moves (halo_interior), its grids and algorithms kept: what --overlap all gives
+        the plan (simulate.py's overlapped columns; plan(..., chunks=True) chooses grids with
+        it in view). A profile whose links do not progress keeps one chunk."""
         flowing = any(v > 0 for v in profile.progress.values())
         choices = []
         for c in self.choices:
-            best = c
-            if flowing and c.P_c > 1 and pipelines(algorithm_class(c.algorithm, c.layer.groups), c.layer.first):
-                for k in (k for k in chunks if 1 < k <= c.layer.N // c.P_n):
-                    cost = layer_cost(c.layer, c.algorithm, c.P_n, c.P_c, profile, c.p_f if c.algorithm == "w" else None,
-                                      optimizer_buffers, c.P_h, c.P_w, c.node_axes, c.P_d, k)
-                    if cost["time"] < best.cost["time"]:
-                        best = dataclasses.replace(c, cost=cost, chunks=k)
-            choices.append(best)
+            cls = algorithm_class(c.algorithm, c.layer.groups)
+            ks = [k for k in chunks if k <= c.layer.N // c.P_n] if flowing and c.P_c > 1 and pipelines(
+                cls, c.layer.first) else [1]
+            costs = [layer_cost(c.layer, c.algorithm, c.P_n, c.P_c, profile, c.p_f if c.algorithm == "w" else None,
+                                optimizer_buffers, c.P_h, c.P_w, c.node_axes, c.P_d, k, halo_interior=True)
+                     for k in ks]
+            cost = min(costs, key=lambda cost: cost["time"])
+            choices.append(dataclasses.replace(c, cost=cost, chunks=cost["chunks"]) if cost["time"] < c.cost["time"]
+                           else c)
         return Plan(choices, self.ranks, self.bucket_mb)
 
     def overlapped(self, profile, bucket_mb):
@@ -322,10 +326,11 @@ def plan_entries(the_plan):
     return out
 
 
-def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
+def price_plan(layers, ranks, profile, entries, optimizer_buffers=1, halo_interior=False):
     """The Plan (predicted times and memory) of running `layers` as `entries` says: {layer
     name: {"grid", "algorithm", "filter_groups", "node_axes"}}, every layer listed (a plan file as plan.py
-    writes it, or a single-grid plan), priced as the planner prices its own."""
+    writes it, or a single-grid plan), priced as the planner prices its own (halo_interior:
+    as --overlap all runs it, what plan(..., chunks=True) prices)."""
     from .grid import parse_grid_spec
     choices = []
     for L in layers:
@@ -339,7 +344,7 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1):
             raise ValueError(f"price_plan: layer {L.name}: grid {entry['grid']} is not a grid of {ranks} ranks")
         node_axes = placed_axes(ProcessGrid.shape_of(entry["grid"]), entry.get("node_axes"))
         cost = layer_cost(L, entry["algorithm"], P_n, P_c, profile, entry.get("filter_groups"), optimizer_buffers,
-                          P_h, P_w, node_axes, P_d, entry.get("chunks", 1))
+                          P_h, P_w, node_axes, P_d, entry.get("chunks", 1), halo_interior)
         choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w,
                               node_axes=node_axes, P_d=P_d, chunks=cost["chunks"]))
     for k, choice in enumerate(choices):

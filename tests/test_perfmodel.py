@@ -304,6 +304,27 @@ def test_a_transposed_layer_split_by_height_by_hand():
     assert whole["compute"]["forward"] == pytest.approx(layer.flops() / 1e10, rel=1e-12) == 2 * 2 * 4 * 6 * 64 * 9 / 1e10
 
 
+@pytest.mark.parametrize("progress,hidden", [(1.0, 480.0), (0.5, 300.0), (0.0, 0.0)])
+def test_the_halo_moves_behind_the_interior_by_hand(progress, hidden):
+    """As test_layer_cost_of_an_image_split_by_hand (a 4 x 3 x 10 x 7 batch, 5 filters 3 x 3,
+    data parallel on height=2, width=2: 480 s of halo at 1 s/byte each way), with kernels slow
+    enough that forward takes 1000 s: with halo_interior, rank 0's block of 5 x 4 outputs has
+    4 x 3 whose windows read only its own rows and columns (one halo row and column each), 60%
+    of its forward, so the halo hides behind progress x 600 s of it, at most all 480 s; the
+    adjoint's 480 s stay blocking. x on a whole input (the first layer) gathers no channels
+    but takes its own: it convolves no block of its own, and hides nothing."""
+    layer = LayerShape("L", 4, 3, 5, 10, 7, 3)
+    profile = MachineProfile(dict(profile_data(rate=21600 / 1000), progress={"intra": progress}))
+    cost = layer_cost(layer, "sample", 1, 1, profile, P_h=2, P_w=2, halo_interior=True)
+    assert cost["compute"]["forward"] == pytest.approx(1000, rel=1e-12)
+    assert cost["hidden"]["halo"] == pytest.approx(hidden, rel=1e-12)
+    assert cost["comm"]["halo"] == pytest.approx(480 - hidden + 480, rel=1e-12)
+    blocking = layer_cost(layer, "sample", 1, 1, profile, P_h=2, P_w=2)
+    assert blocking["comm"]["halo"] == pytest.approx(960, rel=1e-12)
+    first = dataclasses.replace(layer, first=True)
+    assert layer_cost(first, "x", 1, 1, profile, P_h=2, P_w=2, halo_interior=True)["hidden"]["halo"] == 0
+
+
 def test_a_layer_shape_says_its_kind_and_depth():
     with pytest.raises(ValueError, match="layer v: a conv3d layer needs the depth D of its volume"):
         LayerShape("v", 1, 2, 2, 4, 4, 3, op="conv3d")

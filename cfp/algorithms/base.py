@@ -164,8 +164,15 @@ class ConvAlgorithm:
 
     def convolves_own_block(self):
         """Whether forward convolves this rank's own (extended) block as the halo leaves it,
-        with no channels gathered or taken in between, which halo_interior needs. The
-        algorithms where it does say so."""
+        with no channels gathered or taken in between, which halo_interior needs
+        (convolves_own, of this layer's input)."""
+        return self.convolves_own(self.input_whole)
+
+    @classmethod
+    def convolves_own(cls, input_whole):
+        """convolves_own_block of a layer of this class whose input is whole over the channel
+        axis or not (the cost model asks it of a layer it has not built). The algorithms where
+        it does say so."""
         return False
 
     def halo_then_forward(self, x, w, b=None, take=None):

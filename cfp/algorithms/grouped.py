@@ -56,8 +56,9 @@ class GroupedChannels(ConvAlgorithm):
     def kernel_args(self):
         return {**super().kernel_args(), "groups": max(1, self.own_groups)}
 
-    def convolves_own_block(self):
-        return not self.input_whole
+    @classmethod
+    def convolves_own(cls, input_whole):
+        return not input_whole
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)

@@ -25,7 +25,8 @@ class SampleParallel(ConvAlgorithm):
         """p_f = 1: the weight is whole, nothing moves along the channel axis."""
         return cls.fixed_filter_groups(1, filter_groups)
 
-    def convolves_own_block(self):
+    @classmethod
+    def convolves_own(cls, input_whole):
         return True
 
     def forward(self, x, w, b=None, input_shape=None):

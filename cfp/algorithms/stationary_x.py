@@ -25,8 +25,9 @@ class StationaryX(ConvAlgorithm):
         """p_f = 1: rows of one rank (nothing to gather of x), one column of all P_c."""
         return cls.fixed_filter_groups(1, filter_groups)
 
-    def convolves_own_block(self):
-        return not self.input_whole
+    @classmethod
+    def convolves_own(cls, input_whole):
+        return not input_whole
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)

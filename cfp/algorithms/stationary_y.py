@@ -25,8 +25,9 @@ class StationaryY(ConvAlgorithm):
         """p_f = P_c: one row of all P_c (x gathered from all), columns of one rank."""
         return cls.fixed_filter_groups(channel_parts, filter_groups)
 
-    def convolves_own_block(self):
-        return self.input_whole
+    @classmethod
+    def convolves_own(cls, input_whole):
+        return input_whole
 
     def forward(self, x, w, b=None, input_shape=None):
         self.check_input(x, w, b, input_shape)
