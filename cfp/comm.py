@@ -47,6 +47,7 @@ import collections
 import contextlib
 import dataclasses
 import math
+import threading
 import time
 
 import numpy as np
@@ -597,19 +598,33 @@ class Pending:
         self._request = start() if start is not None else None
         self._seconds = time.perf_counter() - self.started
         self._result = Pending._UNSET
+        self._lock = threading.Lock()  # one thread at a time in MPI on its request (progress_thread)
         if self._request is not None:
             _in_flight.add(self)  # its buffers stay alive until it completes, whoever drops it
 
     def test(self):
         """Whether the collective has completed (progressing it)."""
-        return self._request is None or self._result is not Pending._UNSET or bool(self._request.Test())
+        if self._request is None or self._result is not Pending._UNSET:
+            return True
+        with self._lock:
+            return bool(self._request.Test())
+
+    def _progress(self):
+        """progress_thread's test: skipped while another thread is in MPI on this request."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._result is Pending._UNSET:
+                    self._request.Test()
+            finally:
+                self._lock.release()
 
     def wait(self):
         if self._result is not Pending._UNSET:
             return self._result
         waited = time.perf_counter()
         if self._request is not None:
-            self._request.Wait()
+            with self._lock:
+                self._request.Wait()
             _in_flight.discard(self)
         done = time.perf_counter()
         result, kept = self._finish()
@@ -620,6 +635,41 @@ class Pending:
                             waited=waited, staged=self._timer.staged)
         self._result = result
         return result
+
+
+PROGRESS_INTERVAL = 1e-3  # seconds between progress_thread's rounds of tests
+
+
+@contextlib.contextmanager
+def progress_thread(interval=PROGRESS_INTERVAL):
+    """Within it, a thread tests every collective in flight (Pending) once each `interval`
+    seconds, so that transports which move data only inside MPI calls (MPICH's and Open MPI's
+    TCP, most shared-memory ones) move a started collective while the main thread computes:
+    the kernels release Python's lock for their BLAS calls, and the thread sleeps between
+    rounds, so it costs a core only the tests' own work (MPICH's own progress thread spins
+    instead). The main thread's test() and wait() and the thread's tests take turns on each
+    request; a request the main thread is waiting for is skipped. Needs MPI_THREAD_MULTIPLE
+    (mpi4py's default): refused otherwise. Nothing it does changes a result or the ledger."""
+    if not interval > 0:
+        raise ValueError(f"progress_thread interval={interval!r}: expected a positive number of seconds")
+    level = MPI.Query_thread()
+    if level != MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized"}
+        raise ValueError(f"a progress thread needs MPI_THREAD_MULTIPLE; this MPI was initialised with thread "
+                         f"level {names.get(level, level)!r} (mpi4py.rc.thread_level): expected 'multiple'")
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(interval):
+            for pending in list(_in_flight):
+                pending._progress()
+    thread = threading.Thread(target=run, name="cfp-progress", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _alone(x, donate):

@@ -3,6 +3,7 @@ evaluation, checkpoints (re-shardable), a progress bar, a JSON log and a closing
 
 `train(config)` is what scripts/train.py runs under mpiexec; the tests call it in-process.
 """
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -39,6 +40,9 @@ DTYPES = ("float32", "float64")
 OVERLAPS = ("off", "grads", "all")
 OVERLAP_BUCKET_MB = 25  # --overlap grads/all's bucket where --bucket-mb is not given (PyTorch DDP's)
 OVERLAP_CHUNKS = 2  # --overlap all's chunks where --chunks is not given
+# --mpi-progress: what moves a started collective while the rank computes: calls (the test()
+# calls cfp makes as layers and chunks end) or thread (and comm.progress_thread's tests each ms)
+MPI_PROGRESS = ("calls", "thread")
 COMM_TABLES = ("top", "full")
 WIDE_DEPTH = 4
 SGD_MOMENTUM = 0.9
@@ -89,6 +93,7 @@ class TrainConfig:
     device: str = "cpu"  # "gpu": the model and each batch on this rank's GPU (CuPy; backend.use_device)
     overlap: str = None  # "off", "grads" (bucket_mb, default OVERLAP_BUCKET_MB) or "all" (and chunks, default
     # OVERLAP_CHUNKS); None: as bucket_mb and chunks say
+    mpi_progress: str = "calls"  # or "thread": comm.progress_thread tests what is in flight while the rank computes
 
     def overlap_settings(self):
         """(bucket_mb, chunks, halo_interior) this run trains with: --overlap's, filled in with
@@ -128,6 +133,12 @@ class TrainConfig:
         if self.overlap == "grads" and self.chunks > 1:
             raise ValueError(f"--overlap grads overlaps the gradient sums only; --chunks {self.chunks} pipelines the "
                              f"layers' collectives too: use --overlap all")
+        if self.mpi_progress not in MPI_PROGRESS:
+            raise ValueError(f"unknown mpi_progress {self.mpi_progress!r}; expected one of {', '.join(MPI_PROGRESS)}")
+        bucket_mb, chunks, halo_interior = self.overlap_settings()
+        if self.mpi_progress == "thread" and not (bucket_mb or chunks > 1 or halo_interior):
+            raise ValueError("--mpi-progress thread progresses the collectives started during a step; with every "
+                             "collective blocking none is: give --overlap grads or all (or --bucket-mb, --chunks)")
         finite_number(self.weight_decay, "--weight-decay", minimum=0)
         if self.momentum is not None:
             finite_number(self.momentum, "--momentum", minimum=0)
@@ -570,7 +581,8 @@ class _Session:
         start = time.perf_counter()
         try:
             # NaN and overflow are not warned about, rank by rank: the checks below stop the run.
-            with comm.use_ledger(self.ledger), np.errstate(over="ignore", invalid="ignore"), cli.CtrlC() as ctrl_c:
+            with comm.use_ledger(self.ledger), np.errstate(over="ignore", invalid="ignore"), cli.CtrlC() as ctrl_c, \
+                    (comm.progress_thread() if self.cfg.mpi_progress == "thread" else contextlib.nullcontext()):
                 for epoch in range(self.first_epoch, self.cfg.epochs):
                     if self.step >= self.stop_at:
                         break

@@ -2,8 +2,8 @@
 with 1 and P threads on the same model, batch and optimizer, side by side in one run.
 
     mpiexec -n 2 python -m mpi4py scripts/bench_train.py --model wide --width 256 --depth 4 \\
-        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--overlap off,grads,all] [--device cpu|gpu] \\
-        [--json out.json]
+        --image 16 --batch-size 32 [--steps 5] [--warmup 2] [--overlap off,grads,all] \\
+        [--mpi-progress calls,thread] [--device cpu|gpu] [--json out.json]
 
 The 1-rank and PyTorch rows run on rank 0 while the other ranks sleep (not spin) in a
 non-blocking barrier, so they have the cores to themselves. The P-rank rows run every grid
@@ -13,6 +13,7 @@ times, the rows one after the other in each round, and reports each row's median
 rounds: on a machine whose speed drifts from minute to minute, a row is then not just the
 minute it happened to run in.
 """
+import contextlib
 import sys
 
 import _requirements  # noqa: F401 (first: says what is missing, outside cfp's environment)
@@ -29,7 +30,8 @@ from cfp.io import save_json
 from cfp.models import MODELS, build_model
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.optim import SGD
-from cfp.train import OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, OVERLAPS, TrainConfig, check_chunks, train_step
+from cfp.comm import progress_thread
+from cfp.train import MPI_PROGRESS, OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, OVERLAPS, TrainConfig, check_chunks, train_step
 
 try:
     import torch
@@ -59,6 +61,9 @@ def parse_args(argv):
                         f"x/y/w layers' collectives over {OVERLAP_CHUNKS} chunks of samples)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help=f"the buckets of --overlap grads and all, MiB (default {OVERLAP_BUCKET_MB}, train.py's)")
+    p.add_argument("--mpi-progress", default="calls",
+                   help="comma-separated, each as train.py --mpi-progress, timed side by side under every overlap "
+                        "setting but off: calls (cfp's test() calls) or thread (and a thread testing every ms)")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
                    help="cpu (NumPy; torch on the CPU) or gpu (CuPy on each rank's GPU; torch on CUDA)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
@@ -70,6 +75,11 @@ def parse_args(argv):
     bad = [o for o in args.overlaps if o not in OVERLAPS]
     if bad or not args.overlaps:
         raise ValueError(f"--overlap {args.overlap!r}: expected a comma-separated list of {', '.join(OVERLAPS)}")
+    args.progresses = args.mpi_progress.split(",")
+    bad = [o for o in args.progresses if o not in MPI_PROGRESS]
+    if bad or not args.progresses:
+        raise ValueError(f"--mpi-progress {args.mpi_progress!r}: expected a comma-separated list of "
+                         f"{', '.join(MPI_PROGRESS)}")
     unknown = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"--algorithms {args.algorithms!r}: unknown {', '.join(map(repr, unknown))}; "
@@ -89,7 +99,7 @@ def seconds_on_rank0(world, work):
     return float(seconds[0])
 
 
-def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off"):
+def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off", progress="calls"):
     grid = ProcessGrid(spec, comm=comm)
     config = {"width": args.width, "algorithm": algorithm, "in_channels": 1, "classes": 10,
               "dtype": np.float32}
@@ -104,9 +114,10 @@ def cfp_step_time(args, comm, spec, algorithm, x, y, xp=np, overlap="off"):
     bucket_mb, chunks, halo_interior = TrainConfig(overlap=overlap, bucket_mb=bucket_mb).overlap_settings()
     check_chunks(model, chunks, args.batch_size, f"--overlap {overlap}'s {chunks} chunks")
     # (a step ends with its loss read on the host, so its clock stops after the device's work)
-    seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb,
-                                                                    chunks, halo_interior)),
-                             args.steps, args.warmup)["total"]
+    with progress_thread() if progress == "thread" else contextlib.nullcontext():
+        seconds = slowest_median(comm, lambda: timed(lambda: train_step(model, loss_fn, optimizer, x, y, bucket_mb,
+                                                                        chunks, halo_interior)),
+                                 args.steps, args.warmup)["total"]
     grid.free()
     return seconds
 
@@ -168,10 +179,12 @@ def main(argv=None):
                 if algorithm == "sample" and P_c > 1:
                     continue  # replicas over the channel axis: no faster than sample=P
                 for overlap in args.overlaps:
-                    label = f"{spec} {algorithm}" + ("" if args.overlaps == ["off"] else f" overlap {overlap}")
-                    measures["cfp", P, 1, label] = \
-                        lambda spec=spec, algorithm=algorithm, overlap=overlap: cfp_step_time(
-                            args, world, spec, algorithm, x, y, xp, overlap)
+                    for progress in ["calls"] if overlap == "off" else args.progresses:
+                        label = f"{spec} {algorithm}" + ("" if args.overlaps == ["off"] else f" overlap {overlap}") \
+                            + (f", progress {progress}" if len(args.progresses) > 1 and overlap != "off" else "")
+                        measures["cfp", P, 1, label] = \
+                            lambda spec=spec, algorithm=algorithm, overlap=overlap, progress=progress: cfp_step_time(
+                                args, world, spec, algorithm, x, y, xp, overlap, progress)
     times = {key: [] for key in measures}
     for _ in range(args.rounds):
         for key, measure in measures.items():

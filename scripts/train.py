@@ -18,8 +18,8 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS
 from cfp.models import MODELS
-from cfp.train import (COMM_TABLES, DTYPES, OPTIMIZERS, OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, OVERLAPS, SCHEDULES,
-                       SGD_MOMENTUM, WIDE_DEPTH, TrainConfig, train)
+from cfp.train import (COMM_TABLES, DTYPES, MPI_PROGRESS, OPTIMIZERS, OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, OVERLAPS,
+                       SCHEDULES, SGD_MOMENTUM, WIDE_DEPTH, TrainConfig, train)
 
 
 def parse_args(argv):
@@ -100,6 +100,10 @@ def parse_args(argv):
                         f"best on 2 cores), grads (the gradient sums in buckets during backward, {OVERLAP_BUCKET_MB} "
                         f"MiB unless --bucket-mb says) or all (and the x/y/w layers' collectives pipelined over "
                         f"{OVERLAP_CHUNKS} chunks unless --chunks says); default: as --bucket-mb and --chunks say")
+    p.add_argument("--mpi-progress", default=defaults.mpi_progress, metavar=cli.one_of(MPI_PROGRESS),
+                   help="what moves a started collective while the rank computes: calls (cfp's test() calls as "
+                        "layers and chunks end, the default) or thread (and a thread testing them every ms: "
+                        "transports that move data only inside MPI calls, such as TCP; docs/design.md section 5)")
     p.add_argument("--device", default=defaults.device, metavar=cli.one_of(backend.DEVICES),
                    help="cpu (NumPy) or gpu (CuPy: one GPU per rank, node-local rank modulo the GPUs)")
     args = p.parse_args(argv)

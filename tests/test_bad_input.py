@@ -90,6 +90,7 @@ TRAIN_CASES = [
     (["--overlap", "sometimes"], "unknown overlap 'sometimes'; expected one of off, grads, all"),
     (["--overlap", "off", "--chunks", "2"], "--overlap off runs every collective blocking"),
     (["--bucket-mb", "-1"], "--bucket-mb must be >= 0"),
+    (["--mpi-progress", "thread"], "--mpi-progress thread progresses the collectives started during a step"),
     (["--overlap", "all", "--batch-size", "1"], r"--overlap all's 2 chunks is more than the 1 sample\(s\) a rank of"),
     (["--augment", "--eval-only", "--resume", "--checkpoint-dir", "ckpt"],
      "--augment changes the training batches only; with --eval-only, which does not train, it would be ignored"),
@@ -369,15 +370,18 @@ IN_FLIGHT_REPEATS = int(os.environ.get("CFP_RACE_REPEATS", "6"))
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_failing_with_collectives_in_flight_ends_the_job_with_its_message(monkeypatch):
+@pytest.mark.parametrize("case", ["fails_with_requests_outstanding",
+                                  "fails_with_requests_outstanding_under_a_progress_thread"])
+def test_a_rank_failing_with_collectives_in_flight_ends_the_job_with_its_message(monkeypatch, case):
     """One rank fails while its iallreduce and iallgather are outstanding and the others wait
     in the next collective: the job ends with that rank's one line every time (its buffers
     stay alive until MPI is done with them, comm._in_flight; an aborting rank gives the
-    launcher time to forward its line, cli.ABORT_GRACE: 5 of 100 runs lost it before)."""
+    launcher time to forward its line, cli.ABORT_GRACE: 5 of 100 runs lost it before), also
+    while a progress thread tests those collectives on every rank (--mpi-progress thread)."""
     monkeypatch.setenv("CFP_FAILURE_WAIT", "0.2")  # (the runs' environment: each waits 0.2 s, not 10)
     lost = []
     for i in range(IN_FLIGHT_REPEATS):
-        proc, took = run(2 + 2 * (i % 2), ["fails_with_requests_outstanding"], timeout=60, script=API_CASE)
+        proc, took = run(2 + 2 * (i % 2), [case], timeout=60, script=API_CASE)
         if proc.returncode == 0 or proc.stderr.count(f"api_case.py: error: rank {1 + 2 * (i % 2)} fails while its "
                                                      f"collectives are in flight") != 1:
             lost.append((i, proc.returncode, proc.stderr[-300:]))

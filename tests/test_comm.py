@@ -1,5 +1,7 @@
 """Collectives along one tensor axis: values against the global computation, the adjoint
 identity <F x, y> = <x, F* y> for every pair, and the ledger's byte accounting."""
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -230,6 +232,49 @@ def test_the_ledger_keeps_waiting_apart_from_transfer():
     text = ledger.summary(top=1)
     assert "transfer s" in text and "wait s" in text and "pack s" in text
     assert text.splitlines()[-1].startswith("total")
+
+
+def test_a_progress_thread_completes_what_is_in_flight_while_the_rank_calls_no_mpi(grid_and_groups):
+    """Under comm.progress_thread, the four non-blocking collectives, started, complete while
+    the main thread only sleeps (no MPI call of its own: only the thread's tests move them;
+    without it the first rank to start an allreduce waits for the others' data forever), and
+    wait() then returns what the blocking calls return, in the ledger as they would be."""
+    rng = np.random.default_rng(4000 + WORLD.Get_rank())
+    for name, comm in grid_and_groups:
+        p, r = comm.Get_size(), comm.Get_rank()
+        sizes = block_sizes(7, p)
+        x, y, z = rng.standard_normal((3, sizes[r])), rng.standard_normal((3, 7)), rng.standard_normal(1 << 16)
+        chunks = [rng.standard_normal(d + 1) for d in range(p)]
+        counts = [r + 1] * p
+        with C.use_ledger(C.CommLedger()):
+            expected = [C.allgather(comm, x, 1, sizes), C.reduce_scatter(comm, y, 1, sizes), C.allreduce(comm, z),
+                        C.alltoallv(comm, chunks, counts, np.float64)]
+        ledger = C.CommLedger()
+        with C.use_ledger(ledger), C.progress_thread(interval=1e-3):
+            pending = [C.iallgather(comm, x, 1, sizes), C.ireduce_scatter(comm, y, 1, sizes), C.iallreduce(comm, z),
+                       C.ialltoallv(comm, chunks, counts, np.float64)]
+
+            def done():
+                return [q._request is None or q._request == MPI.REQUEST_NULL for q in pending]
+            deadline = time.monotonic() + 20
+            while not all(done()) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            completed = done()
+            got = [q.wait() for q in pending]
+        assert_all_ranks(all(completed), f"{name}: completed by the thread alone: {completed}")
+        assert_all_ranks(np.array_equal(got[0], expected[0]), f"iallgather over {name}")
+        assert_close_all_ranks(got[1], expected[1], 1e-12, f"ireduce_scatter over {name}")
+        assert_close_all_ranks(got[2], expected[2], 1e-12, f"iallreduce over {name}")
+        assert_all_ranks(all(np.array_equal(a, b) for a, b in zip(got[3], expected[3])), f"ialltoallv over {name}")
+        assert_all_ranks([c.collective for c in ledger.records] == ["allgather", "reduce_scatter", "allreduce",
+                                                                      "alltoall"], f"{name}: {ledger.records}")
+
+
+def test_a_progress_thread_is_refused_a_bad_interval():
+    for bad in (0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match=r"progress_thread interval=.*expected a positive number of seconds"):
+            with C.progress_thread(interval=bad):
+                pass
 
 
 def test_unknown_phase():

@@ -381,8 +381,13 @@ def test_overlap_settings_and_their_contradictions():
     assert TrainConfig(overlap="all").overlap_settings() == (OVERLAP_BUCKET_MB, OVERLAP_CHUNKS, True)
     assert TrainConfig(overlap="all", chunks=3, bucket_mb=2).overlap_settings() == (2, 3, True)
     assert TrainConfig(bucket_mb=4).overlap_settings() == (4, 1, False)
+    for fine in ({"overlap": "grads"}, {"bucket_mb": 1}, {"chunks": 2}):
+        config(mpi_progress="thread", **fine).validate()  # something is in flight for the thread to test
     for overrides, message in (({"overlap": "off", "bucket_mb": 4}, "--overlap off runs every collective blocking"),
                                ({"overlap": "grads", "chunks": 2}, "use --overlap all"),
-                               ({"overlap": "sometimes"}, "unknown overlap 'sometimes'; expected one of off, grads, all")):
+                               ({"overlap": "sometimes"}, "unknown overlap 'sometimes'; expected one of off, grads, all"),
+                               ({"mpi_progress": "thread"}, "--mpi-progress thread progresses the collectives started "
+                                                            "during a step; with every collective blocking none is"),
+                               ({"mpi_progress": "often"}, "unknown mpi_progress 'often'; expected one of calls, thread")):
         with pytest.raises(ValueError, match=message):
             config(**overrides).validate()

@@ -76,13 +76,16 @@ class GroupedChannels(ConvAlgorithm):
     def backward(self, dy):
         x, w = self.saved_for(dy)
         db = self.local_backward_bias(dy) if self.bias else None
-        if self.own_groups:
-            dw = self.local_backward_filter(x, dy, w.shape)
-            dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None
-        else:
-            xp = backend.get_array_module(dy)
-            dw, dx = xp.zeros(w.shape, dy.dtype), (xp.zeros(x.shape, dy.dtype) if self.need_dx else None)
+        xp = backend.get_array_module(dy)
+        dw = self.local_backward_filter(x, dy, w.shape) if self.own_groups else xp.zeros(w.shape, dy.dtype)
+        # the sum first: started in a bucket (overlapped_gradient_sync), it moves while dx computes
         dw, db = self.sync_gradients(dw, db)
+        if not self.need_dx:
+            dx = None
+        elif self.own_groups:
+            dx = self.local_backward_data(dy, w, x.shape)
+        else:
+            dx = xp.zeros(x.shape, dy.dtype)
         return self.halo_adjoint(dx), dw, db
 
 

@@ -41,6 +41,7 @@ class SampleParallel(ConvAlgorithm):
         x, w = self.saved_for(dy)
         db = self.local_backward_bias(dy) if self.bias else None
         dw = self.local_backward_filter(x, dy, w.shape)
-        dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None
+        # the sum first: started in a bucket (overlapped_gradient_sync), it moves while dx computes
         dw, db = self.sync_gradients(dw, db)
+        dx = self.local_backward_data(dy, w, x.shape) if self.need_dx else None
         return self.halo_adjoint(dx), dw, db

@@ -119,7 +119,14 @@ def fails_with_requests_outstanding():
     comm.allreduce(world, np.ones(3))  # the failed rank never comes
 
 
-CASES = {f.__name__: f for f in (fails_with_requests_outstanding, heights_differ, dtypes_differ, samples_differ, integer_input, complex_input,
+def fails_with_requests_outstanding_under_a_progress_thread():
+    """The same, while comm.progress_thread tests the collectives in flight on every rank."""
+    with comm.progress_thread():
+        fails_with_requests_outstanding()
+
+
+CASES = {f.__name__: f for f in (fails_with_requests_outstanding,
+                                 fails_with_requests_outstanding_under_a_progress_thread, heights_differ, dtypes_differ, samples_differ, integer_input, complex_input,
                                  weight_dtype_differs, spatial_grid, backward_first, wrong_grad_output,
                                  integer_kernel_input, wrong_block, collective_shapes_differ,
                                  collective_dtypes_differ, own_status, train_zero_steps)}
