@@ -285,6 +285,21 @@ def test_bench_conv_splits_a_volume_by_depth(tmp_path):
     assert rows["depth=2"]["halo_bytes_per_rank"] == max(halo) > 0
 
 
+def test_bench_progress_times_each_way_of_progressing_a_started_allreduce(tmp_path):
+    """bench_progress on 2 ranks: every row timed (the GEMMs, the allreduce, blocking, started
+    with no call, started under the progress thread at each interval, the GEMMs beside it),
+    in the table and the JSON alike."""
+    out = tmp_path / "progress.json"
+    proc, _ = run(2, ["--mib", "0.25", "--gemms", "1", "--repeats", "1", "--intervals", "1,0.5", "--json", str(out)],
+                  script=os.path.join(ROOT, "scripts", "bench_progress.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        rows = json.load(f)["rows_ms"]
+    assert len(rows) == 4 + 2 * 2 and all(ms > 0 for ms in rows.values()), rows
+    assert sum("thread every 0.5 ms" in name for name in rows) == 2, rows
+    assert all(f"| {name} |" in proc.stdout for name in rows), proc.stdout
+
+
 def test_the_progress_bar_shows_the_epoch(tmp_path):
     proc, _ = run(1, ["--epochs", "2", "--train-samples", "128", "--batch-size", "64"], script=TRAIN)
     assert proc.returncode == 0, proc.stderr
