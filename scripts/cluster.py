@@ -1,7 +1,7 @@
 """A cluster on one machine: K nodes as Linux network namespaces, each with its own hostname,
 joined through a bridge by links whose rate `tc` can limit, and MPI jobs launched across them.
 
-    python scripts/cluster.py up --nodes 2 [--rate 1gbit] [--name cfp]   # as root
+    python scripts/cluster.py up --nodes 2 [--rate 1gbit] [--mtu 9000] [--name cfp]   # as root
     python scripts/cluster.py run [--name cfp] --ranks-per-node 2 [--placement cyclic] -- python -m mpi4py scripts/train.py ...
     python scripts/cluster.py status [--name cfp]
     python scripts/cluster.py down [--name cfp]
@@ -12,7 +12,12 @@ Node k is the namespace NAME-nK (hostname NAME-nK inside), with one interface `c
 NAMEhK in the machine's own namespace, on the bridge NAMEbr. Names resolve through
 /etc/netns/NAME-nK/hosts (which `ip netns exec` mounts over /etc/hosts inside the node): the
 machine's own /etc/hosts is never touched. `--rate` limits what each node sends (a tbf qdisc
-on its interface); without it the links are unshaped (memory speed).
+on its interface); without it the links are unshaped (memory speed). `--mtu` sets the links'
+largest packet (the kernel's 1500 by default; 9000 is Ethernet's jumbo frames, common on
+cluster networks): every packet costs this machine's cores some work in the kernel, which on a
+real cluster the network card and the other node do, so at 1500 a 1 Gbit/s link here costs
+the ranks about as much CPU time as wire time, and a transfer cannot hide behind computation
+(BENCHMARKS.md, the overlap section).
 
 `run` starts mpiexec inside node 0 with the ranks spread R per node, MPI told to use the
 network, through a script (launch.sh) that runs each node's part of the launch in its namespace
@@ -82,6 +87,15 @@ def check_rate(rate):
     return rate.lower()
 
 
+def check_mtu(mtu):
+    """None (the kernel's default, 1500) or a packet size from 576 to 65535 bytes."""
+    if mtu is None:
+        return None
+    if not isinstance(mtu, int) or isinstance(mtu, bool) or not 576 <= mtu <= 65535:
+        raise ValueError(f"--mtu {mtu!r}: expected a whole number of bytes from 576 to 65535 (9000: jumbo frames)")
+    return mtu
+
+
 def check_nodes(nodes):
     if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= 16:
         raise ValueError(f"--nodes {nodes!r}: expected a whole number of nodes from 1 to 16")
@@ -105,8 +119,9 @@ def rate_bytes(rate):
 class Cluster:
     """The namespaces, links and files of cluster `name` with `nodes` nodes."""
 
-    def __init__(self, nodes, rate=None, name="cfp"):
+    def __init__(self, nodes, rate=None, name="cfp", mtu=None):
         self.nodes, self.rate, self.name = check_nodes(nodes), check_rate(rate), check_name(name)
+        self.mtu = check_mtu(mtu)
         self.state = os.path.join(STATE_ROOT, self.name)
 
     # -- names ---------------------------------------------------------------------------------
@@ -147,6 +162,8 @@ class Cluster:
 
     def _make(self):
         _ip("link", "add", self.bridge, "type", "bridge")
+        if self.mtu:
+            _ip("link", "set", self.bridge, "mtu", str(self.mtu))
         _ip("link", "set", self.bridge, "up")
         hosts = "127.0.0.1 localhost\n" + "".join(f"{self.address(k)} {self.node(k)}\n" for k in range(self.nodes))
         for k in range(self.nodes):
@@ -156,6 +173,9 @@ class Cluster:
             _ip("link", "set", peer, "netns", ns)
             _ip("-n", ns, "link", "set", peer, "name", IFACE)
             _ip("-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", IFACE)
+            if self.mtu:
+                _ip("-n", ns, "link", "set", IFACE, "mtu", str(self.mtu))
+                _ip("link", "set", self.host_link(k), "mtu", str(self.mtu))
             _ip("-n", ns, "link", "set", IFACE, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("link", "set", self.host_link(k), "master", self.bridge)
@@ -165,7 +185,8 @@ class Cluster:
                 # collectives of 100-300 KB each went out at memory speed between refills (its
                 # reduce-scatters 8.8 ms a step where 1 Gbit/s needs 22); with 32 KB they take
                 # the rate (27.2 ms) and a 16 MiB allreduce still reaches it (152 ms)
-                burst = max(32 << 10, int(rate_bytes(self.rate) / 4000))
+                # (and at least one packet: tbf drops a packet larger than its bucket)
+                burst = max(32 << 10, int(rate_bytes(self.rate) / 4000), self.mtu or 0)
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate",
                       self.rate, "burst", str(burst), "latency", "50ms"])
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
@@ -173,7 +194,7 @@ class Cluster:
                 f.write(hosts)
         os.makedirs(self.state, exist_ok=True)
         with open(os.path.join(self.state, "state.json"), "w") as f:
-            json.dump({"name": self.name, "nodes": self.nodes, "rate": self.rate}, f)
+            json.dump({"name": self.name, "nodes": self.nodes, "rate": self.rate, "mtu": self.mtu}, f)
         self._write_scripts()
 
     def _write_scripts(self):
@@ -349,13 +370,13 @@ class _Interrupted(Exception):
 
 
 @contextlib.contextmanager
-def cluster(nodes, rate=None, name="cfp"):
+def cluster(nodes, rate=None, name="cfp", mtu=None):
     """The cluster, up inside the block and removed after it, also on an error, Ctrl-C or
     SIGTERM (which are turned into an exception here, so the removal runs)."""
     def stop(signum, frame):
         raise _Interrupted(f"signal {signum}")
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    c = Cluster(nodes, rate, name)
+    c = Cluster(nodes, rate, name, mtu)
     try:
         c.up()
         yield c
@@ -372,7 +393,7 @@ def _loaded(name):
         raise RuntimeError(f"cluster {name!r} is not up: run `python scripts/cluster.py up --nodes K --name {name}`")
     with open(path) as f:
         state = json.load(f)
-    return Cluster(state["nodes"], state["rate"], state["name"])
+    return Cluster(state["nodes"], state["rate"], state["name"], state.get("mtu"))
 
 
 def _nprocs(args):
@@ -401,7 +422,7 @@ def cluster_test(args, out=None):
     except RuntimeError as e:
         print(f"test-cluster: skipped: {e}", file=out)
         return 0
-    with cluster(2, args.rate, args.name) as c:
+    with cluster(2, args.rate, args.name, args.mtu) as c:
         start = c.counters()
         env = dict(os.environ, MPIEXEC=c.mpiexec_wrapper)
         pytest_args = args.pytest or list(TEST_FILES)
@@ -463,6 +484,8 @@ def parse_args(argv):
         if command in ("up", "test"):
             s.add_argument("--rate", default=None, help="each node's link rate (tc syntax: 1gbit, 100mbit); "
                                                         "default unshaped")
+            s.add_argument("--mtu", type=int, default=None,
+                           help="the links' largest packet in bytes (default the kernel's 1500; 9000: jumbo frames)")
         if command == "run":
             s.add_argument("--ranks-per-node", type=int, required=True, help="ranks on each node")
             s.add_argument("--placement", default="block", choices=PLACEMENTS,
@@ -489,10 +512,11 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         if args.command == "up":
-            c = Cluster(args.nodes, args.rate, args.name)
+            c = Cluster(args.nodes, args.rate, args.name, args.mtu)
             c.up()
             print(f"cluster {c.name} up: {c.nodes} nodes {', '.join(c.node(k) for k in range(c.nodes))} at "
-                  f"{SUBNET}.1-{c.nodes}, links {c.rate or 'unshaped'}; mpiexec across them: {c.mpiexec_wrapper}")
+                  f"{SUBNET}.1-{c.nodes}, links {c.rate or 'unshaped'}, MTU {c.mtu or 'the default'}; mpiexec "
+                  f"across them: {c.mpiexec_wrapper}")
         elif args.command == "down":
             removed = down(args.name)
             print(f"cluster {args.name}: removed {', '.join(removed) if removed else 'nothing (it was not up)'}")

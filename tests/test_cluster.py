@@ -3,6 +3,7 @@ root with ip, tc and unshare, a cluster of 2 nodes made, a 2-rank job run across
 bytes crossed the links, and everything removed afterwards, also after an error or Ctrl-C."""
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,11 @@ def test_bad_input_is_refused_before_anything_is_made():
     for name in ("Cfp", "1cfp", "cfp-a", "toolongname"):
         with pytest.raises(ValueError, match="cluster name"):
             cluster.check_name(name)
+    for mtu in (None, 576, 1500, 9000, 65535):
+        assert cluster.check_mtu(mtu) == mtu
+    for mtu in (575, 65536, 9000.0, True, "9000"):
+        with pytest.raises(ValueError, match=f"--mtu {mtu!r}: expected a whole number of bytes from 576 to 65535"):
+            cluster.check_mtu(mtu)
     for nodes in (0, 17, 1.5, True):
         with pytest.raises(ValueError, match="--nodes"):
             cluster.check_nodes(nodes)
@@ -98,6 +104,25 @@ def test_a_job_across_two_nodes_crosses_the_links_and_nothing_is_left(clean, tmp
               cluster._launcher.OPEN_MPI: "OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,vader,self "
                                           "OMPI_MCA_btl_tcp_if_include=cfpnet"}[cluster.mpi_family()]
     assert forced in out, out
+
+
+@needs_root
+def test_the_links_take_the_mtu_asked_for(clean, tmp_path):
+    """--mtu 9000: the nodes' interfaces, their host ends and the bridge carry jumbo frames, the
+    rate's bucket holds one (tbf drops a packet larger than its burst), and a job crosses."""
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    with cluster.cluster(2, "1gbit", NAME, mtu=9000) as c:
+        shown = [subprocess.run(argv, capture_output=True, text=True, check=True).stdout for argv in (
+            ["ip", "-n", c.node(0), "link", "show", cluster.IFACE], ["ip", "link", "show", c.host_link(1)],
+            ["ip", "link", "show", c.bridge])]
+        assert all(" mtu 9000 " in text for text in shown), shown
+        qdisc = subprocess.run(["ip", "netns", "exec", c.node(1), "tc", "qdisc", "show", "dev", cluster.IFACE],
+                               capture_output=True, text=True, check=True).stdout
+        burst = re.search(r"burst (\d+)b", qdisc)
+        assert burst and int(burst.group(1)) >= 9000, qdisc
+        rc, sent = c.run(2, [sys.executable, "-m", "mpi4py", str(script)])
+        assert rc == 0 and all(b >= 1 << 20 for b in sent.values()), sent
 
 
 @needs_root
