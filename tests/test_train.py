@@ -322,7 +322,8 @@ def test_overlap_all_trains_as_overlap_off(monkeypatch):
     phase but the gradient sum, whose buckets concatenate the layers' arrays (the same bytes to
     the rounding of each message's balanced split). The chunks' non-blocking collectives are
     counted, so a run that silently stayed blocking fails; so are the halos started with the
-    interior computed while they move (the first layer on the split image)."""
+    interior computed while they move (the first layer on the split image). Every other case
+    runs with the progress thread (--mpi-progress thread), which must change nothing either."""
     from cfp import comm
     from cfp.halo import Halo
     started, halos = [], []
@@ -336,9 +337,10 @@ def test_overlap_all_trains_as_overlap_off(monkeypatch):
         expected = ([h["loss"] for h in off["history"]], weights(model))
         started.clear()
         halos.clear()
+        progress = ("thread", "calls")[case % 2]  # the progress thread testing what is in flight, in turns
         result, model = train_model(config(grid=grid, algorithm=algorithm, overlap="all", chunks=chunks,
-                                           bucket_mb=1e-4, **extra))
-        what = f"--overlap all, chunks {chunks}, on {grid} {algorithm}"
+                                           bucket_mb=1e-4, mpi_progress=progress, **extra))
+        what = f"--overlap all, chunks {chunks}, --mpi-progress {progress}, on {grid} {algorithm}"
         if algorithm in ("x", "y", "w") and SIZE > 1:
             assert_all_ranks(len(started) >= STEPS * chunks, f"{what}: {len(started)} chunk calls")
         if "height" in (grid or ""):
