@@ -586,7 +586,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
                           P_n * spatial, inside["gradient"])
 
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
-            "gradient_intra": inside["gradient"],
+            "gradient_intra": inside["gradient"], "sum_before_data": cls.sums_before_data,
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
             "chunks": chunks, "hidden": hidden,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
@@ -732,6 +732,17 @@ def backward_seconds(cost):
             + (halo / 2 if cost["compute"].get("backward-data", 0.0) else 0.0) + layers / 2)
 
 
+def sum_start_seconds(cost):
+    """Of backward_seconds(cost), the seconds before the layer's gradient sum can start: all of
+    them, or, where the algorithm starts its sum before it computes dx (its cost's
+    "sum_before_data", ConvAlgorithm.sums_before_data), the layers after it (half their time,
+    as backward_seconds counts them) and backward-filter with its collectives."""
+    if not cost.get("sum_before_data"):
+        return backward_seconds(cost)
+    layers = sum(v for kind, v in cost["layers"].items() if kind != "optimizer")
+    return cost["compute"].get("backward-filter", 0.0) + cost["comm"].get("backward-filter", 0.0) + layers / 2
+
+
 def overlapped_step(costs, profile, bucket_bytes):
     """A training step of layers costing `costs` (layer_cost's results, in forward order; each
     may hold its `redistribution` seconds) with the weight gradients' sums started in buckets of
@@ -741,7 +752,8 @@ def overlapped_step(costs, profile, bucket_bytes):
     hidden (gradient_sync - exposed).
 
     Backward runs the layers last to first, each taking backward_seconds; a layer's gradient
-    joins the open bucket when its backward ends, and a bucket of bucket_bytes or more (or the
+    joins the open bucket when its sum can start (sum_start_seconds into its backward: at its
+    end, or before its dx where the algorithm sums first), and a bucket of bucket_bytes or more (or the
     last, when backward ends) starts its sum, the sums one after another on the link. While
     backward still computes, a started sum moves at profile.progress_of(its link) of its
     blocking rate; what is left when backward ends is moved at the full rate, exposed. So a
@@ -756,12 +768,13 @@ def overlapped_step(costs, profile, bucket_bytes):
     buckets, t = [], 0.0
     seconds, size, intra = 0.0, 0, True
     for c in reversed(costs):
+        ready = t + sum_start_seconds(c)
         t += backward_seconds(c)
         seconds += c["comm"]["gradient-sync"]
         size += c["memory"]["gradients"]
         intra = intra and c.get("gradient_intra", True)
         if size >= bucket_bytes:
-            buckets.append((t, seconds, profile.progress_of(intra)))
+            buckets.append((ready, seconds, profile.progress_of(intra)))
             seconds, size, intra = 0.0, 0, True
     if seconds:
         buckets.append((t, seconds, profile.progress_of(intra)))

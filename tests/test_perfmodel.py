@@ -538,6 +538,34 @@ def test_the_overlapped_step_is_the_pipeline_of_buckets_against_backward(rate, b
     assert overlapped_step(costs, MachineProfile(data), 0)["time"] == pytest.approx(9.0)  # no buckets: blocking
 
 
+def test_a_layer_that_sums_before_its_dx_starts_its_bucket_before_backward_data():
+    """Three layers of 1 s of backward-filter and 1 s of backward-data, sums of 1 s, a bucket a
+    layer, progress 1. Summing after dx (stationary-x, -y, -w) the buckets start at 2, 4 and 6 s
+    of backward: the last one at its end, 1 s exposed. Summing before dx (sample parallelism,
+    grouped layers: ConvAlgorithm.sums_before_data, in layer_cost's cost) they start at 1, 3 and 5
+    s and each moves while its layer's dx computes: nothing exposed."""
+    data = profile_data()
+    data["progress"] = {"intra": 1.0}
+    from cfp.perfmodel import overlapped_step, sum_start_seconds
+
+    def cost(first):
+        c = _cost(1.0, 1.0, 10)
+        c["compute"]["backward-data"] = 1.0
+        c["time"] += 1.0
+        c["sum_before_data"] = first
+        return c
+    assert sum_start_seconds(cost(True)) == pytest.approx(1.0) and sum_start_seconds(cost(False)) == pytest.approx(2.0)
+    after = overlapped_step([cost(False)] * 3, MachineProfile(data), 1)
+    before = overlapped_step([cost(True)] * 3, MachineProfile(data), 1)
+    assert after["exposed"] == pytest.approx(1.0) and after["time"] == pytest.approx(7.0)
+    assert before["exposed"] == pytest.approx(0.0) and before["time"] == pytest.approx(6.0)
+    from cfp.algorithms import ALGORITHMS
+    assert [name for name, cls in ALGORITHMS.items() if cls.sums_before_data] == ["sample"]
+    layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
+    assert layer_cost(layer, "sample", 2, 1, MachineProfile(data))["sum_before_data"] is True
+    assert layer_cost(layer, "y", 1, 2, MachineProfile(data))["sum_before_data"] is False
+
+
 def test_a_bucket_spanning_nodes_progresses_at_the_link_between_them():
     data = profile_data(inter=(1.0, 1.0))
     data["progress"] = {"intra": 1.0, "inter": 0.0}

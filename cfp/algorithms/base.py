@@ -78,6 +78,9 @@ class ConvAlgorithm:
     name = "?"
     weight_replicated = False  # True for sample parallelism: every rank holds all of w
     messages = ()  # the collectives of one forward and backward pass (Message)
+    # whether backward starts the gradient sum before it computes dx, so that a sum started in
+    # a bucket moves while dx computes (perfmodel.overlapped_step reads it)
+    sums_before_data = False
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,

@@ -28,6 +28,7 @@ class GroupedChannels(ConvAlgorithm):
     that keeps the name and the filter-group rule (p_f) of the algorithm asked for."""
 
     messages = (GRADIENT_SYNC,)
+    sums_before_data = True
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, **kwargs):
         super().__init__(grid, in_channels, out_channels, kernel_size, **kwargs)

@@ -14,6 +14,7 @@ class SampleParallel(ConvAlgorithm):
     name = "sample"
     weight_replicated = True
     messages = (GRADIENT_SYNC,)
+    sums_before_data = True
 
     @classmethod
     def weight_layout_of(cls, p_f, groups=1):
