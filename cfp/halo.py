@@ -186,8 +186,9 @@ class Halo:
         self.interior = None if plan["mode"] == "transposed" else self._interior()
 
     def _interior(self):
-        """(output rows, output columns) as ranges: the part of this rank's output block whose
-        windows read only rows and columns it holds (or the zero padding beside them), which
+        """A range of output positions per spatial axis ((planes,) rows, columns): the part of
+        this rank's output block whose windows read only what it holds (or the zero padding
+        beside it), which
         it computes while the halo moves (HaloInFlight); None where there is none, or where
         another padding mode's rows are gathered into the block (Halo.pad).
 
@@ -214,13 +215,13 @@ class Halo:
             spans.append(range(first, last))
         return tuple(spans)
 
-    def window(self, rows, cols, source="extended"):
-        """What the local kernel convolves to give output `rows` x `cols` (ranges) of this
-        rank's block: (row slice, column slice) of the extended block (source 'extended') or
-        of the block held before the exchange ('held'), and the zero padding (top, bottom,
-        left, right) to put around them."""
+    def window(self, outs, source="extended"):
+        """What the local kernel convolves to give the output positions `outs` (a range per
+        spatial axis: (planes,) rows, columns) of this rank's block: a slice per axis of the
+        extended block (source 'extended') or of the block held before the exchange ('held'),
+        and the zero padding (two sides an axis, in the kernels' order) to put around them."""
         slices, padding = [], []
-        for (s, d, k, top, need, _), held, out in zip(self._axes, self.held[2:], (rows, cols)):
+        for (s, d, k, top, need, _), held, out in zip(self._axes, self.held[2:], outs):
             a, b = s * out.start, s * (out.stop - 1) + d * (k - 1) + 1  # the padded positions read
             lo, hi = max(a, top), min(b, top + len(need))  # of them, the image's rows
             if hi <= lo:  # a window over padding only
@@ -230,7 +231,7 @@ class Halo:
             shift = top if source == "extended" else top - need.start + held.start
             slices.append(slice(lo - shift, hi - shift))
             padding += [lo - a, b - hi]
-        return slices[0], slices[1], tuple(padding)
+        return tuple(slices), tuple(padding)
 
     def start(self, x, layer):
         """The exchange of exchange(x) started, as a HaloInFlight that computes the interior
@@ -283,11 +284,12 @@ class Halo:
 class HaloInFlight:
     """A halo exchange in flight (Halo.start): forward(s, conv) gives the output of samples s
     of the block, computing first the interior from the block held (Halo.interior), then,
-    once the extended block has arrived, the border strips around it: the rows above and below
-    at full width, the columns left and right beside the interior. conv(block, padding) is the
-    local kernel on a window with that zero padding, or (padding None) on the extended block
-    as the exchange left it. Later calls, and every call where the block has no interior,
-    convolve the extended block whole (x must not be written until the first call)."""
+    once the extended block has arrived, the border around it (border_boxes: the slabs before
+    and after the interior along each spatial axis in turn, across the interior's extent of
+    the axes before it and the whole of those after). conv(block, padding) is the local kernel
+    on a window with that zero padding, or (padding None) on the extended block as the exchange
+    left it. Later calls, and every call where the block has no interior, convolve the
+    extended block whole (x must not be written until the first call)."""
 
     def __init__(self, halo, x, moving):
         self.halo, self._x, self._moving = halo, x, moving
@@ -300,19 +302,29 @@ class HaloInFlight:
         halo, x, self._x = self.halo, self._x, None
         if x is None or halo.interior is None:  # a later call, or no interior: the block whole
             return conv(self.wait()[s], None)
-        rows, cols = halo.interior
-        r, c, padding = halo.window(rows, cols, source="held")
-        inner = conv(x[s][:, :, r, c], padding)
+        slices, padding = halo.window(halo.interior, source="held")
+        inner = conv(x[s][(slice(None), slice(None)) + slices], padding)
         extended = self.wait()[s]
         xp = backend.get_array_module(inner)
-        out_rows, out_cols = halo.out_size  # (an image's: volumes refuse halo_interior)
-        y = xp.empty(inner.shape[:2] + (out_rows, out_cols), inner.dtype)
-        y[:, :, rows.start:rows.stop, cols.start:cols.stop] = inner
-        every_col = range(out_cols)
-        for strip_rows, strip_cols in ((range(0, rows.start), every_col), (range(rows.stop, out_rows), every_col),
-                                       (rows, range(0, cols.start)), (rows, range(cols.stop, out_cols))):
-            if len(strip_rows) and len(strip_cols):
-                r, c, padding = halo.window(strip_rows, strip_cols)
-                y[:, :, strip_rows.start:strip_rows.stop, strip_cols.start:strip_cols.stop] = \
-                    conv(extended[:, :, r, c], padding)
+        y = xp.empty(inner.shape[:2] + tuple(halo.out_size), inner.dtype)
+        y[(slice(None), slice(None)) + tuple(slice(r.start, r.stop) for r in halo.interior)] = inner
+        for box in border_boxes(halo.interior, halo.out_size):
+            slices, padding = halo.window(box)
+            y[(slice(None), slice(None)) + tuple(slice(r.start, r.stop) for r in box)] = \
+                conv(extended[(slice(None), slice(None)) + slices], padding)
         return y
+
+
+def border_boxes(interior, out_size):
+    """The boxes (a range per axis) that cover an output block of out_size around its
+    `interior` box once each: along each axis in turn, the slabs before and after the
+    interior, across the interior's ranges of the axes before it and the whole of the axes
+    after it (an image's rows above and below at full width, then the columns beside the
+    interior; a volume's planes first)."""
+    boxes = []
+    for a, inner in enumerate(interior):
+        for part in (range(0, inner.start), range(inner.stop, out_size[a])):
+            box = tuple(interior[:a]) + (part,) + tuple(range(n) for n in out_size[a + 1:])
+            if all(len(r) for r in box):
+                boxes.append(box)
+    return boxes

@@ -510,7 +510,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     and -w): each pass priced by pipeline_seconds, its comm the part left exposed, "hidden"
     the part the chunks' kernels hide. halo_interior: on a split image, the interior of the
     block computed while the halo moves (ConvAlgorithm.halo_interior, where the algorithm
-    convolves its own block, conv2d): the forward halo hidden, at the link's progress, behind
+    convolves its own block, a convolution and not a transposed one): the forward halo hidden, at the link's progress, behind
     the interior's share of the forward kernels (the halo's adjoint stays blocking).
     """
     cls = algorithm_class(algorithm, layer.groups)
@@ -549,7 +549,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         received = n * x_channels * max(0, needed - math.prod(s["x"])) * item
         halo = profile.collective_time("alltoall", spatial, received * spatial / (spatial - 1), inside["halo"])
         exposed = halo
-        if halo_interior and op.name == "conv2d" and cls.convolves_own(layer.first):
+        if halo_interior and not op.transposed and cls.convolves_own(layer.first):
             interior = math.prod(max(0, y - -(-(w[3] - x) // layer.stride)) / y
                                  for y, x, w in zip(s["y"], s["x"], windows) if y)
             exposed = max(0.0, halo - profile.progress_of(inside["halo"]) * interior * compute["forward"])

@@ -343,9 +343,10 @@ def check_chunks(model, chunks, batch_size, option=None):
 
 
 def halo_interior_layers(model):
-    """The convolutions of `model` on a split image that can compute their interior while the
-    halo moves (ConvAlgorithm.halo_interior: those convolving their own block)."""
-    return [m for m in walk(model) if isinstance(m, Conv2d) and m.conv.spatial and m.conv.convolves_own_block()]
+    """The convolutions of `model` on a split image (or volume) that can compute their interior
+    while the halo moves (ConvAlgorithm.interior_applies: convolutions, not transposed ones,
+    that convolve their own block)."""
+    return [m for m in walk(model) if isinstance(m, Conv2d) and m.conv.spatial and m.conv.interior_applies()]
 
 
 def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=1, halo_interior=False):

@@ -54,9 +54,9 @@ def parse_args(argv):
                    help="also split the image: every sample x height x width x channel factorization (a "
                         "volume's: sample x depth x height x width x channel)")
     p.add_argument("--halo-interior", action="store_true",
-                   help="on grids that split the image, time each layer that can compute its interior while its "
-                        "halo moves (sample, x; ConvAlgorithm.halo_interior) a second time doing so, beside the "
-                        "blocking exchange")
+                   help="on grids that split the image (or the volume), time each layer that can compute its "
+                        "interior while its halo moves (sample, x; ConvAlgorithm.halo_interior) a second time doing "
+                        "so, beside the blocking exchange")
     p.add_argument("--breakdown", action="store_true",
                    help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
@@ -78,8 +78,6 @@ def parse_args(argv):
     int_options(args, positive=("stride", "repeats", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
-    if args.halo_interior and args.D:
-        raise ValueError("--halo-interior is built for images' halos only (N,C,F,H,W,K), not a volume's")
     try:  # the kernel must fit the padded input
         OPS[args.op].output_shape(x_shape(args), w_shape(args), stride=args.stride, padding=args.padding)
     except ValueError as e:
@@ -133,9 +131,9 @@ def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interi
 
 def convolves_own_block(args, grid, algorithm, p_f):
     """Whether the layer of `algorithm` can compute its interior while its halo moves (the
-    layer says: ConvAlgorithm.convolves_own_block)."""
+    layer says: ConvAlgorithm.interior_applies)."""
     return make_conv(algorithm, grid, args.C, args.F, args.K, filter_groups=p_f, stride=args.stride,
-                     padding=args.padding, layer="conv").convolves_own_block()
+                     padding=args.padding, layer="conv", op=args.op).interior_applies()
 
 
 def print_breakdown(rows):
@@ -174,13 +172,13 @@ def main(argv=None):
     split = [a for a in AXES if a != "depth" or args.D] if args.spatial else ["sample", "channel"]
     for sizes in factorizations(P, len(split)):
         shape = dict(zip(split, sizes))
-        P_h, P_w, P_c = (shape.get(a, 1) for a in ("height", "width", "channel"))
+        P_d, P_h, P_w, P_c = (shape.get(a, 1) for a in ("depth", "height", "width", "channel"))
         grid = ProcessGrid(shape)
         for algorithm in wanted:
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
                 rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp))
-                if args.halo_interior and P_h * P_w > 1 and convolves_own_block(args, grid, algorithm, p_f):
+                if args.halo_interior and P_d * P_h * P_w > 1 and convolves_own_block(args, grid, algorithm, p_f):
                     rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
         grid.free()
     for row in rows:

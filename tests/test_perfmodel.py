@@ -325,6 +325,23 @@ def test_the_halo_moves_behind_the_interior_by_hand(progress, hidden):
     assert layer_cost(first, "x", 1, 1, profile, P_h=2, P_w=2, halo_interior=True)["hidden"]["halo"] == 0
 
 
+@pytest.mark.parametrize("progress,hidden", [(1.0, 128.0), (0.1, 75.0), (0.0, 0.0)])
+def test_a_volume_split_by_depth_hides_its_halo_behind_its_interior_planes_by_hand(progress, hidden):
+    """A 1 x 2 x 8 x 4 x 4 volume, 2 filters 3 x 3 x 3, data parallel on depth=2: each rank's 4
+    output planes read its 4 planes and one halo plane (128 bytes: 128 s at 1 s/byte), and 3
+    of the 4 read only its own (or the zero padding): 75% of a forward of 1000 s (its 13824
+    flops at 13.824 flop/s), so the forward halo hides behind progress x 750 s of it, at most
+    all 128 s of it; the adjoint stays blocking."""
+    layer = LayerShape("V", 1, 2, 2, 4, 4, 3, D=8, op="conv3d")
+    profile = MachineProfile(dict(profile_data(rate=13824 / 1000), progress={"intra": progress}))
+    blocking = layer_cost(layer, "sample", 1, 1, profile, P_d=2)
+    cost = layer_cost(layer, "sample", 1, 1, profile, P_d=2, halo_interior=True)
+    assert cost["compute"]["forward"] == pytest.approx(1000, rel=1e-9)
+    halo = blocking["comm"]["halo"] / 2  # the forward's exchange; its adjoint the same
+    assert halo == pytest.approx(128, rel=1e-9) and cost["hidden"]["halo"] == pytest.approx(hidden, rel=1e-9)
+    assert cost["comm"]["halo"] == pytest.approx(2 * halo - cost["hidden"]["halo"], rel=1e-9)
+
+
 def test_a_layer_shape_says_its_kind_and_depth():
     with pytest.raises(ValueError, match="layer v: a conv3d layer needs the depth D of its volume"):
         LayerShape("v", 1, 2, 2, 4, 4, 3, op="conv3d")

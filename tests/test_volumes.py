@@ -3,8 +3,8 @@ volumes on grids that split depth (with height, width and channel): Conv3d and
 ConvTranspose2d/3d forward and backward from the global tensors against the serial kernels
 (float64, 1e-10), the ledger equal to perfmodel.predict_bytes; the first layer (input whole);
 transposed convolutions on grids that split the image or the volume (their own halo rule); and
-the refusals of what is not supported yet (halo_interior beside a volume's or a transposed
-convolution's halo) or not meant (output_padding on a plain convolution, a 2-D layer on a depth split,
+the refusals of what is not supported yet (halo_interior beside a transposed convolution's
+halo) or not meant (output_padding on a plain convolution, a 2-D layer on a depth split,
 a volume too thin for its depth ranks)."""
 import numpy as np
 import pytest
@@ -138,6 +138,39 @@ def test_depth_split_matches_serial_and_predicted_bytes(depth_grids, config, nam
     check_against_serial(depth_grids[config[0]], config, DEPTH_CASES[name], name)
 
 
+# the cases whose blocks leave an interior on some rank (and six-sided, reflect: padding that
+# falls to one rank, padded planes gathered from other ranks, where a block computes whole)
+INTERIOR_DEPTH_CASES = ["conv3d", "strided-dilated", "six-sided", "reflect"]
+
+
+@pytest.mark.parametrize("name", INTERIOR_DEPTH_CASES)
+@pytest.mark.parametrize("config", [c for c in depth_configs() if c[1] in ("sample", "x")], ids=ids)
+def test_a_volume_computes_its_interior_while_the_halo_moves(depth_grids, config, name):
+    """halo_interior on a volume split by depth (and height, width): the output planes, rows
+    and columns that read no halo computed from the block held while the halo moves, the
+    border slabs after it arrives (halo.border_boxes): y, dx, dw, db as the serial kernels',
+    the ledger the blocking exchange's (predict_bytes)."""
+    grid = depth_grids[config[0]]
+    check_against_serial(grid, config, DEPTH_CASES[name], name, halo_interior=True)
+    op, N, C_in, F, size, K, opts = DEPTH_CASES[name]
+    if name == "conv3d" and 1 < grid.axis_size("depth") <= size[0] // 2:  # a rank with 2 planes has one inside
+        conv = make_conv(config[1], grid, C_in, F, (K,) * 3, layer="conv", op=op, halo_interior=True, **opts)
+        some = grid.comm.allreduce(conv.halo_plan((N, C_in) + size).interior is not None)
+        assert_all_ranks(some > 0, f"{ids(config)}: no rank has an interior")
+
+
+def test_border_boxes_cover_the_block_around_its_interior_once():
+    """halo.border_boxes: with the interior, every output position of the block once, for
+    images and volumes, interiors at an edge or inside."""
+    from cfp.halo import border_boxes
+    for out_size, interior in (((5, 7), (range(1, 4), range(2, 7))), ((4, 3, 6), (range(0, 3), range(1, 2), range(1, 5))),
+                               ((2, 2, 2), (range(0, 2), range(0, 2), range(0, 1))), ((3, 4), (range(0, 3), range(0, 4)))):
+        count = np.zeros(out_size, int)
+        for box in list(border_boxes(interior, out_size)) + [interior]:
+            count[np.ix_(*box)] += 1
+        assert (count == 1).all(), (out_size, interior, count)
+
+
 def transposed_spatial_configs():
     """(grid spec, algorithm, p_f) on grids that split an image over height and width (with
     sample or channel), for the transposed convolutions' halo."""
@@ -204,14 +237,12 @@ def test_refusals():
         grid = ProcessGrid(f"height={SIZE}")
         raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv_transpose2d",
                                                           halo_interior=True),
-                            match=r"halo_interior is built for 2-D convolutions' halos only, not conv_transpose2d's")
+                            match=r"halo_interior is built for convolutions' halos, not conv_transpose2d's")
         grid.free()
     if SIZE > 1:
         grid = ProcessGrid(f"depth={SIZE}")
         raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3),
                             match=r"conv2d on a grid splitting depth .*: depth splits volumes")
-        raises_on_all_ranks(ValueError, lambda: make_conv("sample", grid, 4, 4, 3, op="conv3d", halo_interior=True),
-                            match=r"halo_interior is built for 2-D convolutions' halos only")
         conv = make_conv("sample", grid, 2, 2, 3, op="conv3d", stride=(2, 1, 1))
         too_thin = np.zeros((1, 2, 2 * SIZE - 1, 4, 4))
         raises_on_all_ranks(ValueError, lambda: conv.forward(DistTensor.from_global(too_thin, conv.input_layout, grid).local,
@@ -787,3 +818,28 @@ def test_group_norm_refusals():
                             match=r"leaves the depth axis holding copies")
         depth.free()
     grid.free()
+
+
+@pytest.mark.parametrize("model", ["volume", "unet"])
+def test_overlap_all_trains_volumes_and_the_unet_like_one_rank(model, monkeypatch):
+    """--overlap all on a split volume (depth) and a split image with transposed layers
+    (height), data parallel inside: the convolutions compute their interior while the halo
+    moves (the halos started so are counted), the transposed ones, which refuse it, exchange
+    theirs blocking (ConvAlgorithm.interior_applies), and 20 float64 steps equal one rank's."""
+    from cfp.halo import Halo
+    from cfp.train import TrainConfig, train_model
+    from test_train import assert_trains_like, weights
+    started = []
+    monkeypatch.setattr(Halo, "start", lambda *a, real=Halo.start, **k: started.append(1) or real(*a, **k))
+    cfg = dict(model=model, dataset="synthetic", width=1, epochs=1, batch_size=8, train_samples=160, max_steps=20,
+               lr=0.05, dtype="float64", progress=False, seed=1, upsample=2 if SIZE > 2 else 1)
+    cache = _one_rank_volume if model == "volume" else _one_rank_unet
+    if not cache:
+        result, trained = train_model(TrainConfig(grid="sample=1", algorithm="y", **cfg), world=WORLD.Split(WORLD.Get_rank()))
+        cache["run"] = ([h["loss"] for h in result["history"]], weights(trained))
+    started.clear()
+    split = "depth" if model == "volume" else "height"
+    result, trained = train_model(TrainConfig(grid=f"sample=1,{split}={SIZE}", algorithm="sample", overlap="all", **cfg))
+    if SIZE > 1:
+        assert_all_ranks(len(started) >= 20, f"{model}: {len(started)} halos started with the interior")
+    assert_trains_like(result, trained, cache["run"], f"{model} on {split}={SIZE} under --overlap all", tol=1e-10)

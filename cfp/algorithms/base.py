@@ -145,18 +145,20 @@ class ConvAlgorithm:
 
     @property
     def halo_interior(self):
-        """On a spatial grid, whether forward computes the output rows and columns that need no
-        halo while the halo moves (the rest after it arrives; Halo.interior), instead of after
-        a blocking exchange. Only where forward convolves the rank's own block straight after
-        the halo (convolves_own_block); elsewhere refused. Off a spatial grid nothing moves and
-        it changes nothing."""
+        """On a spatial grid, whether forward computes the output positions that need no halo
+        (an image's rows and columns, a volume's planes too) while the halo moves (the rest
+        after it arrives; Halo.interior), instead of after a blocking exchange. Only where
+        forward convolves the rank's own block straight after the halo (convolves_own_block)
+        and the layer is a convolution, not a transposed one (interior_applies); elsewhere
+        refused. Off a spatial grid nothing moves and it changes nothing."""
         return self._halo_interior
 
     @halo_interior.setter
     def halo_interior(self, on):
-        if on and (self.op.axes == 3 or self.op.transposed):
-            raise ValueError(f"{self.layer}: halo_interior is built for 2-D convolutions' halos only, not "
-                             f"{self.op.name}'s: expected halo_interior=False here")
+        if on and self.op.transposed:
+            raise ValueError(f"{self.layer}: halo_interior is built for convolutions' halos, not "
+                             f"{self.op.name}'s (its input rows reach its output blocks by another rule): "
+                             f"expected halo_interior=False here")
         if on and not self.convolves_own_block():
             raise ValueError(f"{self.layer}: halo_interior computes the interior of this rank's block while its halo "
                              f"moves; algorithm {self.name!r}"
@@ -164,6 +166,12 @@ class ConvAlgorithm:
                              f"gathers or selects channels between the halo and the kernel: expected "
                              f"halo_interior=False here")
         self._halo_interior = bool(on)
+
+    def interior_applies(self):
+        """Whether halo_interior may be set on this layer: a convolution (not a transposed one,
+        whose input rows reach its output blocks by their own rule) that convolves its own
+        block (convolves_own_block). train_step asks it of every layer on a split image."""
+        return not self.op.transposed and self.convolves_own_block()
 
     def convolves_own_block(self):
         """Whether forward convolves this rank's own (extended) block as the halo leaves it,
