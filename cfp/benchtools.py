@@ -86,7 +86,7 @@ BREAKDOWN = ("step", "kernels", "packing", "mpi", "wait", "rest")
 
 
 def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repeats, warmup, xp=np,
-                 halo_interior=False, op="conv2d", output_padding=0):
+                 halo_interior=False, op="conv2d", output_padding=0, chunks=1):
     """Time one distributed convolution, forward and backward, on the global tensors x, w, b, dy.
 
     Returns forward_s and backward_s (median of the slowest rank), and the most any rank sent
@@ -98,10 +98,11 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     (the layer's own code around them). xp: the array module the layer runs on (the tensors
     moved there once; each pass synchronised before its clock stops). halo_interior: the
     layer's (ConvAlgorithm.halo_interior). op: the kind of convolution (kernels/conv/ops.py;
-    'conv3d' for a volume's x (N, C, D, H, W)), output_padding a transposed one's.
-    """
+    'conv3d' for a volume's x (N, C, D, H, W)), output_padding a transposed one's. chunks:
+    the layer's (ConvAlgorithm.chunks: its collectives pipelined over that many chunks of
+    samples)."""
     conv = make_conv(algorithm, grid, x.shape[1], w.shape[0], w.shape[2:], filter_groups=p_f,
-                     stride=stride, padding=padding, layer="conv", halo_interior=halo_interior, op=op,
+                     stride=stride, padding=padding, layer="conv", halo_interior=halo_interior, op=op, chunks=chunks,
                      **({"output_padding": output_padding} if output_padding else {}))
     x_local = DistTensor.from_global(x, conv.input_layout, grid).local
     dy_local = DistTensor.from_global(dy, conv.output_layout, grid).local

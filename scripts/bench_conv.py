@@ -2,7 +2,7 @@
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
         [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--spatial] [--breakdown] \\
-        [--device cpu|gpu] [--json out.json]
+        [--chunks 1,2,4] [--device cpu|gpu] [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
 the image split over height and width too; for a volume, --shape N,C,F,D,H,W,K, P_n x P_d x
@@ -28,6 +28,8 @@ from cfp.algorithms import ALGORITHMS, make_conv
 from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int
 from cfp.grid import ProcessGrid, factorizations
+from cfp.partition import block_sizes
+from cfp.perfmodel import pipelines
 from cfp.io import check_writable, save_json
 from cfp.grid import AXES
 from cfp.kernels import conv2d_flops
@@ -57,6 +59,11 @@ def parse_args(argv):
                    help="on grids that split the image (or the volume), time each layer that can compute its "
                         "interior while its halo moves (sample, x; ConvAlgorithm.halo_interior) a second time doing "
                         "so, beside the blocking exchange")
+    p.add_argument("--chunks", default="1",
+                   help="comma-separated chunk counts: each x, y and w layer with channel ranks is timed with its "
+                        "collectives pipelined over each count of chunks of its samples (ConvAlgorithm.pipelined, "
+                        "train.py --chunks) beside the others, where every rank holds that many samples; 1 is the "
+                        "blocking layer")
     p.add_argument("--breakdown", action="store_true",
                    help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
@@ -78,6 +85,14 @@ def parse_args(argv):
     int_options(args, positive=("stride", "repeats", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
+    try:
+        args.chunk_counts = sorted({positive_int(int(k), "--chunks") for k in args.chunks.split(",")})
+    except ValueError as e:
+        raise ValueError(str(e) if "--chunks" in str(e) else
+                         f"--chunks {args.chunks!r}: expected comma-separated positive integers") from None
+    if args.chunk_counts[-1] > args.N:
+        raise ValueError(f"--chunks {args.chunks}: {args.chunk_counts[-1]} chunks is more than the {args.N} "
+                         f"sample(s) of --shape {args.shape}")
     try:  # the kernel must fit the padded input
         OPS[args.op].output_shape(x_shape(args), w_shape(args), stride=args.stride, padding=args.padding)
     except ValueError as e:
@@ -122,11 +137,12 @@ def serial_baseline(args, x, w, b, dy, xp=np):
     return slowest_median(MPI.COMM_SELF, step, args.repeats, args.warmup)
 
 
-def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False):
+def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False, chunks=1):
     row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
-                       args.repeats, args.warmup, xp, halo_interior, args.op)
+                       args.repeats, args.warmup, xp, halo_interior, args.op, chunks=chunks)
     return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else "")
-            + (" (interior while the halo moves)" if halo_interior else ""), **row}
+            + (" (interior while the halo moves)" if halo_interior else "")
+            + (f" ({chunks} chunks)" if chunks > 1 else ""), "chunks": chunks, **row}
 
 
 def convolves_own_block(args, grid, algorithm, p_f):
@@ -178,6 +194,10 @@ def main(argv=None):
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
                 rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp))
+                # pipelined: a layer with collectives of its own, each rank holding k samples
+                for k in args.chunk_counts[1:] if P_c > 1 and pipelines(ALGORITHMS[algorithm]) else []:
+                    if min(block_sizes(args.N, shape.get("sample", 1))) >= k:
+                        rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, chunks=k))
                 if args.halo_interior and P_d * P_h * P_w > 1 and convolves_own_block(args, grid, algorithm, p_f):
                     rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
         grid.free()
