@@ -322,8 +322,8 @@ def test_which_messages_a_first_layer_sends():
     first = make_conv("y", grid, 4, 6, 3, input_whole=True, need_dx=False)
     later = make_conv("y", grid, 4, 6, 3)
     assert [(m.phase, m.collective) for m in first.messages] == [
-        ("forward", "allgather"), ("backward-data", "reduce_scatter"), ("gradient-sync", "allreduce")]
-    assert [first.sends(m) for m in first.messages] == [False, False, True]
+        ("forward", "allgather"), ("gradient-sync", "allreduce"), ("backward-data", "reduce_scatter")]
+    assert [first.sends(m) for m in first.messages] == [False, True, False]
     assert [later.sends(m) for m in later.messages] == [True, True, True]
     grid.free()
 

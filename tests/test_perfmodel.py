@@ -557,10 +557,11 @@ def test_the_overlapped_step_is_the_pipeline_of_buckets_against_backward(rate, b
 
 def test_a_layer_that_sums_before_its_dx_starts_its_bucket_before_backward_data():
     """Three layers of 1 s of backward-filter and 1 s of backward-data, sums of 1 s, a bucket a
-    layer, progress 1. Summing after dx (stationary-x, -y, -w) the buckets start at 2, 4 and 6 s
-    of backward: the last one at its end, 1 s exposed. Summing before dx (sample parallelism,
-    grouped layers: ConvAlgorithm.sums_before_data, in layer_cost's cost) they start at 1, 3 and 5
-    s and each moves while its layer's dx computes: nothing exposed."""
+    layer, progress 1. Summing after dx (stationary-x, -w: their dw is whole only with the last
+    chunk's dx) the buckets start at 2, 4 and 6 s of backward: the last one at its end, 1 s
+    exposed. Summing before dx (sample parallelism, stationary-y, grouped layers:
+    ConvAlgorithm.sums_before_data, in layer_cost's cost) they start at 1, 3 and 5 s and each
+    moves while its layer's dx computes: nothing exposed."""
     data = profile_data()
     data["progress"] = {"intra": 1.0}
     from cfp.perfmodel import overlapped_step, sum_start_seconds
@@ -577,10 +578,10 @@ def test_a_layer_that_sums_before_its_dx_starts_its_bucket_before_backward_data(
     assert after["exposed"] == pytest.approx(1.0) and after["time"] == pytest.approx(7.0)
     assert before["exposed"] == pytest.approx(0.0) and before["time"] == pytest.approx(6.0)
     from cfp.algorithms import ALGORITHMS
-    assert [name for name, cls in ALGORITHMS.items() if cls.sums_before_data] == ["sample"]
+    assert [name for name, cls in ALGORITHMS.items() if cls.sums_before_data] == ["sample", "y"]
     layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
     assert layer_cost(layer, "sample", 2, 1, MachineProfile(data))["sum_before_data"] is True
-    assert layer_cost(layer, "y", 1, 2, MachineProfile(data))["sum_before_data"] is False
+    assert layer_cost(layer, "x", 1, 2, MachineProfile(data))["sum_before_data"] is False
 
 
 def test_a_bucket_spanning_nodes_progresses_at_the_link_between_them():

@@ -79,7 +79,8 @@ class ConvAlgorithm:
     weight_replicated = False  # True for sample parallelism: every rank holds all of w
     messages = ()  # the collectives of one forward and backward pass (Message)
     # whether backward starts the gradient sum before it computes dx, so that a sum started in
-    # a bucket moves while dx computes (perfmodel.overlapped_step reads it)
+    # a bucket moves while dx computes (sample, y and grouped layers; x and w compute dw chunk
+    # by chunk beside dx, whole only at the end; perfmodel.overlapped_step reads it)
     sums_before_data = False
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,

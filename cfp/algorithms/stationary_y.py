@@ -12,8 +12,10 @@ from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
 class StationaryY(ConvAlgorithm):
     name = "y"
-    messages = (Message("forward", "allgather", "row", "x"),
-                Message("backward-data", "reduce_scatter", "row", "x"), GRADIENT_SYNC)
+    # (the gradient sum before backward-data: dw is whole once backward-filter ends)
+    messages = (Message("forward", "allgather", "row", "x"), GRADIENT_SYNC,
+                Message("backward-data", "reduce_scatter", "row", "x"))
+    sums_before_data = True
 
     @classmethod
     def weight_layout_of(cls, p_f, groups=1):
@@ -48,10 +50,11 @@ class StationaryY(ConvAlgorithm):
         db = self.local_backward_bias(dy) if self.bias else None
         with comm.tag(layer=self.layer, phase="backward-filter"):
             dw = self.local_backward_filter(x_all_channels, dy, w.shape)
+        # the sum first: started in a bucket (overlapped_gradient_sync), it moves while dx computes
+        dw, db = self.sync_gradients(dw, db)
         dx = None
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
                 _, dx = self.pipelined(dy, lambda s, dy_s: self.local_backward_data(dy_s, w, x_all_channels[s].shape),
                                        scatter=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
-        dw, db = self.sync_gradients(dw, db)
         return self.halo_adjoint(dx), dw, db
