@@ -586,7 +586,9 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
                           P_n * spatial, inside["gradient"])
 
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
-            "gradient_intra": inside["gradient"], "sum_before_data": cls.sums_before_data,
+            "gradient_intra": inside["gradient"],
+            # the share of backward-data after the gradient sum starts (sum_start_seconds)
+            "data_after_sum": (1 / chunks if cls.dw_by_chunks else 1.0) if cls.sums_before_data else 0.0,
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
             "chunks": chunks, "hidden": hidden,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
@@ -734,13 +736,16 @@ def backward_seconds(cost):
 
 def sum_start_seconds(cost):
     """Of backward_seconds(cost), the seconds before the layer's gradient sum can start: all of
-    them, or, where the algorithm starts its sum before it computes dx (its cost's
-    "sum_before_data", ConvAlgorithm.sums_before_data), the layers after it (half their time,
-    as backward_seconds counts them) and backward-filter with its collectives."""
-    if not cost.get("sum_before_data"):
+    them, less what runs after it where the algorithm sums before it computes dx (its cost's
+    "data_after_sum", from ConvAlgorithm.sums_before_data and dw_by_chunks): that share of
+    backward-data with its collectives (all of it, or the last of k chunks' where dw is
+    computed chunk by chunk) and the halo's adjoint."""
+    after = cost.get("data_after_sum", 0.0)
+    data = cost["compute"].get("backward-data", 0.0)
+    if not after:
         return backward_seconds(cost)
-    layers = sum(v for kind, v in cost["layers"].items() if kind != "optimizer")
-    return cost["compute"].get("backward-filter", 0.0) + cost["comm"].get("backward-filter", 0.0) + layers / 2
+    halo = cost["comm"].get("halo", 0.0) / 2 if data else 0.0
+    return backward_seconds(cost) - after * (data + cost["comm"].get("backward-data", 0.0)) - halo
 
 
 def overlapped_step(costs, profile, bucket_bytes):

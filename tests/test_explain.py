@@ -57,12 +57,13 @@ def test_tables_worked_out_by_hand():
                  "1. forward: allgather x within each row: groups {0,1} {2,3}",
                  "2. forward: reduce-scatter y within each column: groups {0,2} {1,3}",
                  "3. backward-filter: allgather dy within each column: groups {0,2} {1,3}",
-                 "4. backward-data: reduce-scatter dx within each row: groups {0,1} {2,3}",
+                 "4. gradient-sync: allreduce dw and db within the ranks sharing a shard: groups {0} {1} {2} {3}",
+                 "5. backward-data: reduce-scatter dx within each row: groups {0,1} {2,3}",
                  "   1     4.0 KiB  4.0 KiB   dy of the column: dy[0:4, 2:4+6:8, 0:8, 0:8]"]:
         assert line in text, line
     # each block of x is 4 * 2 * 8 * 8 float64 = 4 KiB; in a row of 2 each rank sends its block
     # once and receives the other's
-    assert [s.sent[0] for s in e.steps] == [4096, 4096, 4096, 4096, 0]
+    assert [s.sent[0] for s in e.steps] == [4096, 4096, 4096, 0, 4096]
     # the halo of a 3x3 kernel over 2 row blocks: one row of 4 samples x 8 channels x 8 columns
     # each way, and back with dx
     e = explain_layer((4, 8, 8, 8), 8, 3, "sample", "height=2", padding=1)

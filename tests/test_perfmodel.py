@@ -557,11 +557,12 @@ def test_the_overlapped_step_is_the_pipeline_of_buckets_against_backward(rate, b
 
 def test_a_layer_that_sums_before_its_dx_starts_its_bucket_before_backward_data():
     """Three layers of 1 s of backward-filter and 1 s of backward-data, sums of 1 s, a bucket a
-    layer, progress 1. Summing after dx (stationary-x, -w: their dw is whole only with the last
-    chunk's dx) the buckets start at 2, 4 and 6 s of backward: the last one at its end, 1 s
-    exposed. Summing before dx (sample parallelism, stationary-y, grouped layers:
-    ConvAlgorithm.sums_before_data, in layer_cost's cost) they start at 1, 3 and 5 s and each
-    moves while its layer's dx computes: nothing exposed."""
+    layer, progress 1. Summing after dx (an algorithm that declares no sums_before_data) the
+    buckets start at 2, 4 and 6 s of backward: the last one at its end, 1 s exposed. Summing
+    before dx (every cfp algorithm: ConvAlgorithm.sums_before_data, in layer_cost's cost as the
+    share of backward-data after the sum) they start at 1, 3 and 5 s and each moves while its
+    layer's dx computes: nothing exposed. Stationary-x and -w in 4 chunks sum before the last
+    chunk's dx only: a quarter of it after the sum."""
     data = profile_data()
     data["progress"] = {"intra": 1.0}
     from cfp.perfmodel import overlapped_step, sum_start_seconds
@@ -570,7 +571,7 @@ def test_a_layer_that_sums_before_its_dx_starts_its_bucket_before_backward_data(
         c = _cost(1.0, 1.0, 10)
         c["compute"]["backward-data"] = 1.0
         c["time"] += 1.0
-        c["sum_before_data"] = first
+        c["data_after_sum"] = 1.0 if first else 0.0
         return c
     assert sum_start_seconds(cost(True)) == pytest.approx(1.0) and sum_start_seconds(cost(False)) == pytest.approx(2.0)
     after = overlapped_step([cost(False)] * 3, MachineProfile(data), 1)
@@ -578,10 +579,16 @@ def test_a_layer_that_sums_before_its_dx_starts_its_bucket_before_backward_data(
     assert after["exposed"] == pytest.approx(1.0) and after["time"] == pytest.approx(7.0)
     assert before["exposed"] == pytest.approx(0.0) and before["time"] == pytest.approx(6.0)
     from cfp.algorithms import ALGORITHMS
-    assert [name for name, cls in ALGORITHMS.items() if cls.sums_before_data] == ["sample", "y"]
+    assert all(cls.sums_before_data for cls in ALGORITHMS.values())
     layer = LayerShape("L", 8, 16, 32, 6, 6, 3)
-    assert layer_cost(layer, "sample", 2, 1, MachineProfile(data))["sum_before_data"] is True
-    assert layer_cost(layer, "x", 1, 2, MachineProfile(data))["sum_before_data"] is False
+    assert [layer_cost(layer, a, 1, 2, MachineProfile(data))["data_after_sum"] for a in ("sample", "y", "x", "w")] \
+        == [1.0, 1.0, 1.0, 1.0]
+    # stationary-x and -w compute dw chunk by chunk beside dx: the sum starts before the last chunk's
+    assert [layer_cost(layer, a, 1, 2, MachineProfile(data), chunks=4)["data_after_sum"] for a in ("y", "x", "w")] \
+        == [1.0, 0.25, 0.25]
+    half = cost(True)
+    half["data_after_sum"] = 0.25
+    assert sum_start_seconds(half) == pytest.approx(1.75)
 
 
 def test_a_bucket_spanning_nodes_progresses_at_the_link_between_them():

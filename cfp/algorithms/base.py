@@ -79,9 +79,11 @@ class ConvAlgorithm:
     weight_replicated = False  # True for sample parallelism: every rank holds all of w
     messages = ()  # the collectives of one forward and backward pass (Message)
     # whether backward starts the gradient sum before it computes dx, so that a sum started in
-    # a bucket moves while dx computes (sample, y and grouped layers; x and w compute dw chunk
-    # by chunk beside dx, whole only at the end; perfmodel.overlapped_step reads it)
+    # a bucket moves while dx computes; dw_by_chunks: dw is computed chunk by chunk beside dx
+    # (pipelined_backward), so the sum starts before the last chunk's dx only (perfmodel's
+    # layer_cost and overlapped_step read both)
     sums_before_data = False
+    dw_by_chunks = False
 
     def __init__(self, grid, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=True, input_whole=False, need_dx=True, layer="conv", filter_groups=None,
@@ -501,27 +503,32 @@ class ConvAlgorithm:
         return (xp.concatenate(gathered, axis=0) if gathered else block,
                 None if results[0] is None else xp.concatenate(results, axis=0))
 
-    def pipelined_backward(self, x, w, dy, gather, scatter=None):
-        """(dx, dw) of stationary-x and -w, whose backward gathers dy (gather, phase
+    def pipelined_backward(self, x, w, dy, db, gather, scatter=None):
+        """(dx, dw, db) of stationary-x and -w, whose backward gathers dy (gather, phase
         backward-filter) and computes both from it: per chunk of samples, that chunk's dw
         (summed over the chunks) and partial dx, the latter reduce-scattered (scatter, phase
         backward-data; stationary-w) or kept as it is (stationary-x); dx is None when the layer
-        needs none. x is what forward kept."""
-        dw = None
+        needs none. dw (with db) is summed over the ranks sharing the shard (sync_gradients) as
+        soon as it is whole: after the last chunk's dw, before that chunk's dx, so that a sum
+        started in a bucket moves while it computes (sums_before_data). x is what forward
+        kept."""
+        dw, summed = None, None
 
         def chunk(s, dy_s):
-            nonlocal dw
+            nonlocal dw, summed
             part = self.local_backward_filter(x[s], dy_s, w.shape)
             if dw is None:
                 dw = part
             else:
                 dw += part
+            if s.stop >= x.shape[0]:  # the last chunk: dw is whole
+                summed = self.sync_gradients(dw, db)
             return self.local_backward_data(dy_s, w, x[s].shape) if self.need_dx else None
 
         with comm.tag(layer=self.layer, phase="backward-filter"):
             _, dx = self.pipelined(dy, chunk, gather=gather,
                                    scatter=None if scatter is None else (*scatter, "backward-data"))
-        return dx, dw
+        return (dx,) + summed
 
     # -- shards of global tensors ------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from .base import GRADIENT_SYNC, ConvAlgorithm, Message
 class StationaryW(ConvAlgorithm):
     name = "w"
     messages = (Message("forward", "allgather", "row", "x"), Message("forward", "reduce_scatter", "column", "y"),
-                Message("backward-filter", "allgather", "column", "y"),
-                Message("backward-data", "reduce_scatter", "row", "x"), GRADIENT_SYNC)
+                Message("backward-filter", "allgather", "column", "y"), GRADIENT_SYNC,
+                Message("backward-data", "reduce_scatter", "row", "x"))
+    sums_before_data = dw_by_chunks = True  # (before the last chunk's dx: pipelined_backward)
 
     @classmethod
     def weight_layout_of(cls, p_f, groups=1):
@@ -58,7 +59,6 @@ class StationaryW(ConvAlgorithm):
     def backward(self, dy):
         x_row, w = self.saved_for(dy)
         db = self.local_backward_bias(dy) if self.bias else None
-        dx, dw = self.pipelined_backward(x_row, w, dy, gather=(self.column_comm, self.column_filter_sizes),
-                                         scatter=(self.row_comm, self.row_channel_sizes))
-        dw, db = self.sync_gradients(dw, db)
+        dx, dw, db = self.pipelined_backward(x_row, w, dy, db, gather=(self.column_comm, self.column_filter_sizes),
+                                             scatter=(self.row_comm, self.row_channel_sizes))
         return self.halo_adjoint(dx), dw, db

@@ -14,6 +14,7 @@ class StationaryX(ConvAlgorithm):
     name = "x"
     messages = (Message("forward", "reduce_scatter", "column", "y"),
                 Message("backward-filter", "allgather", "column", "y"), GRADIENT_SYNC)
+    sums_before_data = dw_by_chunks = True  # (before the last chunk's dx: pipelined_backward)
 
     @classmethod
     def weight_layout_of(cls, p_f, groups=1):
@@ -45,6 +46,6 @@ class StationaryX(ConvAlgorithm):
         x, w = self.saved_for(dy)
         db = self.local_backward_bias(dy) if self.bias else None
         # dy gathered over all filters; dx then needs no message
-        dx, dw = self.pipelined_backward(x, w, dy, gather=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
-        dw, db = self.sync_gradients(dw, db)
+        dx, dw, db = self.pipelined_backward(x, w, dy, db,
+                                             gather=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
         return self.halo_adjoint(dx), dw, db
