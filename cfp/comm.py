@@ -649,7 +649,8 @@ def progress_thread(interval=PROGRESS_INTERVAL):
     rounds, so it costs a core only the tests' own work (MPICH's own progress thread spins
     instead). The main thread's test() and wait() and the thread's tests take turns on each
     request; a request the main thread is waiting for is skipped. Needs MPI_THREAD_MULTIPLE
-    (mpi4py's default): refused otherwise. Nothing it does changes a result or the ledger."""
+    (mpi4py's default): refused otherwise. Nothing it does changes a result or the ledger. The
+    thread it yields counts its rounds (`rounds`), for benchmarks to say how often it ran."""
     if not interval > 0:
         raise ValueError(f"progress_thread interval={interval!r}: expected a positive number of seconds")
     level = MPI.Query_thread()
@@ -661,9 +662,11 @@ def progress_thread(interval=PROGRESS_INTERVAL):
 
     def run():
         while not stop.wait(interval):
+            thread.rounds += 1
             for pending in list(_in_flight):
                 pending._progress()
     thread = threading.Thread(target=run, name="cfp-progress", daemon=True)
+    thread.rounds = 0
     thread.start()
     try:
         yield thread

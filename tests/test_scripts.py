@@ -308,17 +308,23 @@ def test_bench_conv_splits_a_volume_by_depth(tmp_path):
 
 def test_bench_progress_times_each_way_of_progressing_a_started_allreduce(tmp_path):
     """bench_progress on 2 ranks: every row timed (the GEMMs, the allreduce, blocking, started
-    with no call, started under the progress thread at each interval, the GEMMs beside it),
-    in the table and the JSON alike."""
+    with no call and with a test() after each GEMM, started under the progress thread at each
+    interval with the pace of its rounds, the GEMMs beside it), in the table and the JSON
+    alike; a bad --gemm refused."""
     out = tmp_path / "progress.json"
-    proc, _ = run(2, ["--mib", "0.25", "--gemms", "1", "--repeats", "1", "--intervals", "1,0.5", "--json", str(out)],
-                  script=os.path.join(ROOT, "scripts", "bench_progress.py"))
+    proc, _ = run(2, ["--mib", "0.25", "--gemms", "2", "--gemm", "64,32,16", "--repeats", "1", "--intervals", "1,0.5",
+                      "--json", str(out)], script=os.path.join(ROOT, "scripts", "bench_progress.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out) as f:
-        rows = json.load(f)["rows_ms"]
-    assert len(rows) == 4 + 2 * 2 and all(ms > 0 for ms in rows.values()), rows
+        record = json.load(f)
+    rows = record["rows_ms"]
+    assert len(rows) == 5 + 2 * 2 and all(ms > 0 for ms in rows.values()), rows
     assert sum("thread every 0.5 ms" in name for name in rows) == 2, rows
+    assert record["gemm"] == [64, 32, 16] and len(record["thread_round_ms"]) == 2, record
+    assert all(ms > 0 for ms in record["thread_round_ms"].values()), record
     assert all(f"| {name} |" in proc.stdout for name in rows), proc.stdout
+    proc, _ = run(1, ["--gemm", "64,32"], script=os.path.join(ROOT, "scripts", "bench_progress.py"))
+    assert proc.returncode != 0 and "--gemm '64,32': expected M,K,N, three positive integers" in proc.stderr
 
 
 def test_the_progress_bar_shows_the_epoch(tmp_path):
