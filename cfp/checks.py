@@ -17,6 +17,19 @@ def positive_int(value, what):
     return int(value)
 
 
+def positive_ints(text, what, count=None):
+    """The positive integers of a comma-separated option text ('1,2,4'), as a tuple, `count` of
+    them where given; else ValueError naming `what` and the text."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1 or (count is not None and len(values) != count):
+        many = f"{count} positive integers" if count is not None else "positive integers"
+        raise ValueError(f"{what} {text!r}: expected {many} separated by commas")
+    return values
+
+
 def int_pair(value, name, minimum, expected):
     """(a, b) from an int or a pair of ints, each >= minimum; else ValueError saying that `name`
     must be `expected` (e.g. "a positive integer") or a pair of them."""

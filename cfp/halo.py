@@ -188,9 +188,8 @@ class Halo:
     def _interior(self):
         """A range of output positions per spatial axis ((planes,) rows, columns): the part of
         this rank's output block whose windows read only what it holds (or the zero padding
-        beside it), which
-        it computes while the halo moves (HaloInFlight); None where there is none, or where
-        another padding mode's rows are gathered into the block (Halo.pad).
+        beside it), which it computes while the halo moves (HaloInFlight); None where there is
+        none, or where another padding mode's rows are gathered into the block (Halo.pad).
 
         In the padded block (`top` zero rows, the needed rows, the zero rows after) the held
         rows are positions own_lo..own_hi-1, widened to the block's first position where it
@@ -303,16 +302,23 @@ class HaloInFlight:
         if x is None or halo.interior is None:  # a later call, or no interior: the block whole
             return conv(self.wait()[s], None)
         slices, padding = halo.window(halo.interior, source="held")
-        inner = conv(x[s][(slice(None), slice(None)) + slices], padding)
+        inner = conv(x[s][_ALL2 + slices], padding)
         extended = self.wait()[s]
         xp = backend.get_array_module(inner)
         y = xp.empty(inner.shape[:2] + tuple(halo.out_size), inner.dtype)
-        y[(slice(None), slice(None)) + tuple(slice(r.start, r.stop) for r in halo.interior)] = inner
+        y[_ALL2 + _slices(halo.interior)] = inner
         for box in border_boxes(halo.interior, halo.out_size):
             slices, padding = halo.window(box)
-            y[(slice(None), slice(None)) + tuple(slice(r.start, r.stop) for r in box)] = \
-                conv(extended[(slice(None), slice(None)) + slices], padding)
+            y[_ALL2 + _slices(box)] = conv(extended[_ALL2 + slices], padding)
         return y
+
+
+_ALL2 = (slice(None), slice(None))  # every sample and channel of a block
+
+
+def _slices(box):
+    """The slices of a box (a range per spatial axis)."""
+    return tuple(slice(r.start, r.stop) for r in box)
 
 
 def border_boxes(interior, out_size):

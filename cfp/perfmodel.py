@@ -510,8 +510,9 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     and -w): each pass priced by pipeline_seconds, its comm the part left exposed, "hidden"
     the part the chunks' kernels hide. halo_interior: on a split image, the interior of the
     block computed while the halo moves (ConvAlgorithm.halo_interior, where the algorithm
-    convolves its own block, a convolution and not a transposed one): the forward halo hidden, at the link's progress, behind
-    the interior's share of the forward kernels (the halo's adjoint stays blocking).
+    convolves its own block, a convolution and not a transposed one): the forward halo hidden,
+    at the link's progress, behind the interior's share of the forward kernels (the halo's
+    adjoint stays blocking).
     """
     cls = algorithm_class(algorithm, layer.groups)
     op = conv_op(layer.op)
@@ -758,8 +759,8 @@ def overlapped_step(costs, profile, bucket_bytes):
 
     Backward runs the layers last to first, each taking backward_seconds; a layer's gradient
     joins the open bucket when its sum can start (sum_start_seconds into its backward: at its
-    end, or before its dx where the algorithm sums first), and a bucket of bucket_bytes or more (or the
-    last, when backward ends) starts its sum, the sums one after another on the link. While
+    end, or before its dx where the algorithm sums first), and a bucket of bucket_bytes or
+    more (or the last, when backward ends) starts its sum, the sums one after another on the link. While
     backward still computes, a started sum moves at profile.progress_of(its link) of its
     blocking rate; what is left when backward ends is moved at the full rate, exposed. So a
     transport that moves data only inside MPI calls (progress 0) hides nothing, and one that

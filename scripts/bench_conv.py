@@ -26,7 +26,7 @@ from mpi4py import MPI
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS, make_conv
 from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
-from cfp.checks import alike_on_all_ranks, int_options, positive_int
+from cfp.checks import alike_on_all_ranks, int_options, positive_int, positive_ints
 from cfp.grid import ProcessGrid, factorizations
 from cfp.partition import block_sizes
 from cfp.perfmodel import pipelines
@@ -85,11 +85,7 @@ def parse_args(argv):
     int_options(args, positive=("stride", "repeats", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
-    try:
-        args.chunk_counts = sorted({positive_int(int(k), "--chunks") for k in args.chunks.split(",")})
-    except ValueError as e:
-        raise ValueError(str(e) if "--chunks" in str(e) else
-                         f"--chunks {args.chunks!r}: expected comma-separated positive integers") from None
+    args.chunk_counts = sorted(set(positive_ints(args.chunks, "--chunks")))
     if args.chunk_counts[-1] > args.N:
         raise ValueError(f"--chunks {args.chunks}: {args.chunk_counts[-1]} chunks is more than the {args.N} "
                          f"sample(s) of --shape {args.shape}")
@@ -145,7 +141,7 @@ def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interi
             + (f" ({chunks} chunks)" if chunks > 1 else ""), "chunks": chunks, **row}
 
 
-def convolves_own_block(args, grid, algorithm, p_f):
+def interior_applies(args, grid, algorithm, p_f):
     """Whether the layer of `algorithm` can compute its interior while its halo moves (the
     layer says: ConvAlgorithm.interior_applies)."""
     return make_conv(algorithm, grid, args.C, args.F, args.K, filter_groups=p_f, stride=args.stride,
@@ -198,7 +194,7 @@ def main(argv=None):
                 for k in args.chunk_counts[1:] if P_c > 1 and pipelines(ALGORITHMS[algorithm]) else []:
                     if min(block_sizes(args.N, shape.get("sample", 1))) >= k:
                         rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, chunks=k))
-                if args.halo_interior and P_d * P_h * P_w > 1 and convolves_own_block(args, grid, algorithm, p_f):
+                if args.halo_interior and P_d * P_h * P_w > 1 and interior_applies(args, grid, algorithm, p_f):
                     rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
         grid.free()
     for row in rows:

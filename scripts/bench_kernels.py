@@ -22,7 +22,7 @@ import numpy as np
 
 from cfp import backend, cli
 from cfp.backend import blas_info, cpu_name, set_blas_threads
-from cfp.checks import int_options
+from cfp.checks import int_options, positive_ints
 from cfp.io import check_writable, save_json
 from cfp.kernels import settings
 from cfp.kernels import (
@@ -333,12 +333,10 @@ def parse_args(argv):
 
 def _positive_list(text):
     try:
-        values = tuple(int(v) for v in text.split(","))
+        return positive_ints(text, "the list")
     except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,8,32, got {text!r}")
-    return values
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,8,32, got "
+                                         f"{text!r}") from None
 
 
 def _network_list(text):

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from cfp import cli, comm
 from cfp.benchtools import prepare, slowest_median
-from cfp.checks import finite_number, int_options, positive_int
+from cfp.checks import finite_number, int_options, positive_ints
 from cfp.io import save_json
 
 
@@ -48,13 +48,7 @@ def parse_args(argv):
         raise ValueError(f"--intervals {args.intervals!r}: expected comma-separated milliseconds") from None
     for v in args.interval_list:
         finite_number(v, "--intervals", above=0)
-    try:
-        args.gemm_shape = tuple(positive_int(int(v), "--gemm") for v in args.gemm.split(","))
-        if len(args.gemm_shape) != 3:
-            raise ValueError
-    except ValueError as e:
-        raise ValueError(str(e) if "--gemm" in str(e) else
-                         f"--gemm {args.gemm!r}: expected M,K,N, three positive integers") from None
+    args.gemm_shape = positive_ints(args.gemm, "--gemm (M,K,N)", count=3)
     return args
 
 

@@ -324,7 +324,7 @@ def test_bench_progress_times_each_way_of_progressing_a_started_allreduce(tmp_pa
     assert all(ms > 0 for ms in record["thread_round_ms"].values()), record
     assert all(f"| {name} |" in proc.stdout for name in rows), proc.stdout
     proc, _ = run(1, ["--gemm", "64,32"], script=os.path.join(ROOT, "scripts", "bench_progress.py"))
-    assert proc.returncode != 0 and "--gemm '64,32': expected M,K,N, three positive integers" in proc.stderr
+    assert proc.returncode != 0 and "--gemm (M,K,N) '64,32': expected 3 positive integers separated by commas" in proc.stderr
 
 
 def test_the_progress_bar_shows_the_epoch(tmp_path):

@@ -126,8 +126,8 @@ def fails_with_requests_outstanding_under_a_progress_thread():
 
 
 CASES = {f.__name__: f for f in (fails_with_requests_outstanding,
-                                 fails_with_requests_outstanding_under_a_progress_thread, heights_differ, dtypes_differ, samples_differ, integer_input, complex_input,
-                                 weight_dtype_differs, spatial_grid, backward_first, wrong_grad_output,
+                                 fails_with_requests_outstanding_under_a_progress_thread, heights_differ,
+                                 dtypes_differ, samples_differ, integer_input, complex_input, weight_dtype_differs, spatial_grid, backward_first, wrong_grad_output,
                                  integer_kernel_input, wrong_block, collective_shapes_differ,
                                  collective_dtypes_differ, own_status, train_zero_steps)}
 
