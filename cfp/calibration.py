@@ -136,20 +136,49 @@ class _Cold:
     MPI call up to twice as slow; their evicted times are within a few per cent of the
     step's). The collectives are timed so too."""
 
-    def __init__(self):
+    def __init__(self, compute_seconds=0.0):
         self._buffer = None
+        self.compute_seconds = compute_seconds
+        self._gemms = None
 
-    def __call__(self, func):
-        """{'total': seconds} of one call of func() after the caches are evicted (benchtools.timed)."""
+    def _compute(self):
+        """About compute_seconds of float32 GEMMs, as a layer's kernels run before its collectives."""
+        a = np.ones((256, 256), np.float32)
+        if self._gemms is None:
+            start = time.perf_counter()
+            for _ in range(4):
+                a @ a
+            self._gemms = max(1, round(self.compute_seconds / max((time.perf_counter() - start) / 4, 1e-6)))
+        for _ in range(self._gemms):
+            a @ a
+
+    def __call__(self, func, group=None):
+        """{'total': seconds} of one call of func() after the caches are evicted (benchtools.timed),
+        and after compute_seconds of GEMMs where set. group: the ranks of a collective func()
+        runs, which wait for each other after the eviction, so that no rank's time holds
+        another's eviction (on the AMD EPYC guest that wait was most of a small message's time:
+        alpha fitted at 34-180 us where a 256-byte allreduce takes 20-40)."""
         if self._buffer is None:
             self._buffer = np.zeros(_evict_bytes() // 4, np.float32)
+        if self.compute_seconds:
+            self._compute()
         self._buffer += 1.0
+        if group is not None:
+            group.Barrier()
         return timed(func)
 
 
 # -- the collectives ---------------------------------------------------------------------------
 
-MESSAGE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+# A collective in a step follows its layer's kernels, and on the AMD EPYC guest a collective
+# right after a few milliseconds of GEMMs on both cores runs 1.5-5x slower than one timed alone
+# (a 512 KiB allgather: 75 us after 1 ms of GEMMs, 150-240 us after 2 ms; BENCHMARKS.md): the
+# collectives are timed after this long of GEMMs, a layer pass's time in the models cfp plans.
+STEP_COMPUTE_SECONDS = 2e-3
+
+# Whole results of 256 bytes (a batch norm's statistics) to 16 MiB: MPI changes protocol over them
+# (eager, rendezvous, caches), so the model prices a collective by its measured times in between
+MESSAGE_BYTES = [256, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 COLLECTIVE_NAMES = ("allgather", "reduce_scatter", "allreduce", "alltoall")
 
 
@@ -213,7 +242,8 @@ def fit_packing(samples):
 
 
 def calibrate_collectives(world, quick, repeats, layout=None):
-    """({link: {collective: [alpha, beta]}}, {collective: packing s/byte}); no links on one rank.
+    """({link: {collective: [alpha, beta]}}, {collective: packing s/byte}, {link: {collective:
+    [[p, m bytes, seconds], ...]}}); no links or times on one rank.
 
     cfp's collectives pack and unpack NCHW blocks with local copies, which cost time even on
     one rank: that packing is measured on a group of one rank (rank 0 alone), and alpha and
@@ -222,18 +252,23 @@ def calibrate_collectives(world, quick, repeats, layout=None):
     (2..P neighbours beyond R, and one rank of each of 2..K nodes) the link between nodes
     ("inter", measured only where the ranks span several nodes; with one rank a node, the
     "intra" link is the same numbers: no group of the model's ever uses it). layout: the
-    (ranks per node, nodes) of node_layout, where the caller has it.
+    (ranks per node, nodes) of node_layout, where the caller has it. The times are each
+    group's, less the packing: the model prices a collective over p ranks by them where it has
+    them (perfmodel.MachineProfile.collective_time), alpha and beta elsewhere. Quick or not,
+    every size of MESSAGE_BYTES is timed (a second in all on 2 ranks).
     """
     P, rank = world.Get_size(), world.Get_rank()
     per_node, nodes = layout or node_layout(world)
-    messages = MESSAGE_BYTES[::2] if quick else MESSAGE_BYTES
+    messages = MESSAGE_BYTES
     groups = [(list(range(p)), "intra" if p <= per_node else "inter") for p in range(2, P + 1)]
     if nodes > 1 and per_node > 1:
         groups += [([k * per_node for k in range(p)], "inter") for p in range(2, nodes + 1)]
     samples = {link: {name: [] for name in COLLECTIVE_NAMES} for _, link in groups}
+    times = {link: {name: [] for name in COLLECTIVE_NAMES} for _, link in groups}
     # Calibration traffic stays out of any ledger; the collectives run as a training step runs
-    # them (train_step checks its batch once, then trusts it: no agreement check per call).
-    cold = _Cold()
+    # them (train_step checks its batch once, then trusts it: no agreement check per call),
+    # after a layer's worth of kernels on every rank (STEP_COMPUTE_SECONDS)
+    cold = _Cold(STEP_COMPUTE_SECONDS)
     with comm.use_ledger(comm.CommLedger()), comm.inputs_checked():
         def packing_samples():
             alone = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
@@ -248,17 +283,19 @@ def calibrate_collectives(world, quick, repeats, layout=None):
             if rank in members:
                 grid = ProcessGrid(f"sample={p}", comm=group)
                 for name in COLLECTIVE_NAMES:
-                    for m in messages:
+                    for m in messages[::-1]:  # largest first: a small one timed after a large one ran slow
                         call = collective_call(name, group, m, grid)
-                        seconds = slowest_median(group, lambda: cold(call), repeats, 1)["total"]
+                        seconds = slowest_median(group, lambda: cold(call, group), repeats, 2)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
                             else (p - 1, (p - 1) / p * m)
-                        samples[link][name].append((steps, volume, max(seconds - packing[name] * m, 0.0), seconds))
+                        remainder = max(seconds - packing[name] * m, 0.0)
+                        samples[link][name].append((steps, volume, remainder, seconds))
+                        times[link][name].append([p, m, remainder])
                 grid.free()
                 group.Free()
             quiet_barrier(world)
     if P < 2:
-        return {}, packing
+        return {}, packing, {}
     links = {}
     for link in ("intra", "inter"):
         if link in samples:
@@ -267,7 +304,9 @@ def calibrate_collectives(world, quick, repeats, layout=None):
             world.Bcast(fitted, root=0)  # rank 0's fit, to every rank (rank 0 is in every group)
             links[link] = {name: [float(a), float(b)] for name, (a, b) in zip(COLLECTIVE_NAMES, fitted)}
     links.setdefault("intra", links.get("inter"))
-    return links, packing
+    times = world.bcast(times, root=0)
+    times.setdefault("intra", times.get("inter"))
+    return links, packing, times
 
 
 PROGRESS_BYTES = 8 << 20  # the allreduce whose progress behind computation is measured: a bucket's size
@@ -522,8 +561,7 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
     start = time.time()
     backend.set_blas_threads(threads)
     per_node, nodes = node_layout(world)
-    links, packing = calibrate_collectives(world, quick, max(1, repeats - 2) if quick else repeats,
-                                           (per_node, nodes))
+    links, packing, times = calibrate_collectives(world, quick, repeats, (per_node, nodes))
     for table in links.values():
         check_fits(table, packing)  # rank 0's fit on every rank: every rank judges alike
 
@@ -544,6 +582,7 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
                    f"{datetime.date.today().isoformat()}, {'quick' if quick else 'full'} run, "
                    f"{time.time() - start:.0f} s"),
         "links": links,
+        "collective_times": times,
         "packing": packing,
         "progress": moving,
         "kernels": kernels,

@@ -7,6 +7,7 @@ algorithm's `messages`, so that the ledger of a real run can be checked against 
 The byte convention is comm.py's: each element counted where it leaves a rank and where it
 arrives, never a rank's own block.
 """
+import bisect
 import dataclasses
 import functools
 import math
@@ -298,6 +299,16 @@ class MachineProfile:
                 self.links[link] = {c: (float(table[c][0]), float(table[c][1])) for c in COLLECTIVES}
             if self.links and "intra" not in self.links:
                 raise KeyError("links.intra")
+            # per link and collective, {p: ((m bytes, ...), (seconds, ...))}: the times calibration
+            # measured (less the packing), priced by interpolation where a group of p was measured
+            self.measured = {}
+            for link, table in data.get("collective_times", {}).items():
+                if link not in self.links:
+                    raise KeyError(f"collective_times.{link} (a link the profile has no constants of)")
+                unknown = sorted(set(table) - set(COLLECTIVES))
+                if unknown:
+                    raise KeyError(f"collective_times.{link}.{unknown[0]} (not one of {', '.join(COLLECTIVES)})")
+                self.measured[link] = {c: _measured_times(points) for c, points in table.items()}
             self.kernels = {}
             for pass_name in PASSES:
                 self.kernels[pass_name] = {
@@ -330,11 +341,17 @@ class MachineProfile:
             raise ValueError(f"machine profile {path!r} does not exist (built-in profiles: {', '.join(names)})")
         return cls(load_json(path, "machine profile"), where=f"machine profile {path!r}")
 
-    def link(self, intra):
+    def link_name(self, intra):
+        """The link a collective inside a node (intra) or between nodes is priced on: "intra" where
+        the profile measured no link between nodes."""
         if not self.links:
             raise ValueError(f"machine profile {self.name!r} was calibrated on one rank and has no link "
                              f"constants; calibrate on 2 or more ranks (mpiexec -n 2 ...) to plan for several")
-        return self.links["intra" if intra or "inter" not in self.links else "inter"]
+        return "intra" if intra or "inter" not in self.links else "inter"
+
+    def link(self, intra):
+        """{collective: (alpha, beta)} of that link."""
+        return self.links[self.link_name(intra)]
 
     def progress_of(self, intra=True):
         """The fraction of a non-blocking collective's transfer that proceeds while its rank
@@ -347,12 +364,19 @@ class MachineProfile:
         return self.progress.get(own, self.progress.get(other, 0.0))
 
     def collective_time(self, collective, p, m, intra=True):
-        """Seconds of a collective over p ranks whose whole result has m bytes: the alpha-beta
-        cost of the messages (none on one rank) plus the local packing of the result."""
+        """Seconds of a collective over p ranks whose whole result has m bytes: the cost of the
+        messages (none on one rank) plus the local packing of the result. The messages' cost is
+        the calibrated time of that collective over p ranks where the profile measured groups
+        of p on the link (interpolated between the measured sizes, `_interpolated`), else the
+        alpha-beta form."""
         packing = self.packing.get(collective, 0.0) * m
         if p <= 1 or m == 0 and collective != "allreduce":
             return packing
-        alpha, beta = self.link(intra)[collective]
+        link = self.link_name(intra)
+        measured = self.measured.get(link, {}).get(collective, {}).get(p)
+        if measured:
+            return _interpolated(*measured, m) + packing
+        alpha, beta = self.links[link][collective]
         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if collective == "allreduce" else \
             (p - 1, (p - 1) / p * m)
         return steps * alpha + volume * beta + packing
@@ -400,6 +424,41 @@ class MachineProfile:
 
 class _Refused(Exception):
     """A profile refused as a whole (its format), with its own message."""
+
+
+def _measured_times(points):
+    """{p: ((m, ...), (seconds, ...))} from a profile's [[p, m bytes, seconds], ...]: sizes
+    ascending, a size measured twice (two groups of p on one link) at its mean, and the times
+    made non-decreasing in m (a larger message never costs less: what decreases is noise)."""
+    by_size = {}
+    for point in points:
+        if len(point) != 3 or int(point[0]) < 2 or not float(point[1]) > 0 or not float(point[2]) >= 0:
+            raise ValueError(f"collective time {point!r} (expected [p, m bytes, seconds] with p >= 2, m > 0, "
+                             f"seconds >= 0)")
+        p, m, seconds = point
+        by_size.setdefault(int(p), {}).setdefault(float(m), []).append(float(seconds))
+    out = {}
+    for p, sizes in by_size.items():
+        ms = sorted(sizes)
+        times, most = [], 0.0
+        for m in ms:
+            most = max(most, sum(sizes[m]) / len(sizes[m]))
+            times.append(most)
+        out[p] = (tuple(ms), tuple(times))
+    return out
+
+
+def _interpolated(sizes, times, m):
+    """Seconds of a message of m bytes from measured (sizes, times), ascending: linear between
+    the two measured sizes around m; below the smallest, the smallest's time (latency bound);
+    above the largest, the last two sizes' slope carried on (bandwidth bound)."""
+    if m <= sizes[0] or len(sizes) == 1:
+        return times[0] if m <= sizes[0] else times[0] * m / sizes[0]
+    i = bisect.bisect_left(sizes, m)
+    if i == len(sizes):
+        i -= 1
+    m0, m1, t0, t1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+    return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
 
 
 def _kernel_point(point):

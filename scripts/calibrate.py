@@ -53,6 +53,10 @@ def main(argv=None):
                 print(f"  {link:5s} {name:15s} alpha {alpha * 1e6:8.2f} us   beta {beta * 1e9:7.3f} ns/byte "
                       f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)   packing "
                       f"{profile['packing'][name] * 1e9:.3f} ns/byte")
+        for link, table in profile["collective_times"].items():
+            for name, points in table.items():
+                print(f"  {link:5s} {name:15s} measured " + ", ".join(
+                    f"{m / 1024:g} KiB on {p}: {t * 1e6:.0f} us" for p, m, t in points))
         for name, per_path in profile["kernels"].items():
             rates = ", ".join(f"{path} {min(p[2] for p in pts) / 1e9:.0f}-{max(p[2] for p in pts) / 1e9:.0f}"
                               for path, pts in sorted(per_path.items()))

@@ -294,3 +294,36 @@ def test_the_progress_of_a_started_allreduce_is_one_fraction_on_every_rank():
         return
     assert set(got) == {"intra"} and 0.0 <= got["intra"] <= 1.0
     assert world.allgather(got) == [got] * world.Get_size()
+
+
+@pytest.mark.mpi
+def test_the_collectives_measured_times_price_them_at_the_sizes_measured():
+    """calibrate_collectives keeps each group's time of every collective and message size (less
+    the packing): on P ranks groups of 2..P, every size of MESSAGE_BYTES, the same on every rank;
+    a profile holding them prices each collective over a measured group at a measured size at
+    that time plus the packing (perfmodel.MachineProfile.collective_time). None on one rank."""
+    world = MPI.COMM_WORLD
+    P = world.Get_size()
+    links, packing, times = calibration.calibrate_collectives(world, True, 1)
+    if P == 1:
+        assert links == {} and times == {}
+        return
+    assert set(times) == {"intra"} and set(times["intra"]) == set(calibration.COLLECTIVE_NAMES)
+    for name, points in times["intra"].items():
+        assert sorted((p, m) for p, m, _ in points) == sorted(
+            (p, m) for p in range(2, P + 1) for m in calibration.MESSAGE_BYTES)
+        assert all(t >= 0 for *_, t in points)
+    assert world.allgather(times) == [times] * P
+    data = fake_profile(None)
+    data.update(links=links, packing=packing, collective_times=times, ranks_per_node=P)
+    profile = MachineProfile(data)
+    for name, points in times["intra"].items():
+        by_size = {}
+        for p, m, t in points:
+            by_size.setdefault(p, []).append((m, t))
+        for p, measured in by_size.items():
+            measured.sort()
+            most = 0.0
+            for m, t in measured:  # the profile lifts a time below a smaller size's to it
+                most = max(most, t)
+                assert profile.collective_time(name, p, m) == pytest.approx(most + packing[name] * m)

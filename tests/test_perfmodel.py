@@ -51,6 +51,47 @@ def test_collective_formulas():
     assert p.collective_time("reduce_scatter", 1, 800) == 0.0
 
 
+def test_measured_collective_times_are_interpolated_where_the_group_was_measured():
+    """A calibrated profile's `collective_times` price a collective over p ranks where groups of
+    p were measured on the link: linear between the two sizes around m, the smallest size's
+    time below it, the last two sizes' slope above the largest; a size measured twice at its
+    mean; a time below a smaller size's lifted to it. Alpha-beta elsewhere (another p, another
+    link), and the packing added either way."""
+    data = profile_data(alpha=2.0, beta=0.5, inter=(10.0, 1.0), ranks_per_node=2)
+    data["packing"] = {"allgather": 0.25}
+    data["collective_times"] = {"intra": {
+        "allgather": [[2, 1000, 30.0], [2, 100, 20.0], [2, 10000, 120.0], [3, 1000, 99.0]],
+        "allreduce": [[2, 100, 40.0], [2, 100, 60.0], [2, 1000, 45.0], [2, 2000, 80.0]]}}
+    p = MachineProfile(data)
+    assert p.collective_time("allgather", 2, 550) == pytest.approx(25.0 + 0.25 * 550)
+    assert p.collective_time("allgather", 2, 40) == pytest.approx(20.0 + 0.25 * 40)
+    assert p.collective_time("allgather", 2, 20000) == pytest.approx(220.0 + 0.25 * 20000)
+    assert p.collective_time("allgather", 3, 1000) == pytest.approx(99.0 + 250.0)
+    assert p.collective_time("allgather", 4, 800) == pytest.approx(3 * 2.0 + 0.75 * 800 * 0.5 + 0.25 * 800)
+    # 100 bytes: the mean of 40 and 60; 1000 bytes measured 45, lifted to 50
+    assert p.collective_time("allreduce", 2, 100) == pytest.approx(50.0)
+    assert p.collective_time("allreduce", 2, 1000) == pytest.approx(50.0)
+    assert p.collective_time("allreduce", 2, 1500) == pytest.approx(65.0)
+    assert p.collective_time("allreduce", 2, 0) == pytest.approx(50.0)  # an allreduce's latency
+    assert p.collective_time("alltoall", 2, 800) == 1 * 2.0 + 0.5 * 800 * 0.5  # none measured
+    assert p.collective_time("allgather", 2, 800, intra=False) == 1 * 10.0 + 0.5 * 800 * 1.0 + 0.25 * 800
+    assert p.collective_time("allgather", 1, 800) == 0.25 * 800
+
+
+@pytest.mark.parametrize("times, says", [
+    ({"inter": {"allgather": [[2, 100, 1.0]]}}, "collective_times.inter"),
+    ({"intra": {"broadcast": [[2, 100, 1.0]]}}, "collective_times.intra.broadcast"),
+    ({"intra": {"allgather": [[1, 100, 1.0]]}}, r"\[1, 100, 1.0\] \(expected \[p, m bytes, seconds\]"),
+    ({"intra": {"allgather": [[2, 0, 1.0]]}}, r"\[2, 0, 1.0\] \(expected"),
+    ({"intra": {"allgather": [[2, 100]]}}, r"\[2, 100\] \(expected"),
+])
+def test_bad_collective_times_are_refused(times, says):
+    data = profile_data()
+    data["collective_times"] = times
+    with pytest.raises(ValueError, match=f"not a valid machine profile: missing or malformed .*{says}"):
+        MachineProfile(data)
+
+
 def test_kernel_rates_are_read_at_the_measured_points():
     data = profile_data()
     data["kernels"]["forward"]["winograd"] = [[1e6, 64, 1e9], [1e9, 4096, 1e11]]
