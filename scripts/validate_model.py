@@ -13,7 +13,9 @@ grid under sample, x and y, and under the planner's own plan; predicted: planner
 step (every layer's kernels, collectives, the layers after it and its update, and the
 redistributions). The profile is this machine's (calibrated once and cached) unless --profile
 names one. At 2 or more ranks it ends with a memory check: a model too large for a limit on
-one rank, planned under the limit.
+one rank, planned under the limit. A speed probe (one layer's kernels, measured over
+predicted) before the layers, before the steps and at the end says how fast the machine ran
+then against when it was calibrated: on a shared host that drift moves every error.
 """
 import sys
 import tracemalloc
@@ -87,6 +89,28 @@ def memory_check(world, profile, args):
             "measured_peaks": peaks, "plan": model.plan.table()}
 
 
+PROBE = LayerShape("8x8 3x3", 16, 256, 256, 8, 8, 3)  # memory-bound kernels, which the host's load moves most
+
+
+def speed_probe(world, profile, repeats):
+    """Measured over predicted seconds of PROBE's kernels on sample=P (the busiest rank's local
+    kernels, measure_conv's breakdown, against layer_cost's compute): how fast the machine runs
+    now against when the profile was calibrated (1.0: as then). On a shared host the kernels'
+    speed drifts by 15-30% within minutes (BENCHMARKS.md), and every prediction with it, so the
+    script probes before the layers, before the steps and after them."""
+    P = world.Get_size()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(PROBE.x_shape).astype(np.float32)
+    w = rng.standard_normal(PROBE.w_shape).astype(np.float32)
+    dy = rng.standard_normal((PROBE.N, PROBE.F) + PROBE.out_size).astype(np.float32)
+    grid = ProcessGrid(f"sample={P}")
+    t = measure_conv(world, grid, "sample", None, x, w, np.zeros(PROBE.F, np.float32), dy, PROBE.stride, PROBE.pad,
+                     repeats, 1)
+    grid.free()
+    measured = max(part["kernels"] for part in t["breakdown"])
+    return measured / sum(layer_cost(PROBE, "sample", P, 1, profile)["compute"].values())
+
+
 # The whole-step check's models: (model, arch, global batch).
 STEP_MODELS = (("resnet", {"width": 4}, 64), ("wide", {"width": 64, "depth": 4}, 32))
 
@@ -154,7 +178,8 @@ def main(argv=None):
     prepare(world, args.json)
     wanted = LAYERS + [s for name, arch, batch in STEP_MODELS
                        for s in layer_shapes(name, batch, **arch, in_channels=1, classes=10, image=8)]
-    profile = machine_profile(args.profile, world, 1, wanted)
+    profile = machine_profile(args.profile, world, 1, wanted + [PROBE])
+    probes = {"before the layers": speed_probe(world, profile, args.repeats)}
     rng = np.random.default_rng(0)
     rows = []
     for layer in [] if args.memory_only else LAYERS:
@@ -200,7 +225,10 @@ def main(argv=None):
         picks = [r for r in rows if r["planner_choice"]]
         print(f"\nworst prediction error {worst * 100:.0f}%; the planner's choice is within "
               f"{max(r['planner_vs_fastest'] for r in picks) * 100:.0f}% of the measured fastest on every layer")
+    if not (args.memory_only or args.no_steps):
+        probes["before the steps"] = speed_probe(world, profile, args.repeats)
     steps = [] if args.memory_only or args.no_steps else step_check(world, profile, args)
+    probes["at the end"] = speed_probe(world, profile, args.repeats)
     if world.Get_rank() == 0 and steps:
         print(f"\n# whole training steps predicted ({profile.name}) against measured, {P} rank(s), float32, "
               f"median of {args.steps}; predicted = kernels + comm + layers (batch norm, ReLU, pooling, "
@@ -217,6 +245,9 @@ def main(argv=None):
         print(f"\nworst step error {max(abs(r['error']) for r in steps) * 100:.0f}%")
     memory = memory_check(world, profile, args) if P > 1 else None
     if world.Get_rank() == 0:
+        print(f"\nspeed probe (kernels of {PROBE.name} ({PROBE.N},{PROBE.C},{PROBE.F},{PROBE.H}x{PROBE.W},{PROBE.K}) "
+              f"on sample={P}, measured / predicted; 1.00: as fast as at calibration): "
+              + ", ".join(f"{v:.2f} {when}" for when, v in probes.items()))
         if memory is not None:
             mib = 2.0 ** 20
             print(f"\nmemory check: {memory['model']}: predicted {memory['one_rank_predicted'] / mib:.2f} MiB on one "
@@ -227,7 +258,7 @@ def main(argv=None):
             print(memory["plan"])
         if args.json:
             save_json(args.json, {"ranks": P, "profile": profile.name, "rows": rows, "steps": steps,
-                                  "memory_check": memory})
+                                  "memory_check": memory, "speed_probe": probes})
             print(f"wrote {args.json}")
     return 0
 
