@@ -65,7 +65,7 @@ def on_rank0(world, work):
 KERNELS = ("local_forward", "local_backward_data", "local_backward_filter")
 
 
-def _count_kernel_seconds(conv):
+def count_kernel_seconds(conv):
     """Make the local kernels of `conv` (its KERNELS methods) add the seconds they take to the
     one-element list returned (on a device, each call synchronised: its kernels' time, not
     their launch's)."""
@@ -110,7 +110,7 @@ def measure_conv(world, grid, algorithm, p_f, x, w, b, dy, stride, padding, repe
     x_local, dy_local, w_shard, b_shard = (backend.from_host(a, xp) for a in (x_local, dy_local, w_shard, b_shard))
     ledger = comm.CommLedger()
     check_blocks(x_local, conv.input_layout, grid, "x")  # once; the timed calls then skip the check
-    kernel_seconds = _count_kernel_seconds(conv)
+    kernel_seconds = count_kernel_seconds(conv)
     parts = []  # this rank's BREAKDOWN of every iteration
 
     def step():

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend, comm
-from .benchtools import on_rank0, quiet_barrier, slowest_median, timed
+from .benchtools import count_kernel_seconds, on_rank0, quiet_barrier, slowest_median, timed
 from .grid import ProcessGrid, node_layout  # noqa: F401 (calibration.node_layout: the nodes it measures)
 from .io import load_json, save_json
 from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv_geometry
@@ -152,12 +152,12 @@ class _Cold:
         for _ in range(self._gemms):
             a @ a
 
-    def __call__(self, func, group=None):
-        """{'total': seconds} of one call of func() after the caches are evicted (benchtools.timed),
-        and after compute_seconds of GEMMs where set. group: the ranks of a collective func()
-        runs, which wait for each other after the eviction, so that no rank's time holds
-        another's eviction (on the AMD EPYC guest that wait was most of a small message's time:
-        alpha fitted at 34-180 us where a 256-byte allreduce takes 20-40)."""
+    def prepare(self, group=None):
+        """Leave the core as a step's other layers do: compute_seconds of GEMMs where set, then
+        the caches evicted. group: the ranks of a collective about to be timed, which wait for
+        each other after the eviction, so that no rank's time holds another's eviction (on the
+        AMD EPYC guest that wait was most of a small message's time: alpha fitted at 34-180 us
+        where a 256-byte allreduce takes 20-40)."""
         if self._buffer is None:
             self._buffer = np.zeros(_evict_bytes() // 4, np.float32)
         if self.compute_seconds:
@@ -165,6 +165,10 @@ class _Cold:
         self._buffer += 1.0
         if group is not None:
             group.Barrier()
+
+    def __call__(self, func, group=None):
+        """{'total': seconds} of one call of func() after `prepare(group)` (benchtools.timed)."""
+        self.prepare(group)
         return timed(func)
 
 
@@ -535,10 +539,18 @@ def calibrate_layers(world, repeats):
             plane = volume_geometry(x.shape, w_shape, padding=1).plane
             stacking.append((copied_elements(plane), median(lambda: copy_passes(x, w_shape, padding=1))))
         out["volume"] = _fit_line(stacking)
+        # the module's own time: its passes less its kernels' calls, whose per-call cost the
+        # kernel rates hold already (about 100 of a 1x1 convolution's 160-290 us on the AMD EPYC guest)
         conv = Conv2d(grid, 1, 1, 1, algorithm="sample", bias=False, name="calibration")
         tiny = np.ones((1, 1, 1, 1), np.float32)
         conv.input_shape = tiny.shape
-        out["conv"] = [median(through(conv, tiny)), 0.0]
+        passes, kernels = through(conv, tiny), count_kernel_seconds(conv.conv)
+
+        def beyond_kernels():
+            cold.prepare()
+            kernels[0] = 0.0
+            return {"total": timed(passes)["total"] - kernels[0]}
+        out["conv"] = [slowest_median(world, beyond_kernels, repeats, 1)["total"], 0.0]
         updates = []
         for size in PARAMETER_SIZES:
             p = Parameter("p", np.zeros(size, np.float32), (size,))

@@ -165,15 +165,40 @@ def _grid(c):
     return c.where
 
 
-def redistribution_time(chosen, choice, profile):
+def redistribution_time(chosen, choice, profile, last=False):
     """Seconds of `moves`: each activation forward and its gradient backward, by an all-to-all
     over all ranks whose result on each is its share of the activation (of which (p - 1) / p
     arrives from the others: a split by samples traded for a split by channels). Data
-    parallelism runs only where P_c = 1, so one placed grid means one layout."""
+    parallelism runs only where P_c = 1, so one placed grid means one layout. last: `choice`
+    is the last layer's, and its output also moves to the loss (`loss_move_time`; chosen[0]
+    the first layer's choice)."""
     ranks = math.prod(choice.shape.values())
     intra = ranks <= profile.ranks_per_node
-    return sum(2 * profile.collective_time("alltoall", ranks, volume / ranks, intra)
-               for _, volume in moves(chosen, choice, profile.itemsize))
+    own = sum(2 * profile.collective_time("alltoall", ranks, volume / ranks, intra)
+              for _, volume in moves(chosen, choice, profile.itemsize))
+    return own + (loss_move_time(chosen[0] if chosen else choice, choice, profile) if last else 0.0)
+
+
+def _ends_in_loss(layers):
+    """Whether `layers` are a network's (models.layer_shapes), whose last layer's output, the
+    logits, goes to the loss: the layer before it then has the loss among the layers after it
+    (the global pool and softmax cross-entropy, or a per-pixel one). A lone layer has none."""
+    return len(layers) >= 2 and "loss" in layers[-2].after
+
+
+def loss_move_time(first, last, profile):
+    """Seconds of the network's last redistribution (nn.Network.place's 'loss'): the logits
+    forward and their gradient back, from the last layer's output to the loss's layout (split
+    by samples over the first layer's grid, whole over its other axes), which they differ from
+    unless the last layer ends on the first's grid split by samples alone (P_c = 1, no image
+    split). Priced as a redistribution between layers is, each rank's result its share of the
+    logits (all of a sample's on a grid without sample ranks)."""
+    if _grid(last) == _grid(first) and last.P_c == last.P_d == last.P_h == last.P_w == 1:
+        return 0.0
+    L = last.layer
+    ranks = math.prod(last.shape.values())
+    share = L.N * L.F * math.prod(L.out_size) * profile.itemsize / first.P_n
+    return 2 * profile.collective_time("alltoall", ranks, share, ranks <= profile.ranks_per_node)
 
 
 _PASSING = ("temporary", "workspace")  # memory that is not each layer's own: see _memory
@@ -199,6 +224,9 @@ def _best_path(options, profile, price, count_temporary=False):
     layers = [opts[0].layer for opts in options]
     index = {L.name: i for i, L in enumerate(layers)}
     last_use = list(range(1, len(layers) + 1))  # the last layer referring to each: the next by default
+    ends = _ends_in_loss(layers)
+    if ends:  # the first layer's grid is the loss's (loss_move_time)
+        last_use[0] = len(layers) - 1
     for k, L in enumerate(layers):
         for name in (L.reads, L.merges):
             if name:
@@ -220,7 +248,7 @@ def _best_path(options, profile, price, count_temporary=False):
         for total, path in best.values():
             chosen = [options[j][path[j]] for j in referred]  # in order, the layer before i last
             for k, o in enumerate(options[i]):
-                t = total + own_cost(o) + redistribution_time(chosen, o, profile)
+                t = total + own_cost(o) + redistribution_time(chosen, o, profile, ends and i == len(options) - 1)
                 full = path + (k,)
                 key = tuple(_grid(options[j][full[j]]) for j in live)
                 if key not in step or t < step[key][0]:
@@ -348,12 +376,15 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1, halo_interi
         choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w,
                               node_axes=node_axes, P_d=P_d, chunks=cost["chunks"]))
     for k, choice in enumerate(choices):
-        choice.redistribution = redistribution_time(choices[:k], choice, profile)
+        choice.redistribution = redistribution_time(choices[:k], choice, profile,
+                                                    _ends_in_loss(layers) and k == len(choices) - 1)
     return Plan(choices, ranks)
 
 
 def _time(path, profile):
-    return sum(c.cost["time"] + redistribution_time(path[:k], c, profile) for k, c in enumerate(path))
+    ends = _ends_in_loss([c.layer for c in path])
+    return sum(c.cost["time"] + redistribution_time(path[:k], c, profile, ends and k == len(path) - 1)
+               for k, c in enumerate(path))
 
 
 def _within(options, profile, memory_limit, ranks):
@@ -414,7 +445,8 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
         path = _within(options, profile, memory_limit, ranks)
     path = [dataclasses.replace(c) for c in path]
     for k, choice in enumerate(path):
-        choice.redistribution = redistribution_time(path[:k], choice, profile)
+        choice.redistribution = redistribution_time(path[:k], choice, profile,
+                                                    _ends_in_loss(layers) and k == len(path) - 1)
     result = Plan(path, ranks)
     if buckets:
         result.choose_bucket(profile)

@@ -238,10 +238,12 @@ def test_the_planner_prices_the_redistributions_the_model_makes(name):
     """Every activation the built model redistributes between layers (its Redistribute modules,
     the classifier's logits aside) is one the planner prices, and no other: the inputs of
     layers fed across grids, the projection reading its block's input, and a residual sum
-    whose branches lie on different grids (LayerShape.reads, merges)."""
+    whose branches lie on different grids (LayerShape.reads, merges). The logits move to the
+    loss's layout (the model's 'loss' Redistribute) exactly where the planner prices that move
+    (planner.loss_move_time)."""
     from cfp.models import layer_shapes
     from cfp.perfmodel import MachineProfile
-    from cfp.planner import moves, price_plan
+    from cfp.planner import loss_move_time, moves, price_plan
     base = ProcessGrid(SAMPLE)
     model = build_model("resnet", base, width=1, dtype=np.float64, in_channels=1, classes=10,
                         image=8, plan=plans()[name], batch=BATCH)
@@ -250,9 +252,14 @@ def test_the_planner_prices_the_redistributions_the_model_makes(name):
     model.forward(x[_rows(model)], BATCH)
     made = sorted(int(np.prod(r.last_shape)) * 8 for r in model.redistributions() if r.name != "loss")
     shapes = layer_shapes("resnet", BATCH, width=1, in_channels=1, classes=10, image=8)
-    priced = price_plan(shapes, SIZE, MachineProfile.load("cpu-dev"), model.layers)
+    priced_profile = MachineProfile.load("cpu-dev")
+    priced = price_plan(shapes, SIZE, priced_profile, model.layers)
     moved = sorted(volume for k, c in enumerate(priced.choices) for _, volume in moves(priced.choices[:k], c, 8))
     assert_all_ranks(made == moved, f"plan {name}: the model redistributes {made} bytes, the planner prices {moved}")
+    to_loss = any(r.name == "loss" for r in model.redistributions())
+    priced_loss = loss_move_time(priced.choices[0], priced.choices[-1], priced_profile) > 0
+    assert_all_ranks(to_loss == priced_loss, f"plan {name}: the model moves its logits to the loss: {to_loss}, "
+                                             f"the planner prices it: {priced_loss}")
     assert_all_ranks(SIZE == 1 or made, f"plan {name}: no redistribution")
     model.free()
     base.free()
