@@ -172,7 +172,10 @@ def measure_steps(world, model_name, plans, arch, batch, x, y, steps, warmup, bu
     def one_round():  # one step of every plan, each timed alone
         out = {}
         for label, (model, loss_fn, optimizer, xs, ys) in runs.items():
+            # the sleeping barrier's ranks wake up to 2 ms apart, and the first to wake would
+            # wait for the other inside the step: a tight barrier then starts them together
             quiet_barrier(world)
+            world.Barrier()
             out[label] = timed(lambda: train_step(model, loss_fn, optimizer, xs, ys, bucket_mb))["total"]
         return out
     seconds = slowest_median(world, one_round, steps, warmup)
