@@ -15,8 +15,10 @@ where none matches, a quick calibration, cached for the next run, as FFTW keeps 
 import datetime
 import glob
 import hashlib
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -414,33 +416,72 @@ def _flops(g):
     return float(geometry_flops(g))
 
 
+KERNEL_ROUND_BYTES = 256 << 20  # the arrays of the geometries calibrate_kernels times round by round
+
+
+def _rounds(geometries):
+    """geometries in consecutive groups whose arrays (x, w and y, float32) fit in
+    KERNEL_ROUND_BYTES together (a larger one alone)."""
+    group, size = [], 0
+    for g in geometries:
+        x_shape, w_shape, _ = _shapes_and_args(g)
+        need = 4 * (math.prod(x_shape) + math.prod(w_shape) + g.N * g.F * g.Ho * g.Wo)
+        if group and size + need > KERNEL_ROUND_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(g)
+        size += need
+    if group:
+        yield group
+
+
 def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
     """{pass: {path: [[flops, rows, flop/s, geometry], ...]}}: each pass of each ConvGeometry
     timed on every rank of `world` at once, the three passes in turn on cold caches (as a
     training step runs them; the slowest rank's median of `repeats`), and filed under the path
     the kernel table takes for it, its rows (paths.rate_key) and the geometry's name
-    (paths.geometry_key), float32. `table`: add to this one."""
+    (paths.geometry_key), float32. `table`: add to this one.
+
+    The repetitions go round the geometries (those whose arrays fit in KERNEL_ROUND_BYTES at
+    a time: _rounds), each once a round after a warm-up round, as validate_model and bench_plans
+    go round their plans: a slow spell of a shared host (on the AMD EPYC guest, 15-30% for a
+    second or more) then costs one sample of many geometries instead of every sample of one,
+    which had left a layer's predictions 20-28% apart between two calibrations."""
     rng = np.random.default_rng(0)
     cold = _Cold()
     table = {name: {} for name in paths.PASSES} if table is None else table
-    for i, g in enumerate(geometries):
-        x_shape, w_shape, args = _shapes_and_args(g)
-        x = rng.standard_normal(x_shape).astype(np.float32)
-        w = rng.standard_normal(w_shape).astype(np.float32)
-        y = conv2d_forward(x, w, None, **args)
-        flops = _flops(g)
-        calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
-                 "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
-                 "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
-        def step():  # the three passes in turn, as a layer's training step runs them
-            return {name: cold(call)["total"] for name, call in calls.items()}
-        seconds = slowest_median(world, step, repeats, 1)
-        for name in calls:
-            path, rows = paths.rate_key(name, g, np.dtype(np.float32))
-            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds[name], paths.geometry_key(g)])
-        if progress:
-            progress(i + 1, len(geometries))
+    done = 0
+    for group in _rounds(geometries):
+        steps = [_kernel_step(g, rng, cold) for g in group]
+        samples = [[] for _ in group]
+        for round_ in range(1 + repeats):
+            for step, kept in zip(steps, samples):
+                seconds = slowest_median(world, step, 1, 0)
+                if round_:
+                    kept.append(seconds)
+        for g, kept in zip(group, samples):
+            flops = _flops(g)
+            for name in paths.PASSES:
+                seconds = statistics.median(s[name] for s in kept)
+                path, rows = paths.rate_key(name, g, np.dtype(np.float32))
+                table[name].setdefault(path, []).append([flops, float(rows), flops / seconds, paths.geometry_key(g)])
+            done += 1
+            if progress:
+                progress(done, len(geometries))
     return table
+
+
+def _kernel_step(g, rng, cold):
+    """A step for slowest_median: geometry g's three passes in turn, each on cold caches, as a
+    layer's training step runs them ({pass: seconds})."""
+    x_shape, w_shape, args = _shapes_and_args(g)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    y = conv2d_forward(x, w, None, **args)
+    calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
+             "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
+             "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
+    return lambda: {name: cold(call)["total"] for name, call in calls.items()}
 
 
 def measured(profile_data, g):

@@ -6,7 +6,8 @@ fastest.
         [--steps 5] [--json out.json]
 
 Layers, measured: forward + backward of one distributed convolution (scripts/bench_conv.py's
-timing: median of the slowest rank, 1 BLAS thread per rank, float32); predicted: cfp.perfmodel's
+timing: median of the slowest rank over --repeats rounds, each round one repetition of every
+option of every layer, 1 BLAS thread per rank, float32); predicted: cfp.perfmodel's
 kernel and communication time of the layer (layer_cost's compute and comm). Steps, measured: a
 training step (forward, loss, backward, SGD update) of the ResNet and the wide CNN on every
 grid under sample, x and y, and under the planner's own plan; predicted: planner.price_plan's
@@ -17,6 +18,7 @@ one rank, planned under the limit. A speed probe (one layer's kernels, measured 
 predicted) before the layers, before the steps and at the end says how fast the machine ran
 then against when it was calibrated: on a shared host that drift moves every error.
 """
+import statistics
 import sys
 import tracemalloc
 
@@ -154,7 +156,7 @@ def parse_args(argv):
     p.add_argument("--bucket-mb", type=float, default=0,
                    help="the step check's steps with the gradient sums started in buckets of this many MiB during "
                         "backward (train.py --bucket-mb), predicted by perfmodel.overlapped_step; 0: blocking")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each layer")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of timed repetitions of the layers (one of each a round)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
     p.add_argument("--json", help="write every measured and predicted number to this JSON file")
     p.add_argument("--memory-only", action="store_true", help="run only the memory check")
@@ -181,22 +183,33 @@ def main(argv=None):
     profile = machine_profile(args.profile, world, 1, wanted + [PROBE])
     probes = {"before the layers": speed_probe(world, profile, args.repeats)}
     rng = np.random.default_rng(0)
+    # Every option the planner weighs, plus data parallelism where P_n > N (it idles ranks),
+    # timed in rounds: one repetition of every option of every layer a round, the median over
+    # the rounds, so that a slow spell of the host costs one sample of many rows, not a row.
+    cases = []
+    for layer in [] if args.memory_only else LAYERS:
+        tensors = (rng.standard_normal(layer.x_shape).astype(np.float32),
+                   rng.standard_normal(layer.w_shape).astype(np.float32), np.zeros(layer.F, dtype=np.float32),
+                   rng.standard_normal((layer.N, layer.F) + layer.out_size).astype(np.float32))
+        cases += [(layer, tensors, option) for option in layer_options(layer, P, profile)]
+    seconds = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for (layer, (x, w, b, dy), option), kept in zip(cases, seconds):
+            grid = ProcessGrid(f"sample={option.P_n},channel={option.P_c}", node_axes=option.node_axes)
+            t = measure_conv(world, grid, option.algorithm, option.p_f if option.algorithm == "w" else None,
+                             x, w, b, dy, layer.stride, layer.pad, 1, args.warmup, op=layer.op,
+                             output_padding=layer.output_padding)
+            grid.free()
+            kept.append(t["forward_s"] + t["backward_s"])
     rows = []
     for layer in [] if args.memory_only else LAYERS:
-        x = rng.standard_normal(layer.x_shape).astype(np.float32)
-        w = rng.standard_normal(layer.w_shape).astype(np.float32)
-        b = np.zeros(layer.F, dtype=np.float32)
-        dy = rng.standard_normal((layer.N, layer.F) + layer.out_size).astype(np.float32)
         chosen = plan([layer], P, profile).choices[0]
         measured_rows = []
-        # Every option the planner weighs, plus data parallelism where P_n > N (it idles ranks).
-        for option in layer_options(layer, P, profile):
-            grid = ProcessGrid(f"sample={option.P_n},channel={option.P_c}", node_axes=option.node_axes)
+        for (of, _, option), kept in zip(cases, seconds):
+            if of is not layer:
+                continue
             p_f = option.p_f if option.algorithm == "w" else None
-            t = measure_conv(world, grid, option.algorithm, p_f, x, w, b, dy, layer.stride, layer.pad,
-                             args.repeats, args.warmup, op=layer.op, output_padding=layer.output_padding)
-            grid.free()
-            measured = t["forward_s"] + t["backward_s"]
+            measured = statistics.median(kept)
             cost = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f,
                               node_axes=option.node_axes)
             predicted = sum(cost["compute"].values()) + sum(cost["comm"].values())  # the convolution alone
@@ -214,7 +227,7 @@ def main(argv=None):
 
     if world.Get_rank() == 0 and rows:
         print(f"# predicted ({profile.name}) against measured forward+backward, {P} rank(s), 1 BLAS thread "
-              f"per rank, float32, median of {args.repeats}; P = planner's choice, F = measured fastest")
+              f"per rank, float32, median of {args.repeats} rounds; P = planner's choice, F = measured fastest")
         print("| layer (N,C,F,HxW,K) | grid | algorithm | measured ms | predicted ms | error | |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
