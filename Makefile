@@ -65,8 +65,8 @@ pictures: install
 	done; done
 	$(PY) scripts/explain.py --grid sample=2,height=2 --algorithm sample \
 	  --plot docs/pictures/explain-sample-sample2-height2.png >/dev/null
-	$(PY) scripts/plan.py --model resnet --width 4 --batch 64 --ranks 4 --out .pictures-plan.json >/dev/null
-	$(PY) scripts/explain.py --model resnet --width 4 --batch 64 --plan .pictures-plan.json \
+	$(PY) scripts/plan.py --model resnet --width 8 --batch 64 --ranks 4 --out .pictures-plan.json >/dev/null
+	$(PY) scripts/explain.py --model resnet --width 8 --batch 64 --plan .pictures-plan.json \
 	  --plot docs/pictures/explain-plan.png >/dev/null
 	rm -f .pictures-plan.json
 
