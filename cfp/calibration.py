@@ -247,7 +247,7 @@ def fit_packing(samples):
     return max(float(np.dot(m, t) / np.dot(m, m)), 0.0)
 
 
-def calibrate_collectives(world, quick, repeats, layout=None):
+def calibrate_collectives(world, repeats, layout=None):
     """({link: {collective: [alpha, beta]}}, {collective: packing s/byte}, {link: {collective:
     [[p, m bytes, seconds], ...]}}); no links or times on one rank.
 
@@ -260,12 +260,11 @@ def calibrate_collectives(world, quick, repeats, layout=None):
     "intra" link is the same numbers: no group of the model's ever uses it). layout: the
     (ranks per node, nodes) of node_layout, where the caller has it. The times are each
     group's, less the packing: the model prices a collective over p ranks by them where it has
-    them (perfmodel.MachineProfile.collective_time), alpha and beta elsewhere. Quick or not,
-    every size of MESSAGE_BYTES is timed (a second in all on 2 ranks).
+    them (perfmodel.MachineProfile.collective_time), alpha and beta elsewhere. Every size of
+    MESSAGE_BYTES is timed, quick calibration or not (a second in all on 2 ranks).
     """
     P, rank = world.Get_size(), world.Get_rank()
     per_node, nodes = layout or node_layout(world)
-    messages = MESSAGE_BYTES
     groups = [(list(range(p)), "intra" if p <= per_node else "inter") for p in range(2, P + 1)]
     if nodes > 1 and per_node > 1:
         groups += [([k * per_node for k in range(p)], "inter") for p in range(2, nodes + 1)]
@@ -279,7 +278,7 @@ def calibrate_collectives(world, quick, repeats, layout=None):
         def packing_samples():
             alone = ProcessGrid("sample=1", comm=MPI.COMM_SELF)
             out = {name: [(m, slowest_median(MPI.COMM_SELF, lambda: cold(collective_call(name, MPI.COMM_SELF, m, alone)),
-                                            repeats, 1)["total"]) for m in messages] for name in COLLECTIVE_NAMES}
+                                            repeats, 1)["total"]) for m in MESSAGE_BYTES] for name in COLLECTIVE_NAMES}
             alone.free()
             return out
         packing = {name: fit_packing(s) for name, s in on_rank0(world, packing_samples).items()}
@@ -289,7 +288,7 @@ def calibrate_collectives(world, quick, repeats, layout=None):
             if rank in members:
                 grid = ProcessGrid(f"sample={p}", comm=group)
                 for name in COLLECTIVE_NAMES:
-                    for m in messages[::-1]:  # largest first: a small one timed after a large one ran slow
+                    for m in MESSAGE_BYTES[::-1]:  # largest first: a small one timed after a large one ran slow
                         call = collective_call(name, group, m, grid)
                         seconds = slowest_median(group, lambda: cold(call, group), repeats, 2)["total"]
                         steps, volume = (2 * (p - 1), 2 * (p - 1) / p * m) if name == "allreduce" \
@@ -614,7 +613,7 @@ def calibrate(world, quick=False, repeats=5, threads=1, name=None, progress=None
     start = time.time()
     backend.set_blas_threads(threads)
     per_node, nodes = node_layout(world)
-    links, packing, times = calibrate_collectives(world, quick, repeats, (per_node, nodes))
+    links, packing, times = calibrate_collectives(world, repeats, (per_node, nodes))
     for table in links.values():
         check_fits(table, packing)  # rank 0's fit on every rank: every rank judges alike
 

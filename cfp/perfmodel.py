@@ -301,14 +301,14 @@ class MachineProfile:
                 raise KeyError("links.intra")
             # per link and collective, {p: ((m bytes, ...), (seconds, ...))}: the times calibration
             # measured (less the packing), priced by interpolation where a group of p was measured
-            self.measured = {}
+            self.collective_times = {}
             for link, table in data.get("collective_times", {}).items():
                 if link not in self.links:
                     raise KeyError(f"collective_times.{link} (a link the profile has no constants of)")
                 unknown = sorted(set(table) - set(COLLECTIVES))
                 if unknown:
                     raise KeyError(f"collective_times.{link}.{unknown[0]} (not one of {', '.join(COLLECTIVES)})")
-                self.measured[link] = {c: _measured_times(points) for c, points in table.items()}
+                self.collective_times[link] = {c: _measured_times(points) for c, points in table.items()}
             self.kernels = {}
             for pass_name in PASSES:
                 self.kernels[pass_name] = {
@@ -349,10 +349,6 @@ class MachineProfile:
                              f"constants; calibrate on 2 or more ranks (mpiexec -n 2 ...) to plan for several")
         return "intra" if intra or "inter" not in self.links else "inter"
 
-    def link(self, intra):
-        """{collective: (alpha, beta)} of that link."""
-        return self.links[self.link_name(intra)]
-
     def progress_of(self, intra=True):
         """The fraction of a non-blocking collective's transfer that proceeds while its rank
         computes, on the link inside a node (intra) or between nodes: 1 where the transport
@@ -373,7 +369,7 @@ class MachineProfile:
         if p <= 1 or m == 0 and collective != "allreduce":
             return packing
         link = self.link_name(intra)
-        measured = self.measured.get(link, {}).get(collective, {}).get(p)
+        measured = self.collective_times.get(link, {}).get(collective, {}).get(p)
         if measured:
             return _interpolated(*measured, m) + packing
         alpha, beta = self.links[link][collective]

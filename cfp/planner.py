@@ -179,6 +179,13 @@ def redistribution_time(chosen, choice, profile, last=False):
     return own + (loss_move_time(chosen[0] if chosen else choice, choice, profile) if last else 0.0)
 
 
+def path_redistributions(path, profile):
+    """[seconds] of redistribution_time for each choice of `path` (a whole plan, in the layers'
+    order), the last one's move to the loss included where the layers end in one."""
+    ends = _ends_in_loss([c.layer for c in path])
+    return [redistribution_time(path[:k], c, profile, ends and k == len(path) - 1) for k, c in enumerate(path)]
+
+
 def _ends_in_loss(layers):
     """Whether `layers` are a network's (models.layer_shapes), whose last layer's output, the
     logits, goes to the loss: the layer before it then has the loss among the layers after it
@@ -375,16 +382,13 @@ def price_plan(layers, ranks, profile, entries, optimizer_buffers=1, halo_interi
                           P_h, P_w, node_axes, P_d, entry.get("chunks", 1), halo_interior)
         choices.append(Choice(L, P_n, P_c, entry["algorithm"], cost["p_f"], cost, P_h=P_h, P_w=P_w,
                               node_axes=node_axes, P_d=P_d, chunks=cost["chunks"]))
-    for k, choice in enumerate(choices):
-        choice.redistribution = redistribution_time(choices[:k], choice, profile,
-                                                    _ends_in_loss(layers) and k == len(choices) - 1)
+    for choice, seconds in zip(choices, path_redistributions(choices, profile)):
+        choice.redistribution = seconds
     return Plan(choices, ranks)
 
 
 def _time(path, profile):
-    ends = _ends_in_loss([c.layer for c in path])
-    return sum(c.cost["time"] + redistribution_time(path[:k], c, profile, ends and k == len(path) - 1)
-               for k, c in enumerate(path))
+    return sum(c.cost["time"] for c in path) + sum(path_redistributions(path, profile))
 
 
 def _within(options, profile, memory_limit, ranks):
@@ -444,9 +448,8 @@ def plan(layers, ranks, profile, memory_limit=None, algorithms=("sample",) + CHA
     if memory_limit is not None and _memory(path) > memory_limit:
         path = _within(options, profile, memory_limit, ranks)
     path = [dataclasses.replace(c) for c in path]
-    for k, choice in enumerate(path):
-        choice.redistribution = redistribution_time(path[:k], choice, profile,
-                                                    _ends_in_loss(layers) and k == len(path) - 1)
+    for choice, seconds in zip(path, path_redistributions(path, profile)):
+        choice.redistribution = seconds
     result = Plan(path, ranks)
     if buckets:
         result.choose_bucket(profile)

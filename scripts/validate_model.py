@@ -91,7 +91,7 @@ def memory_check(world, profile, args):
             "measured_peaks": peaks, "plan": model.plan.table()}
 
 
-PROBE = LayerShape("8x8 3x3", 16, 256, 256, 8, 8, 3)  # memory-bound kernels, which the host's load moves most
+PROBE = next(L for L in LAYERS if L.name == "8x8 3x3")  # memory-bound kernels, which the host's load moves most
 
 
 def speed_probe(world, profile, repeats):
@@ -180,7 +180,7 @@ def main(argv=None):
     prepare(world, args.json)
     wanted = LAYERS + [s for name, arch, batch in STEP_MODELS
                        for s in layer_shapes(name, batch, **arch, in_channels=1, classes=10, image=8)]
-    profile = machine_profile(args.profile, world, 1, wanted + [PROBE])
+    profile = machine_profile(args.profile, world, 1, wanted)
     probes = {"before the layers": speed_probe(world, profile, args.repeats)}
     rng = np.random.default_rng(0)
     # Every option the planner weighs, plus data parallelism where P_n > N (it idles ranks),
@@ -191,13 +191,14 @@ def main(argv=None):
         tensors = (rng.standard_normal(layer.x_shape).astype(np.float32),
                    rng.standard_normal(layer.w_shape).astype(np.float32), np.zeros(layer.F, dtype=np.float32),
                    rng.standard_normal((layer.N, layer.F) + layer.out_size).astype(np.float32))
-        cases += [(layer, tensors, option) for option in layer_options(layer, P, profile)]
+        cases += [(layer, tensors, option, option.p_f if option.algorithm == "w" else None)
+                  for option in layer_options(layer, P, profile)]
     seconds = [[] for _ in cases]
     for _ in range(args.repeats):
-        for (layer, (x, w, b, dy), option), kept in zip(cases, seconds):
+        for (layer, (x, w, b, dy), option, p_f), kept in zip(cases, seconds):
             grid = ProcessGrid(f"sample={option.P_n},channel={option.P_c}", node_axes=option.node_axes)
-            t = measure_conv(world, grid, option.algorithm, option.p_f if option.algorithm == "w" else None,
-                             x, w, b, dy, layer.stride, layer.pad, 1, args.warmup, op=layer.op,
+            t = measure_conv(world, grid, option.algorithm, p_f, x, w, b, dy, layer.stride, layer.pad, 1,
+                             args.warmup, op=layer.op,
                              output_padding=layer.output_padding)
             grid.free()
             kept.append(t["forward_s"] + t["backward_s"])
@@ -205,10 +206,9 @@ def main(argv=None):
     for layer in [] if args.memory_only else LAYERS:
         chosen = plan([layer], P, profile).choices[0]
         measured_rows = []
-        for (of, _, option), kept in zip(cases, seconds):
+        for (of, _, option, p_f), kept in zip(cases, seconds):
             if of is not layer:
                 continue
-            p_f = option.p_f if option.algorithm == "w" else None
             measured = statistics.median(kept)
             cost = layer_cost(layer, option.algorithm, option.P_n, option.P_c, profile, p_f,
                               node_axes=option.node_axes)

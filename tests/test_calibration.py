@@ -304,7 +304,7 @@ def test_the_collectives_measured_times_price_them_at_the_sizes_measured():
     that time plus the packing (perfmodel.MachineProfile.collective_time). None on one rank."""
     world = MPI.COMM_WORLD
     P = world.Get_size()
-    links, packing, times = calibration.calibrate_collectives(world, True, 1)
+    links, packing, times = calibration.calibrate_collectives(world, 1)
     if P == 1:
         assert links == {} and times == {}
         return
