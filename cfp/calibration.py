@@ -33,7 +33,7 @@ from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forwar
 from .kernels import settings as kernel_settings
 from .kernels.conv import paths
 from .kernels.conv.geometry import geometry_flops
-from .kernels.conv.volume import copied_elements, copy_passes, volume_geometry
+from .kernels.conv.volume import copy_passes, stacked_copies, volume_geometry
 from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy,
                  Upsample)
 from .nn.module import Parameter
@@ -577,7 +577,7 @@ def calibrate_layers(world, repeats):
             x = rng.standard_normal((n, c, side, side, side)).astype(np.float32)
             w_shape = (c, c, 3, 3, 3)
             plane = volume_geometry(x.shape, w_shape, padding=1).plane
-            stacking.append((copied_elements(plane), median(lambda: copy_passes(x, w_shape, padding=1))))
+            stacking.append((sum(stacked_copies(plane).values()), median(lambda: copy_passes(x, w_shape, padding=1))))
         out["volume"] = _fit_line(stacking)
         # the module's own time: its passes less its kernels' calls, whose per-call cost the
         # kernel rates hold already (about 100 of a 1x1 convolution's 160-290 us on the AMD EPYC guest)

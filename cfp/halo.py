@@ -273,11 +273,14 @@ class Halo:
                 d = fold_index(d, at, shape[axis], axis)
         return d
 
-    def adjoint(self, dx_extended, layer):
-        """The gradient of the extended block added back onto the blocks the rows came from."""
+    def adjoint(self, dx_extended, layer, donate=False):
+        """The gradient of the extended block added back onto the blocks the rows came from.
+        donate: dx_extended is the caller's to give up (a convolution's fresh dx), and the
+        neighbours' rows are added onto this rank's own rows of it in place, which the result
+        is a view of (tensor.start_move's donate), instead of onto a copy of them."""
         back = [(d, s, piece) for s, d, piece in self.pieces]
         with comm.tag(layer=layer, phase="halo"):
-            return move(dx_extended, self.wanted, back, self.held, self.comm)
+            return move(dx_extended, self.wanted, back, self.held, self.comm, donate=donate)
 
 
 class HaloInFlight:

@@ -731,15 +731,17 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
 def _pass_seconds(layer, local, passes, profile):
     """({pass: seconds} of the layer's local kernels, {pass: (path, GEMM rows)}) on the 2-D
     geometry `local` (local_geometry) whose `passes` compute them: each at its path's measured
-    rate (kernel_time), a volume's with a third each of the copies of its planes around them
-    (volume.copied_elements, at the profile's 'volume' rate); none for the first layer's
+    rate (kernel_time), a volume's with the copies of its planes around them where it makes
+    them (volume.copied_elements, at the profile's 'volume' rate); none for the first layer's
     backward-data or a block no window reaches."""
     flops = geometry_flops(local) if local is not None else 0
     keys = {p: rate_key(passes[p], local, "float32") if local is not None else (None, None) for p in PASSES}
     named = None if local is None else geometry_key(local)
-    copies = profile.layer_time("volume", copied_elements(local)) / 3 if flops and len(layer.spatial) == 3 else 0.0
+    copied = copied_elements(local) if flops and len(layer.spatial) == 3 else {}
+    copies = {p: profile.layer_time("volume", copied[passes[p]], count=1 / 3) if copied.get(passes[p]) else 0.0
+              for p in PASSES}  # the fixed cost, fitted on the three passes' copies together, a third each
     seconds = {p: 0.0 if layer.first and p == "backward-data" or not flops else
-               profile.kernel_time(passes[p], path, flops, rows, named) + copies for p, (path, rows) in keys.items()}
+               profile.kernel_time(passes[p], path, flops, rows, named) + copies[p] for p, (path, rows) in keys.items()}
     return seconds, keys
 
 

@@ -135,9 +135,9 @@ def assemble(global_shape, pieces, dtype):
     return out
 
 
-def move(local, held, pieces, wanted, comm):
+def move(local, held, pieces, wanted, comm, donate=False):
     """start_move's exchange, blocking: its result."""
-    return start_move(local, held, pieces, wanted, comm, blocking=True).wait()
+    return start_move(local, held, pieces, wanted, comm, blocking=True, donate=donate).wait()
 
 
 class Moving:
@@ -170,7 +170,7 @@ class _Done:
         return self._chunks
 
 
-def start_move(local, held, pieces, wanted, comm, blocking=False):
+def start_move(local, held, pieces, wanted, comm, blocking=False, donate=False):
     """The exchange behind redistribute and the halo, started (a Moving; blocking=True: done
     before it returns): rank s sends, for each piece (s, d, index
     sets), that part of its `local` array (which holds the global indices `held`) to rank d;
@@ -180,7 +180,10 @@ def start_move(local, held, pieces, wanted, comm, blocking=False):
     in place) go into the result straight from `local`, never packed or sent; where the pieces
     arriving at a rank cover its `wanted` exactly once (layout.tiles: a halo exchange, a
     redistribution from a layout without summands) each is put in place, with no zeros to add
-    onto, and where a kept piece is all of `wanted` the others are added onto its copy."""
+    onto, and where a kept piece is all of `wanted` the others are added onto its copy, or,
+    with donate=True (`local` is the caller's to give up: the adjoint of a halo exchange), onto
+    that piece of `local` itself, which the result then is (a view, strided where the piece is
+    a slab of the block: no copy of the rank's own rows)."""
     p, me = comm.Get_size(), comm.Get_rank()
     xp = backend.get_array_module(local)
     send = [[] for _ in range(p)]
@@ -209,11 +212,15 @@ def start_move(local, held, pieces, wanted, comm, blocking=False):
 
     def place(chunks):
         # A kept piece that is all of `wanted` (the adjoint of a halo exchange: the rank's own
-        # rows, onto which the neighbours' halo rows are added) starts the result as its copy.
+        # rows, onto which the neighbours' halo rows are added) starts the result as its copy,
+        # or is the result itself where `local` is donated and the piece a view of it.
         mine_kept = list(kept)
         whole = next((k for k, piece in enumerate(mine_kept) if piece_size(piece) == piece_size(wanted)), None)
         if whole is not None and not exact:
-            out = xp.array(mine(mine_kept.pop(whole)), order="C")
+            piece = mine_kept.pop(whole)
+            out = mine(piece)
+            if not (donate and all(isinstance(positions(ix, m), slice) for ix, m in zip(piece, held))):
+                out = xp.array(out, order="C")
         else:
             out = (xp.empty if exact else xp.zeros)(shape, dtype=local.dtype)
 

@@ -141,6 +141,28 @@ def test_kernels_on_device_equal_numpy(name):
         assert t.counts["to_device_bytes"] == inputs, (t.counts, inputs)
 
 
+@pytest.mark.parametrize("winograd", [False, True])
+def test_a_volume_on_device_equals_numpy(winograd):
+    """conv3d's passes on device arrays: stacked planes, and (Winograd taken) the planes read
+    where they lie through strided views of the device arrays (kernels/conv/volume.py)."""
+    from cfp.kernels import settings
+    from cfp.kernels.conv import conv3d_backward_data, conv3d_backward_filter, conv3d_forward, volume
+    rng = np.random.default_rng(4)
+    x, w, b = rng.standard_normal((2, 3, 6, 7, 6)), rng.standard_normal((4, 3, 3, 3, 3)), rng.standard_normal(4)
+    opts = {"padding": 1}
+    with settings.winograd(winograd, tile=4 if winograd else None):
+        v = volume.volume_geometry(x.shape, w.shape, **opts)
+        assert all(volume._in_place(v, p, "float64") == winograd for p in ("forward", "backward-data", "backward-filter"))
+        y = conv3d_forward(x, w, b, **opts)
+        dy = rng.standard_normal(y.shape)
+        expected = (y, conv3d_backward_data(dy, w, x.shape, **opts), conv3d_backward_filter(x, dy, w.shape, **opts))
+        got = (conv3d_forward(dev(x), dev(w), dev(b), **opts), conv3d_backward_data(dev(dy), dev(w), x.shape, **opts),
+               conv3d_backward_filter(dev(x), dev(dy), w.shape, **opts))
+    for what, g, e in zip(("y", "dx", "dw"), got, expected):
+        assert isinstance(g, cupy.ndarray), what
+        assert_same(g, e, f"volume {what}")
+
+
 @pytest.mark.parametrize("kind", ["max", "avg"])
 def test_pooling_on_device_equals_numpy(kind):
     x = np.random.default_rng(2).standard_normal((2, 3, 9, 8))

@@ -83,6 +83,42 @@ def test_conv3d_matches_loops(case, fast_path):
     assert np.allclose(conv3d_backward_bias(dy), dy.sum(axis=(0, 2, 3, 4)), rtol=1e-13, atol=1e-13)
 
 
+# Volumes whose 3x3 planes take Winograd read their planes where they lie (volume._in_place):
+# depth kernels of 1 to 3 planes, depth strides and dilations, padding on either side or none
+# (the stacked planes before and after the interior), one sample and two.
+IN_PLACE_CASES = [
+    ((1, 3, 6, 5, 6), (4, 3, 3, 3, 3), {"padding": 1}),
+    ((2, 2, 7, 6, 5), (3, 2, 3, 3, 3), {"padding": (2, 1, 1)}),
+    ((2, 3, 5, 4, 6), (2, 3, 2, 3, 3), {"padding": "same"}),
+    ((1, 2, 8, 5, 5), (3, 2, 3, 3, 3), {"padding": 1, "dilation": (2, 1, 1)}),
+    ((2, 2, 9, 5, 4), (2, 2, 3, 3, 3), {"padding": (1, 0, 0), "stride": (2, 1, 1)}),
+    ((1, 4, 4, 6, 6), (2, 4, 1, 3, 3), {"padding": (0, 1, 1)}),
+    ((1, 2, 6, 4, 4), (2, 2, 3, 3, 3), {"padding": (3, 1, 1)}),
+    ((2, 3, 5, 5, 5), (3, 3, 3, 3, 3), {"padding": "same"}),
+]
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+@pytest.mark.parametrize("x_shape, w_shape, args", IN_PLACE_CASES)
+def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile):
+    """Every pass that reads the planes in place equals the loops (float64, 1e-12); each case
+    takes it for forward and backward-filter, and backward-data where its depth stride is 1 and
+    its front and back padding within the kernel's extent (the others by the stacked path)."""
+    from cfp.kernels import settings
+    from cfp.kernels.conv import volume
+    x, w, b, dy = _volume_problem({"x": x_shape, "w": w_shape, "args": args}, seed=9)
+    with settings.winograd(True, tile=tile):
+        v = volume.volume_geometry(x_shape, w_shape, **args)
+        assert volume._in_place(v, "forward", "float64") and volume._in_place(v, "backward-filter", "float64")
+        full = volume._full_depth(v)
+        assert volume._in_place(v, "backward-data", "float64") == (v.sd == 1 and min(full.pf, full.pk) >= 0)
+        assert relative_error(conv3d_forward(x, w, b, **args), convnd_forward_loop(x, w, b, **args)) < TOLERANCE
+        assert relative_error(conv3d_backward_data(dy, w, x.shape, **args),
+                              convnd_backward_data_loop(dy, w, x.shape, **args)) < TOLERANCE
+        assert relative_error(conv3d_backward_filter(x, dy, w.shape, **args),
+                              convnd_backward_filter_loop(x, dy, w.shape, **args)) < TOLERANCE
+
+
 def test_conv3d_six_sided_padding_is_the_padded_input():
     """cfp's own (front, back, top, bottom, left, right) padding equals zero-padding x first."""
     rng = np.random.default_rng(2)

@@ -7,6 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from cfp.grid import ProcessGrid
+from cfp.kernels.conv.paths import taken
 from cfp.models import build_model, layer_shapes
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost, predict_bytes
 from cfp.planner import plan, plan_entries
@@ -311,13 +312,18 @@ def test_a_volume_split_by_depth_by_hand():
     sent = [predict_bytes("sample", layer.x_shape, layer.w_shape, "depth=2", {"depth": r}, padding=1, itemsize=4,
                           op="conv3d")["halo"] for r in (0, 1)]
     assert sent == [(3072, 3072)] * 2  # each sends a plane forward and its gradient back
-    # The copies of the planes around the 2-D passes (volume.copied_elements): the stacked
-    # input 8 x 12 x 8 x 6 (4608) three times and the output planes 8 x 6 x 8 x 6 (2304) three
-    # times, 20736 elements, at a profile's 'volume' rate of 1 s + 1e-3 s an element, a third
-    # to each pass.
+    # The copies of the planes around the 2-D passes (volume.copied_elements), at a profile's
+    # 'volume' rate of 1 s (a third to each pass that copies) + 1e-3 s an element: forward and
+    # backward-filter take Winograd, which reads the planes where they lie (no copies);
+    # backward-data (the full convolution of dy's 6 channels, by per-sample columns) unstacks
+    # the stacked gradient 8 x 12 x 8 x 6 (4608) and turns dy's planes 8 x 6 x 8 x 6 (2304)
+    # into samples.
+    assert taken(g, "float32") == {"forward": "winograd", "backward-data": "full-convolution/columns-per-sample",
+                                   "backward-filter": "winograd"}
     copying = MachineProfile(dict(profile_data(), layers={"volume": [1.0, 1e-3]}))
     cost = layer_cost(layer, "sample", 1, 1, copying, P_d=2)
-    assert cost["compute"] == {p: pytest.approx(497664 / 1e10 + (1.0 + 20.736) / 3, rel=1e-12) for p in cost["compute"]}
+    copies = {"forward": 0.0, "backward-data": 1.0 / 3 + 6.912, "backward-filter": 0.0}
+    assert cost["compute"] == {p: pytest.approx(497664 / 1e10 + copies[p], rel=1e-12) for p in cost["compute"]}
 
 
 def test_a_transposed_layer_split_by_height_by_hand():

@@ -336,10 +336,12 @@ class ConvAlgorithm:
 
     def halo_adjoint(self, dx_extended):
         """The adjoint of halo: each rank's gradient of its extended block added back onto the
-        blocks of the ranks the rows came from (phase 'halo')."""
+        blocks of the ranks the rows came from (phase 'halo'). dx_extended is the layer's own
+        (its local kernels' output, or the sum of them), so the rows are added onto it in place
+        (Halo.adjoint's donate): the result is a view of it, not a copy of this rank's rows."""
         if not self.spatial or dx_extended is None:
             return dx_extended
-        return self._halo.adjoint(dx_extended, self.layer)
+        return self._halo.adjoint(dx_extended, self.layer, donate=True)
 
     # -- the local kernels, on this rank's (extended) block ------------------------------------
 

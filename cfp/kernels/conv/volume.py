@@ -16,7 +16,8 @@ groups are the layer's). Backward-filter is the 2-D backward-filter of the same 
 gradient unstacked; backward-data the 2-D backward-data, each kernel plane's share of the
 stacked gradient added back onto the input planes it was copied from (col2im along depth).
 The stacked input is Kd times the input (Do/D of it at a depth stride): the copy im2col makes,
-along one axis.
+along one axis. Where a pass takes Winograd, the stack is not made: its tiles are cut from the
+planes where they lie, and backward-data is the convolution of dy along depth (below).
 
 Padding along depth: zeros are never stored (the planes a window reads outside the input are
 zero planes of the stack); another mode pads the depth axis first, by the same index maps as
@@ -30,8 +31,10 @@ from collections import namedtuple
 
 from cfp.backend import get_array_module, index_array
 from cfp.checks import int_pair, int_tuple, positive_int
-from cfp.kernels.conv import passes
+from cfp.kernels import workspace
+from cfp.kernels.conv import passes, paths, winograd
 from cfp.kernels.conv.geometry import PADDING_MODES, _shape4, conv_geometry, require_ndim4
+from cfp.kernels.conv.paths import full_geometry
 from cfp.kernels.conv.padding import fold_index, pad_index
 
 VolumeGeometry = namedtuple("VolumeGeometry", "N C D F Kd sd pf pk dd mode Do plane", module=__name__)
@@ -164,19 +167,109 @@ def _kernel_planes(v):
         yield k, offset + start * v.sd, count, start
 
 
-def _stack(x, v, xp):
-    """stacked (N Do, G Kd C/G, H, W): each output plane's Kd input planes as channels."""
+def _stack(x, v, xp, outs=None):
+    """stacked (N n, G Kd C/G, H, W): each output plane's Kd input planes as channels, for the n
+    output planes `outs` (a range; all of them by default)."""
     N, C, D, H, W = x.shape
     G = v.plane.G
     Cg = C // G
-    stacked = xp.empty((N, v.Do, G, v.Kd, Cg, H, W), x.dtype)
+    outs = range(v.Do) if outs is None else outs
+    lo, hi = outs.start, outs.stop
+    stacked = xp.empty((N, hi - lo, G, v.Kd, Cg, H, W), x.dtype)
     grouped = x.reshape(N, G, Cg, D, H, W)
     for k, first, count, start in _kernel_planes(v):
-        stacked[:, :start, :, k] = 0
-        stacked[:, start + count:, :, k] = 0
-        planes = grouped[:, :, :, first:first + (count - 1) * v.sd + 1:v.sd] if count else grouped[:, :, :, :0]
-        stacked[:, start:start + count, :, k] = planes.transpose(0, 3, 1, 2, 4, 5)
-    return stacked.reshape(N * v.Do, G * v.Kd * Cg, H, W)
+        a, b = max(start, lo), min(start + count, hi)  # of outs, the planes whose window plane k reads
+        if b <= a:
+            stacked[:, :, :, k] = 0
+            continue
+        stacked[:, :a - lo, :, k] = 0
+        stacked[:, b - lo:, :, k] = 0
+        read = first + (a - start) * v.sd
+        stacked[:, a - lo:b - lo, :, k] = grouped[:, :, :, read:read + (b - a - 1) * v.sd + 1:v.sd].transpose(0, 3, 1, 2, 4, 5)
+    return stacked.reshape(N * (hi - lo), G * v.Kd * Cg, H, W)
+
+
+# -- Winograd on the planes where they lie ------------------------------------------------------
+# Where the stacked convolution takes Winograd (a volume's 3x3 planes, stride 1 in the plane),
+# its tiles are cut from the input's planes where they lie: the stacked input of a sample's
+# output planes whose windows stay inside the volume is a strided view of x (_planes_view), which
+# Winograd's tiles read in place (winograd._copy_sample_rows), and y (or dx) is written straight
+# into its planes. Only the few output planes whose windows reach into the depth padding (pf at
+# the front, pk at the back) are stacked as above. The stack is memory traffic, which two ranks
+# on one machine share: half of the 64^3 volume of 32 channels stacked in 7 ms on one rank alone
+# and in 14 ms with both ranks running (docs/design.md, "Volumes and transposed convolutions").
+
+def _interior(v):
+    """range of the output planes whose windows read input planes only (no depth padding)."""
+    lo = -(-v.pf // v.sd)
+    hi = min(v.Do, (v.D - 1 + v.pf - (v.Kd - 1) * v.dd) // v.sd + 1)
+    return range(lo, max(lo, hi))
+
+
+def _planes_view(x, v, n, outs, xp):
+    """Sample n's stacked input for the output planes `outs` (inside _interior), read where it
+    lies: (len(outs), Kd, C, H, W) with [o, k, c] = x[n, c, (outs[0] + o) sd + k dd - pf], a
+    strided view of x (no copy)."""
+    C, H, W = x.shape[1], x.shape[3], x.shape[4]
+    strides = x.strides
+    base = x[n, :, outs.start * v.sd - v.pf:]
+    return xp.lib.stride_tricks.as_strided(base, (len(outs), v.Kd, C, H, W),
+                                           (v.sd * strides[2], v.dd * strides[2], strides[1], strides[3], strides[4]))
+
+
+def _in_place(v, pass_name, dtype):
+    """Whether `pass_name` of the stacked convolution takes Winograd (not its sub-grids) and so
+    reads the planes where they lie; backward-data only at depth stride 1, as the convolution
+    of dy its full convolution is (_full_depth)."""
+    g = v.plane
+    if g.mode != "zeros" or not len(_interior(v) if pass_name != "backward-data" else _interior(_full_depth(v))):
+        return False
+    if pass_name == "backward-data":
+        full = _full_depth(v)
+        return v.sd == 1 and full.pf >= 0 and full.pk >= 0 and full_geometry(g)[0] == (0, 0, 0, 0) \
+            and paths.taken(g, dtype)["backward-data"] == "full-convolution/winograd"
+    return paths.choose(pass_name, g, dtype).name == "winograd"
+
+
+def _full_depth(v):
+    """A stride-1 volume's backward-data as a convolution of dy along depth (the volume's
+    VolumeGeometry with x and y swapped): dx plane p = sum over kernel planes j of dy plane
+    p + j dd - pf', with j = Kd - 1 - k and pf' = dd (Kd - 1) - pf (pk' likewise)."""
+    extent = v.dd * (v.Kd - 1)
+    return v._replace(C=v.F, F=v.C, D=v.Do, Do=v.D, pf=extent - v.pf, pk=extent - v.pk)
+
+
+@workspace.call
+def _winograd_forward(x, w, g, xp, y, flipped=False):
+    winograd.forward(x, w, g, xp, y, flipped)
+
+
+@workspace.call
+def _winograd_backward_filter(x, dy, g, xp):
+    return winograd.backward_filter(x, dy, g, xp)
+
+
+def _forward_in_place(x, w2, v, g2, xp, y, flipped=False):
+    """y's planes (N, F, Do, Ho, Wo) of the volume convolution v of x with the stacked filters
+    w2: its interior planes (_interior) by Winograd on x's planes where they lie, one sample at a
+    time, the planes before and after them stacked (_stack) and convolved by the 2-D pass. g2:
+    the 2-D geometry of a stacked sample's convolution (its N is replaced). flipped: this is a
+    backward-data's full convolution (_full_depth; winograd.forward's meaning), g2 its 2-D
+    layer's full geometry, y that layer's dx."""
+    inner = _interior(v)
+    for n in range(v.N):
+        _winograd_forward(_planes_view(x, v, n, inner, xp), w2, g2._replace(N=len(inner)), xp,
+                          y[n, :, inner.start:inner.stop].transpose(1, 0, 2, 3), flipped)
+    for outs in (range(0, inner.start), range(inner.stop, v.Do)):
+        if len(outs):
+            stacked = _stack(x, v, xp, outs)
+            if flipped:
+                part = passes.conv2d_backward_data(stacked, w2, (stacked.shape[0], v.F, g2.Ho, g2.Wo),
+                                                   **_plane_options(v))
+            else:
+                part = passes.conv2d_forward(stacked, w2, None, **_plane_options(v))
+            y[:, :, outs.start:outs.stop] = part.reshape((v.N, len(outs)) + part.shape[1:]).transpose(0, 2, 1, 3, 4)
+    return y
 
 
 def _unstack_add(d_stacked, v, xp, dtype, H, W):
@@ -193,18 +286,34 @@ def _unstack_add(d_stacked, v, xp, dtype, H, W):
     return dx.reshape(v.N, v.C, v.D, H, W)
 
 
-def copied_elements(plane):
-    """The elements a volume's three passes copy around their 2-D passes, counted on the
-    stacked convolution `plane` (its ConvGeometry): its input stacked twice (forward,
-    backward-filter) and unstacked once (backward-data), its output's planes turned into
-    samples three times (y, and dy for each backward pass). The cost model adds their time to
-    a volume's layer (perfmodel.layer_cost), at the rate calibration times on copy_passes."""
-    return 3 * plane.N * plane.C * plane.H * plane.W + 3 * plane.N * plane.F * plane.Ho * plane.Wo
+def stacked_copies(plane):
+    """{pass: the elements it copies around its 2-D pass} where the volume's passes stack its
+    planes, counted on the stacked convolution `plane` (its ConvGeometry): forward and
+    backward-filter stack the input and turn y's planes (dy's) into samples, backward-data
+    unstacks the stacked gradient and turns dy's planes into samples."""
+    stack, planes = plane.N * plane.C * plane.H * plane.W, plane.N * plane.F * plane.Ho * plane.Wo
+    return {"forward": stack + planes, "backward-data": stack + planes, "backward-filter": stack + planes}
+
+
+def copied_elements(plane, dtype="float32"):
+    """{pass: the elements a volume's pass copies around its 2-D pass} on the stacked
+    convolution `plane`: stacked_copies, but none for a pass that reads its planes where they
+    lie (Winograd's: _in_place; the few planes stacked at the depth padding are not counted, nor
+    what sets a strided backward-data apart, which plane does not say). The cost model adds
+    their time to a volume's passes (perfmodel.layer_cost), at the rate calibration times on
+    copy_passes."""
+    taken = paths.taken(plane, dtype)
+    reads_in_place = {"forward": taken["forward"] == "winograd",
+                      "backward-filter": taken["backward-filter"] == "winograd",
+                      "backward-data": taken["backward-data"] == "full-convolution/winograd"
+                      and plane.mode == "zeros" and full_geometry(plane)[0] == (0, 0, 0, 0)}
+    return {p: 0 if reads_in_place[p] and plane.mode == "zeros" else n for p, n in stacked_copies(plane).items()}
 
 
 def copy_passes(x, w_shape, **options):
-    """The copies copied_elements counts, made on x (N, C, D, H, W) for a kernel of w_shape
-    with these options (zero padding): what calibration times (calibrate_layers' 'volume')."""
+    """The copies stacked_copies counts, made on x (N, C, D, H, W) for a kernel of w_shape
+    with these options (zero padding): what calibration times for the rate of a volume's
+    copies (calibrate_layers' 'volume')."""
     v = volume_geometry(x.shape, w_shape, **options)
     xp = get_array_module(x)
     stacked = _stack(x, v, xp)
@@ -241,7 +350,13 @@ def conv3d_forward(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, padd
     if v.mode != "zeros" and v.pf + v.pk:
         x, v = _pad_depth(x, v, xp)
     g = v.plane
-    y2 = passes.conv2d_forward(_stack(x, v, xp), _filters2(w.astype(dtype, copy=False), v), b, **_plane_options(v))
+    w2 = _filters2(w.astype(dtype, copy=False), v)
+    if _in_place(v, "forward", dtype):
+        y = _forward_in_place(x, w2, v, g, xp, xp.empty((v.N, v.F, v.Do, g.Ho, g.Wo), dtype))
+        if b is not None:
+            y += xp.asarray(b, dtype=dtype).reshape(v.F, 1, 1, 1)
+        return y
+    y2 = passes.conv2d_forward(_stack(x, v, xp), w2, b, **_plane_options(v))
     return xp.ascontiguousarray(y2.reshape(v.N, v.Do, v.F, g.Ho, g.Wo).transpose(0, 2, 1, 3, 4))
 
 
@@ -261,6 +376,15 @@ def conv3d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
     padded = v.mode != "zeros" and v.pf + v.pk
     u = v._replace(D=v.D + v.pf + v.pk, pf=0, pk=0) if padded else v
     g = v.plane
+    if not padded and _in_place(v, "backward-data", dtype):
+        # dx = dy convolved along depth with the kernel planes reversed (_full_depth), each plane
+        # pair by the 2-D full convolution (flipped filters, C and F swapped)
+        full = _full_depth(v)
+        w_full = xp.ascontiguousarray(w.astype(dtype, copy=False)[:, :, ::-1].transpose(2, 0, 1, 3, 4)).reshape(
+            v.Kd * v.F, v.C, g.Kh, g.Kw)  # [(j, f), c] = w[f, c, Kd - 1 - j]
+        layer = conv_geometry((v.N * v.D, v.C, H, W), w_full.shape, **_plane_options(v))
+        return _forward_in_place(xp.ascontiguousarray(dy, dtype=dtype), w_full, full, full_geometry(layer)[1], xp,
+                                 xp.empty((v.N, v.C, v.D, H, W), dtype), flipped=True)
     d_stacked = passes.conv2d_backward_data(_planes_as_samples(dy.astype(dtype, copy=False), xp),
                                             _filters2(w.astype(dtype, copy=False), v),
                                             (g.N, g.C, H, W), **_plane_options(v))
@@ -281,9 +405,34 @@ def conv3d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
     if v.mode != "zeros" and v.pf + v.pk:
         x, v = _pad_depth(x, v, xp)
     F, Cg, Kd, Kh, Kw = (int(s) for s in w_shape)
-    dw2 = passes.conv2d_backward_filter(_stack(x, v, xp), _planes_as_samples(dy.astype(dtype, copy=False), xp),
-                                        (F, Kd * Cg, Kh, Kw), **_plane_options(v))
+    dy = dy.astype(dtype, copy=False)
+    if _in_place(v, "backward-filter", dtype):
+        dw2 = _backward_filter_in_place(x, dy, v, xp)
+    else:
+        dw2 = passes.conv2d_backward_filter(_stack(x, v, xp), _planes_as_samples(dy, xp), (F, Kd * Cg, Kh, Kw),
+                                            **_plane_options(v))
     return xp.ascontiguousarray(dw2.reshape(F, Kd, Cg, Kh, Kw).transpose(0, 2, 1, 3, 4))
+
+
+def _backward_filter_in_place(x, dy, v, xp):
+    """The stacked filters' gradient (F, Kd C, Kh, Kw): Winograd on x's interior planes where
+    they lie and dy's planes read through a strided view, a sample at a time; then the planes
+    before and after them stacked."""
+    inner, g = _interior(v), v.plane
+    geometry = g._replace(N=len(inner))
+    dw2 = None
+    for n in range(v.N):
+        part = _winograd_backward_filter(_planes_view(x, v, n, inner, xp),
+                                         dy[n, :, inner.start:inner.stop].transpose(1, 0, 2, 3), geometry, xp)
+        if dw2 is None:
+            dw2 = part
+        else:
+            dw2 += part
+    for outs in (range(0, inner.start), range(inner.stop, v.Do)):
+        if len(outs):
+            dw2 += passes.conv2d_backward_filter(_stack(x, v, xp, outs), _planes_as_samples(dy[:, :, outs.start:outs.stop], xp),
+                                                 dw2.shape, **_plane_options(v))
+    return dw2
 
 
 def conv3d_backward_bias(dy):

@@ -151,11 +151,24 @@ def _copy_rows(source, lo, hi, target):
         target[..., first - lo:last - lo, :source.shape[-1]] = source[..., first:last, :]
 
 
+def _copy_sample_rows(source, lo, hi, target):
+    """_copy_rows of a block of samples: source (n, C, H, W), or (n, K, C', H, W) whose K C'
+    channels are K groups of C' (a volume's stacked planes read where they lie, as a strided
+    view of its input: kernels/conv/volume.py), each into its channels of target."""
+    if source.ndim == 4:
+        _copy_rows(source, lo, hi, target)
+        return
+    group = source.shape[2]
+    for k in range(source.shape[1]):
+        _copy_rows(source[:, k], lo, hi, target[:, k * group:(k + 1) * group])
+
+
 class _WinogradTiles:
     """The input side shared by forward and backward-filter: blocks of x (samples, or strips of
     tile rows of one sample: _winograd_tile_sizes), zero padded, channel-last, cut into
     overlapping (m+2) x (m+2) tiles (m apart) and transformed: V ((m+2)^2, tiles, C) =
-    (B^T (x) B^T) @ d."""
+    (B^T (x) B^T) @ d. x may be any strided view, and (N, K, C / K, H, W) for C channels in K
+    groups (_copy_sample_rows)."""
 
     def __init__(self, x, g, xp):
         self.m, self.a, self.th, self.tw, self.strip, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g)
@@ -184,8 +197,8 @@ class _WinogradTiles:
                 P, rows = n * r * tw, m * r + 2
                 # the padded input's rows m t0 .. m (t0 + r) + 1 are x's rows from m t0 - pt
                 padded = self.padded[:n, :, :rows]
-                _copy_rows(self.x[start:start + n], m * t0 - g.pt, m * t0 - g.pt + rows,
-                           padded[:, :, :, g.pl:])
+                _copy_sample_rows(self.x[start:start + n], m * t0 - g.pt, m * t0 - g.pt + rows,
+                                  padded[:, :, :, g.pl:])
                 source = self.channel_last[:n, :rows]
                 source[...] = padded.transpose(0, 2, 3, 1)
                 d = self._d[:a * a * P * g.C].reshape(a, a, n, r, tw, g.C)
