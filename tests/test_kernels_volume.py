@@ -85,38 +85,66 @@ def test_conv3d_matches_loops(case, fast_path):
 
 # Volumes whose 3x3 planes take Winograd read their planes where they lie (volume._in_place):
 # depth kernels of 1 to 3 planes, depth strides and dilations, padding on either side or none
-# (the stacked planes before and after the interior), one sample and two.
+# (the stacked planes before and after the interior), one sample and two; backward-data
+# stacked where the depth stride is 2, the padding beyond the kernel's extent or F > C.
 IN_PLACE_CASES = [
-    ((1, 3, 6, 5, 6), (4, 3, 3, 3, 3), {"padding": 1}),
-    ((2, 2, 7, 6, 5), (3, 2, 3, 3, 3), {"padding": (2, 1, 1)}),
+    ((1, 3, 6, 5, 6), (3, 3, 3, 3, 3), {"padding": 1}),
+    ((2, 3, 7, 6, 5), (3, 3, 3, 3, 3), {"padding": (2, 1, 1)}),
     ((2, 3, 5, 4, 6), (2, 3, 2, 3, 3), {"padding": "same"}),
-    ((1, 2, 8, 5, 5), (3, 2, 3, 3, 3), {"padding": 1, "dilation": (2, 1, 1)}),
+    ((1, 2, 8, 5, 5), (2, 2, 3, 3, 3), {"padding": 1, "dilation": (2, 1, 1)}),
     ((2, 2, 9, 5, 4), (2, 2, 3, 3, 3), {"padding": (1, 0, 0), "stride": (2, 1, 1)}),
     ((1, 4, 4, 6, 6), (2, 4, 1, 3, 3), {"padding": (0, 1, 1)}),
     ((1, 2, 6, 4, 4), (2, 2, 3, 3, 3), {"padding": (3, 1, 1)}),
     ((2, 3, 5, 5, 5), (3, 3, 3, 3, 3), {"padding": "same"}),
+    ((1, 2, 5, 4, 4), (3, 2, 3, 3, 3), {"padding": 1}),
 ]
 
 
 @pytest.mark.parametrize("tile", [2, 4])
 @pytest.mark.parametrize("x_shape, w_shape, args", IN_PLACE_CASES)
-def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile):
+def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile, monkeypatch):
     """Every pass that reads the planes in place equals the loops (float64, 1e-12); each case
-    takes it for forward and backward-filter, and backward-data where its depth stride is 1 and
-    its front and back padding within the kernel's extent (the others by the stacked path)."""
+    takes it for forward and backward-filter (on planes of any size here), and backward-data
+    where its depth stride is 1, its front and back padding within the kernel's extent and
+    F <= C (the others by the stacked path)."""
     from cfp.kernels import settings
     from cfp.kernels.conv import volume
+    monkeypatch.setattr(volume, "IN_PLACE_TILES", 1)
     x, w, b, dy = _volume_problem({"x": x_shape, "w": w_shape, "args": args}, seed=9)
     with settings.winograd(True, tile=tile):
         v = volume.volume_geometry(x_shape, w_shape, **args)
         assert volume._in_place(v, "forward", "float64") and volume._in_place(v, "backward-filter", "float64")
         full = volume._full_depth(v)
-        assert volume._in_place(v, "backward-data", "float64") == (v.sd == 1 and min(full.pf, full.pk) >= 0)
+        assert volume._in_place(v, "backward-data", "float64") == (v.sd == 1 and min(full.pf, full.pk) >= 0
+                                                                   and v.F <= v.C)
         assert relative_error(conv3d_forward(x, w, b, **args), convnd_forward_loop(x, w, b, **args)) < TOLERANCE
         assert relative_error(conv3d_backward_data(dy, w, x.shape, **args),
                               convnd_backward_data_loop(dy, w, x.shape, **args)) < TOLERANCE
         assert relative_error(conv3d_backward_filter(x, dy, w.shape, **args),
                               convnd_backward_filter_loop(x, dy, w.shape, **args)) < TOLERANCE
+
+
+def test_which_volumes_read_their_planes_in_place():
+    """By default (float32): planes of at least IN_PLACE_TILES Winograd tiles, backward-data
+    where F <= C; a 16^3 volume's planes (16 tiles of F(4x4)) and float64 (im2col) stay stacked.
+    What the cost model counts follows (copied_elements: none where a pass reads in place)."""
+    from cfp.kernels.conv import volume
+    passes = ("forward", "backward-data", "backward-filter")
+
+    def reading(x_shape, w_shape, dtype="float32"):
+        v = volume.volume_geometry(x_shape, w_shape, padding=1)
+        return {p: volume._in_place(v, p, dtype) for p in passes}
+    assert reading((1, 32, 64, 64, 64), (32, 32, 3, 3, 3)) == dict.fromkeys(passes, True)
+    assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3)) == dict.fromkeys(passes, True)
+    assert reading((2, 16, 32, 32, 32), (32, 16, 3, 3, 3)) == {"forward": True, "backward-data": False,
+                                                               "backward-filter": True}
+    assert reading((4, 64, 16, 16, 16), (64, 64, 3, 3, 3)) == dict.fromkeys(passes, False)
+    assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), "float64") == dict.fromkeys(passes, False)
+    plane = volume.volume_geometry((2, 16, 32, 32, 32), (32, 16, 3, 3, 3), padding=1).plane
+    stacked = volume.stacked_copies(plane)
+    assert stacked["backward-data"] == 2 * 32 * 48 * 32 * 32 + 2 * 32 * 32 * 32 * 32
+    assert volume.copied_elements(plane, 3) == {"forward": 0, "backward-data": stacked["backward-data"],
+                                                "backward-filter": 0}
 
 
 def test_conv3d_six_sided_padding_is_the_padded_input():

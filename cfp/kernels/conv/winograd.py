@@ -49,8 +49,13 @@ def applies(g, dtype):
 def tile_rows(g):
     """The rows of the layer's (m + 2)^2 GEMMs: its tiles, N ceil(Ho / m) ceil(Wo / m). How many
     fill them is what moves Winograd's rate (the cost model's shape feature, cfp/perfmodel.py)."""
+    return g.N * plane_tiles(g)
+
+
+def plane_tiles(g):
+    """The tiles of one sample's output plane, ceil(Ho / m) ceil(Wo / m)."""
     m = settings.current().winograd_tile
-    return g.N * -(-g.Ho // m) * -(-g.Wo // m)
+    return -(-g.Ho // m) * -(-g.Wo // m)
 
 
 def _pays(g):
