@@ -191,11 +191,14 @@ def _stack(x, v, xp, outs=None):
 
 # -- Winograd on the planes where they lie ------------------------------------------------------
 # Where the stacked convolution takes Winograd (a volume's 3x3 planes, stride 1 in the plane),
-# its tiles are cut from the input's planes where they lie: the stacked input of a sample's
-# output planes whose windows stay inside the volume is a strided view of x (_planes_view), which
-# Winograd's tiles read in place (winograd._copy_sample_rows), and y (or dx) is written straight
-# into its planes. Only the few output planes whose windows reach into the depth padding (pf at
-# the front, pk at the back) are stacked as above. The stack is memory traffic, which two ranks
+# its tiles are cut from the input's planes where they lie, and y (or dx) is written straight
+# into its planes. At depth stride and dilation 1, winograd.planes_forward and
+# planes_backward_filter transform each plane's tiles once, into a ring of Kd slots that the
+# output planes' GEMMs read in turn (the depth padding's planes zero slots). Otherwise the
+# stacked input of a sample's output planes whose windows stay inside the volume is a strided
+# view of x (_planes_view), which Winograd's tiles read in place (winograd._copy_sample_rows),
+# and only the few output planes whose windows reach into the depth padding (pf at the front,
+# pk at the back) are stacked as above. The stack is memory traffic, which two ranks
 # on one machine share: half of the 64^3 volume of 32 channels stacked in 7 ms on one rank alone
 # and in 14 ms with both ranks running (docs/design.md, "Volumes and transposed convolutions").
 
@@ -267,17 +270,31 @@ def _winograd_forward(x, w, g, xp, y, flipped=False):
 
 
 @workspace.call
+def _winograd_planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
+    winograd.planes_forward(x, w, g, Kd, front, xp, y, flipped)
+
+
+@workspace.call
+def _winograd_planes_backward_filter(x, dy, g, Kd, front, xp):
+    return winograd.planes_backward_filter(x, dy, g, Kd, front, xp)
+
+
+@workspace.call
 def _winograd_backward_filter(x, dy, g, xp):
     return winograd.backward_filter(x, dy, g, xp)
 
 
 def _forward_in_place(x, w2, v, g2, xp, y, flipped=False):
     """y's planes (N, F, Do, Ho, Wo) of the volume convolution v of x with the stacked filters
-    w2: its interior planes (_interior) by Winograd on x's planes where they lie, one sample at a
-    time, the planes before and after them stacked (_stack) and convolved by the 2-D pass. g2:
+    w2 by Winograd on x's planes where they lie: at depth stride and dilation 1 every plane by
+    winograd.planes_forward; otherwise the interior planes (_interior), one sample at a time,
+    and the planes before and after them stacked (_stack) and convolved by the 2-D pass. g2:
     the 2-D geometry of a stacked sample's convolution (its N is replaced). flipped: this is a
     backward-data's full convolution (_full_depth; winograd.forward's meaning), g2 its 2-D
     layer's full geometry, y that layer's dx."""
+    if (v.sd, v.dd) == (1, 1):  # every plane's tiles transformed once, the padding's as zeros
+        _winograd_planes_forward(x, w2, g2, v.Kd, v.pf, xp, y, flipped)
+        return y
     inner = _interior(v)
     for n in range(v.N):
         _winograd_forward(_planes_view(x, v, n, inner, xp), w2, g2._replace(N=len(inner)), xp,
@@ -432,10 +449,13 @@ def conv3d_backward_filter(x, dy, w_shape, stride=1, padding=0, dilation=1, grou
 
 
 def _backward_filter_in_place(x, dy, v, xp):
-    """The stacked filters' gradient (F, Kd C, Kh, Kw): Winograd on x's interior planes where
-    they lie and dy's planes read through a strided view, a sample at a time; then the planes
+    """The stacked filters' gradient (F, Kd C, Kh, Kw) by Winograd on x's planes where they lie:
+    at depth stride and dilation 1 by winograd.planes_backward_filter; otherwise on the interior
+    planes with dy's planes read through a strided view, a sample at a time, then the planes
     before and after them stacked."""
     inner, g = _interior(v), v.plane
+    if (v.sd, v.dd) == (1, 1):  # every plane's tiles transformed once, the padding's as zeros
+        return _winograd_planes_backward_filter(x, dy, g, v.Kd, v.pf, xp)
     geometry = g._replace(N=len(inner))
     dw2 = None
     for n in range(v.N):

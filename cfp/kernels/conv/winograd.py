@@ -194,25 +194,44 @@ class _WinogradTiles:
     def blocks(self):
         """(start, n, t0, r, V) for each block: n samples from `start`, their tile rows t0 to
         t0 + r (all of them, or a strip of one sample), V ((m+2)^2, n * r * tw, C)."""
-        g, xp, m, a, tw = self.g, self.xp, self.m, self.a, self.tw
-        for start in range(0, g.N, self.step):
-            n = min(self.step, g.N - start)
+        for start in range(0, self.g.N, self.step):
+            n = min(self.step, self.g.N - start)
             for t0 in range(0, self.th, self.strip):
                 r = min(self.strip, self.th - t0)
-                P, rows = n * r * tw, m * r + 2
-                # the padded input's rows m t0 .. m (t0 + r) + 1 are x's rows from m t0 - pt
-                padded = self.padded[:n, :, :rows]
-                _copy_sample_rows(self.x[start:start + n], m * t0 - g.pt, m * t0 - g.pt + rows,
-                                  padded[:, :, :, g.pl:])
-                source = self.channel_last[:n, :rows]
-                source[...] = padded.transpose(0, 2, 3, 1)
-                d = self._d[:a * a * P * g.C].reshape(a, a, n, r, tw, g.C)
-                for i in range(a):
-                    for j in range(a):
-                        d[i, j] = source[:, i:i + m * (r - 1) + 1:m, j:j + m * (tw - 1) + 1:m]
-                v = self._v[:a * a * P * g.C].reshape(a * a, P * g.C)
-                xp.matmul(self.B2, d.reshape(a * a, P * g.C), out=v)
-                yield start, n, t0, r, v.reshape(a * a, P, g.C)
+                yield start, n, t0, r, self.transform(start, n, t0, r)
+
+    def transform(self, start, n, t0, r):
+        """V ((m+2)^2, n * r * tw, C) of the n samples from `start`, tile rows t0 to t0 + r
+        (in the workspace: valid until the next call)."""
+        g, xp, m, a, tw = self.g, self.xp, self.m, self.a, self.tw
+        P, rows = n * r * tw, m * r + 2
+        # the padded input's rows m t0 .. m (t0 + r) + 1 are x's rows from m t0 - pt
+        padded = self.padded[:n, :, :rows]
+        _copy_sample_rows(self.x[start:start + n], m * t0 - g.pt, m * t0 - g.pt + rows, padded[:, :, :, g.pl:])
+        source = self.channel_last[:n, :rows]
+        source[...] = padded.transpose(0, 2, 3, 1)
+        d = self._d[:a * a * P * g.C].reshape(a, a, n, r, tw, g.C)
+        for i in range(a):
+            for j in range(a):
+                d[i, j] = source[:, i:i + m * (r - 1) + 1:m, j:j + m * (tw - 1) + 1:m]
+        v = self._v[:a * a * P * g.C].reshape(a * a, P * g.C)
+        xp.matmul(self.B2, d.reshape(a * a, P * g.C), out=v)
+        return v.reshape(a * a, P, g.C)
+
+
+def _place(out, tiles, n, t0, r, F, y, start, whole):
+    """The outputs of a block ((m m, n r tw F), from the output transform) into y (N, F, Ho,
+    Wo; any strides) at samples start.., tile rows t0..t0 + r: whole tiles straight in,
+    otherwise through `whole`, a block of whole tiles, cropped."""
+    m, tw = tiles.m, tiles.tw
+    Ho, Wo = y.shape[2:]
+    tiled = out.reshape(m, m, n, r, tw, F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, r, m, tw, m)
+    top, bottom = m * t0, min(Ho, m * (t0 + r))
+    if whole is not None:
+        whole[:n, :, :m * r].reshape(tiled.shape)[...] = tiled
+        y[start:start + n, :, top:bottom] = whole[:n, :, :bottom - top, :Wo]
+    else:
+        y[start:start + n, :, top:bottom].reshape(tiled.shape)[...] = tiled
 
 
 def forward(x, w, g, xp, y, flipped=False):
@@ -233,13 +252,95 @@ def forward(x, w, g, xp, y, flipped=False):
         xp.matmul(V, U, out=products)
         out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
         xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
-        tiled = out.reshape(m, m, n, r, tw, g.F).transpose(2, 5, 3, 0, 4, 1)  # (n, F, r, m, tw, m)
-        top, bottom = m * t0, min(g.Ho, m * (t0 + r))
-        if cropped:
-            whole[:n, :, :m * r].reshape(tiled.shape)[...] = tiled
-            y[start:start + n, :, top:bottom] = whole[:n, :, :bottom - top, :g.Wo]
-        else:
-            y[start:start + n, :, top:bottom].reshape(tiled.shape)[...] = tiled
+        _place(out, tiles, n, t0, r, g.F, y, start, whole)
+
+
+def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
+    """A volume's convolution at depth stride and dilation 1 (kernels/conv/volume.py) by
+    Winograd with each input plane's tiles transformed once: y[n, :, o] (y (N, F, Do, Ho, Wo),
+    any strides, written) sums over kernel planes k the 3x3 convolution (2-D geometry g, one
+    plane of C channels to F, zero padding) of x's plane o - front + k (x (N, C, D, H, W), any
+    strides; zero outside 0..D-1) with w2's kernel plane k, w2 (F, Kd C, 3, 3) the stacked
+    filters in (plane, channel) order (flipped: a full convolution's, with w2 (Kd C, F, 3, 3)
+    the layer's, _winograd_filters' meaning).
+
+    The stacked convolution (volume.py) transforms each input plane Kd times, once for every
+    output plane that reads it. Here, for each strip of tile rows of a sample, the planes'
+    transforms V go into a ring of Kd slots, (m+2)^2 x tiles x (Kd, C), plane p in slot p mod
+    Kd, one new plane for each output plane; output plane o's products are one GEMM of the ring
+    (tiles x Kd C) with U's kernel planes rolled to the ring's order (slot j holds kernel plane
+    (j - q) mod Kd for the window's first plane q)."""
+    N, C, D = x.shape[:3]
+    Do = y.shape[2]
+    tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
+    m, a, tw = tiles.m, tiles.a, tiles.tw
+    U = _winograd_filters(w, tiles.G2, xp, flipped).reshape(a * a, Kd, C, g.F)
+    rolled = [xp.roll(U, q, axis=1).reshape(a * a, Kd * C, g.F) for q in range(Kd)]
+    rows = tiles.strip * tw
+    ring = workspace.empty(xp, (a * a, rows, Kd, C), x.dtype)
+    M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
+    cropped = (m * tiles.th, m * tw) != (g.Ho, g.Wo)
+    whole = workspace.empty(xp, (1, g.F, m * tiles.strip, m * tw), x.dtype) if cropped else None
+    for n in range(N):
+        tiles.x = x[n].transpose(1, 0, 2, 3)  # the sample's planes as the samples of 2-D tiles
+        for t0 in range(0, tiles.th, tiles.strip):
+            r = min(tiles.strip, tiles.th - t0)
+            P = r * tw
+            held = [None] * Kd  # the plane each slot holds
+            window = ring[:, :P]
+            for o in range(Do):
+                q = o - front
+                for p in range(q, q + Kd):
+                    if held[p % Kd] != p:
+                        window[:, :, p % Kd] = tiles.transform(p, 1, t0, r) if 0 <= p < D else 0
+                        held[p % Kd] = p
+                products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
+                xp.matmul(window.reshape(a * a, P, Kd * C), rolled[q % Kd], out=products)
+                out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
+                xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
+                _place(out, tiles, 1, t0, r, g.F, y[n:n + 1, :, o], 0, whole)
+
+
+class _OutputTiles:
+    """The output side of backward-filter: blocks of dy (as the input tiles' blocks), zero
+    beyond Ho x Wo, channel-last, cut into m x m tiles and taken back through the output
+    transform: dM ((m+2)^2, tiles, F) = (A^T (x) A^T)^T @ dy's tiles."""
+
+    def __init__(self, tiles, g, dtype, xp):
+        m, a, tw = tiles.m, tiles.a, tiles.tw
+        rows = tiles.step * tiles.strip * tw
+        self.tiles, self.g, self.xp = tiles, g, xp
+        # dy's block channel-last (through planes an odd number of cache lines apart, as x's),
+        # zero beyond Ho x Wo, so that the tiles' gather runs over contiguous F
+        self.planes = spread_planes(xp, (tiles.step, g.F, m * tiles.strip, m * tw), dtype,
+                                    (0, 0, m * tiles.strip, g.Wo))
+        self.last = workspace.empty(xp, (tiles.step, m * tiles.strip, m * tw, g.F), dtype)
+        self._tiles = workspace.empty(xp, m * m * rows * g.F, dtype)
+        self._dM = workspace.empty(xp, a * a * rows * g.F, dtype)
+
+    def back(self, dy, start, n, t0, r):
+        """dM ((m+2)^2, n r tw, F) of dy's (N, F, Ho, Wo; any strides) n samples from `start`,
+        tile rows t0 to t0 + r (in the workspace: valid until the next call)."""
+        tiles, g, xp = self.tiles, self.g, self.xp
+        m, a, tw = tiles.m, tiles.a, tiles.tw
+        P = n * r * tw
+        planes = self.planes[:n, :, :m * r]
+        _copy_rows(dy[start:start + n], m * t0, m * (t0 + r), planes)
+        block = self.last[:n, :m * r]
+        block[...] = planes.transpose(0, 2, 3, 1)
+        t = self._tiles[:m * m * P * g.F].reshape(m, m, n, r, tw, g.F)
+        t[...] = block.reshape(n, r, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
+        back = self._dM[:a * a * P * g.F].reshape(a * a, P, g.F)
+        xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
+        return back
+
+
+def _filters_from(dU_t, G2, xp):
+    """dw (F, C, 3, 3) = dU^T (G (x) G) from dU_t ((m+2)^2, F, C), in w's layout."""
+    aa, F, C = dU_t.shape
+    dw = xp.empty((F, C, 3, 3), dU_t.dtype)
+    xp.matmul(dU_t.reshape(aa, F * C).T, G2, out=dw.reshape(F * C, 9))
+    return dw
 
 
 def backward_filter(x, dy, g, xp):
@@ -247,38 +348,54 @@ def backward_filter(x, dy, g, xp):
     through the output transform, dM = (A^T (x) A^T)^T @ dy_tiles, then dU_k^T = dM_k^T @ V_k
     (F x C) summed over the blocks, and dw (F C, 9) = dU^T @ (G (x) G), in w's layout."""
     tiles = _WinogradTiles(x, g, xp)
-    m, a, tw = tiles.m, tiles.a, tiles.tw
-    rows = tiles.step * tiles.strip * tw
-    # dy's block channel-last (through planes an odd number of cache lines apart, as x's), zero
-    # beyond Ho x Wo, so that the tiles' gather runs over contiguous F
-    dy_planes = spread_planes(xp, (tiles.step, g.F, m * tiles.strip, m * tw), x.dtype,
-                              (0, 0, m * tiles.strip, g.Wo))
-    dy_last = workspace.empty(xp, (tiles.step, m * tiles.strip, m * tw, g.F), x.dtype)
-    dy_tiles = workspace.empty(xp, m * m * rows * g.F, x.dtype)
-    dM = workspace.empty(xp, a * a * rows * g.F, x.dtype)
-    dU_t = workspace.empty(xp, (a * a, g.F, g.C), x.dtype)
+    outputs = _OutputTiles(tiles, g, x.dtype, xp)
+    dU_t = workspace.empty(xp, (tiles.a ** 2, g.F, g.C), x.dtype)
     # the first block's product is dU itself: a mini-batch in one block (8 samples of 16x16)
     # needs neither a second buffer of (m+2)^2 C F values nor a pass adding it up
-    product = workspace.empty(xp, (a * a, g.F, g.C), x.dtype) if tiles.count() > 1 else None
+    product = workspace.empty(xp, (tiles.a ** 2, g.F, g.C), x.dtype) if tiles.count() > 1 else None
     first = True
     for start, n, t0, r, V in tiles.blocks():
-        P = n * r * tw
-        planes = dy_planes[:n, :, :m * r]
-        _copy_rows(dy[start:start + n], m * t0, m * (t0 + r), planes)
-        block = dy_last[:n, :m * r]
-        block[...] = planes.transpose(0, 2, 3, 1)
-        t = dy_tiles[:m * m * P * g.F].reshape(m, m, n, r, tw, g.F)
-        t[...] = block.reshape(n, r, m, tw, m, g.F).transpose(2, 4, 0, 1, 3, 5)
-        back = dM[:a * a * P * g.F].reshape(a * a, P, g.F)
-        xp.matmul(tiles.A2.T, t.reshape(m * m, P * g.F), out=back.reshape(a * a, P * g.F))
+        back = outputs.back(dy, start, n, t0, r)
         if first:
             xp.matmul(back.transpose(0, 2, 1), V, out=dU_t)
             first = False
         else:
             dU_t += xp.matmul(back.transpose(0, 2, 1), V, out=product)
-    dw = xp.empty((g.F, g.C, 3, 3), x.dtype)
-    xp.matmul(dU_t.reshape(a * a, g.F * g.C).T, tiles.G2, out=dw.reshape(g.F * g.C, 9))
-    return dw
+    return _filters_from(dU_t, tiles.G2, xp)
+
+
+def planes_backward_filter(x, dy, g, Kd, front, xp):
+    """The stacked filters' gradient (F, Kd C, 3, 3) of planes_forward's convolution (x
+    (N, C, D, H, W) and dy (N, F, Do, Ho, Wo), any strides), by the same ring of each plane's
+    transformed tiles: for output plane o, whose window begins at plane q = o - front, dM_o^T
+    @ ring (F x Kd C) goes to the accumulator of the ring's rotation q mod Kd; each is rolled
+    back to the kernel planes' order at the end and summed."""
+    N, C, D = x.shape[:3]
+    Do = dy.shape[2]
+    tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
+    outputs = _OutputTiles(tiles, g, x.dtype, xp)
+    a, tw = tiles.a, tiles.tw
+    ring = workspace.empty(xp, (a * a, tiles.strip * tw, Kd, C), x.dtype)
+    sums = workspace.zeros(xp, (Kd, a * a, g.F, Kd * C), x.dtype)  # per rotation of the ring
+    product = workspace.empty(xp, (a * a, g.F, Kd * C), x.dtype)
+    for n in range(N):
+        tiles.x = x[n].transpose(1, 0, 2, 3)
+        dy_planes = dy[n].transpose(1, 0, 2, 3)  # (Do, F, Ho, Wo): output planes as samples
+        for t0 in range(0, tiles.th, tiles.strip):
+            r = min(tiles.strip, tiles.th - t0)
+            P = r * tw
+            held = [None] * Kd
+            window = ring[:, :P]
+            for o in range(Do):
+                q = o - front
+                for p in range(q, q + Kd):
+                    if held[p % Kd] != p:
+                        window[:, :, p % Kd] = tiles.transform(p, 1, t0, r) if 0 <= p < D else 0
+                        held[p % Kd] = p
+                back = outputs.back(dy_planes, o, 1, t0, r)
+                sums[q % Kd] += xp.matmul(back.transpose(0, 2, 1), window.reshape(a * a, P, Kd * C), out=product)
+    dU = sum(xp.roll(sums[q].reshape(a * a, g.F, Kd, C), -q, axis=2) for q in range(Kd))
+    return _filters_from(xp.ascontiguousarray(dU).reshape(a * a, g.F, Kd * C), tiles.G2, xp)
 
 
 # ---------------------------------------------------------------------------------------------
