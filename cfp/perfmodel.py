@@ -737,7 +737,8 @@ def _pass_seconds(layer, local, passes, profile):
     flops = geometry_flops(local) if local is not None else 0
     keys = {p: rate_key(passes[p], local, "float32") if local is not None else (None, None) for p in PASSES}
     named = None if local is None else geometry_key(local)
-    copied = copied_elements(local, layer.K) if flops and len(layer.spatial) == 3 else {}
+    copied = copied_elements(local, layer.K, ring=(layer.stride, layer.dilation) == (1, 1)) \
+        if flops and len(layer.spatial) == 3 else {}
     copies = {p: profile.layer_time("volume", copied[passes[p]], count=1 / 3) if copied.get(passes[p]) else 0.0
               for p in PASSES}  # the fixed cost, fitted on the three passes' copies together, a third each
     seconds = {p: 0.0 if layer.first and p == "backward-data" or not flops else

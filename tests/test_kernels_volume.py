@@ -98,6 +98,7 @@ IN_PLACE_CASES = [
     ((2, 3, 5, 5, 5), (3, 3, 3, 3, 3), {"padding": "same"}),
     ((1, 2, 5, 4, 4), (3, 2, 3, 3, 3), {"padding": 1}),
     ((1, 2, 4, 26, 25), (2, 2, 3, 3, 3), {"padding": 1}),  # strips of tile rows at F(2x2): 13 x 13 tiles
+    ((1, 2, 8, 4, 4), (3, 2, 3, 3, 3), {"padding": 1, "dilation": (2, 1, 1)}),
 ]
 
 
@@ -106,8 +107,8 @@ IN_PLACE_CASES = [
 def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile, monkeypatch):
     """Every pass that reads the planes in place equals the loops (float64, 1e-12); each case
     takes it for forward and backward-filter (on planes of any size here), and backward-data
-    where its depth stride is 1, its front and back padding within the kernel's extent and
-    F <= C (the others by the stacked path)."""
+    where its depth stride is 1, its front and back padding within the kernel's extent and,
+    at a depth dilation (the strided view), F <= C (the others by the stacked path)."""
     from cfp.kernels import settings
     from cfp.kernels.conv import volume
     monkeypatch.setattr(volume, "IN_PLACE_TILES", 1)
@@ -116,8 +117,9 @@ def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile,
         v = volume.volume_geometry(x_shape, w_shape, **args)
         assert volume._in_place(v, "forward", "float64") and volume._in_place(v, "backward-filter", "float64")
         full = volume._full_depth(v)
+        ring = (v.sd, v.dd) == (1, 1)  # each plane transformed once; else the strided view
         assert volume._in_place(v, "backward-data", "float64") == (v.sd == 1 and min(full.pf, full.pk) >= 0
-                                                                   and v.F <= v.C)
+                                                                   and (ring or v.F <= v.C))
         assert relative_error(conv3d_forward(x, w, b, **args), convnd_forward_loop(x, w, b, **args)) < TOLERANCE
         assert relative_error(conv3d_backward_data(dy, w, x.shape, **args),
                               convnd_backward_data_loop(dy, w, x.shape, **args)) < TOLERANCE
@@ -126,26 +128,34 @@ def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile,
 
 
 def test_which_volumes_read_their_planes_in_place():
-    """By default (float32): planes of at least IN_PLACE_TILES Winograd tiles, backward-data
-    where F <= C; a 16^3 volume's planes (16 tiles of F(4x4)) and float64 (im2col) stay stacked.
-    What the cost model counts follows (copied_elements: none where a pass reads in place)."""
+    """By default (float32): every Winograd pass at depth stride and dilation 1 (each plane's
+    tiles transformed once); at a depth dilation (the strided view) planes of at least
+    IN_PLACE_TILES tiles, backward-data where F <= C; float64 (im2col) stays stacked. What the
+    cost model counts follows (copied_elements: none where a pass reads in place)."""
     from cfp.kernels.conv import volume
     passes = ("forward", "backward-data", "backward-filter")
 
-    def reading(x_shape, w_shape, dtype="float32"):
-        v = volume.volume_geometry(x_shape, w_shape, padding=1)
+    def reading(x_shape, w_shape, dtype="float32", **options):
+        v = volume.volume_geometry(x_shape, w_shape, padding=options.pop("padding", 1), **options)
         return {p: volume._in_place(v, p, dtype) for p in passes}
-    assert reading((1, 32, 64, 64, 64), (32, 32, 3, 3, 3)) == dict.fromkeys(passes, True)
-    assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3)) == dict.fromkeys(passes, True)
-    assert reading((2, 16, 32, 32, 32), (32, 16, 3, 3, 3)) == {"forward": True, "backward-data": False,
-                                                               "backward-filter": True}
-    assert reading((4, 64, 16, 16, 16), (64, 64, 3, 3, 3)) == dict.fromkeys(passes, False)
+    every = dict.fromkeys(passes, True)
+    assert reading((1, 32, 64, 64, 64), (32, 32, 3, 3, 3)) == every
+    assert reading((4, 64, 16, 16, 16), (64, 64, 3, 3, 3)) == every
+    assert reading((2, 16, 32, 32, 32), (32, 16, 3, 3, 3)) == every
     assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), "float64") == dict.fromkeys(passes, False)
+    dilated = {"dilation": (2, 1, 1), "padding": (2, 1, 1)}
+    assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), **dilated) == every
+    assert reading((2, 16, 32, 32, 32), (32, 16, 3, 3, 3), **dilated) == {"forward": True, "backward-data": False,
+                                                                          "backward-filter": True}
+    assert reading((4, 64, 16, 16, 16), (64, 64, 3, 3, 3), **dilated) == dict.fromkeys(passes, False)
+    assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), stride=(2, 1, 1)) == {
+        "forward": True, "backward-data": False, "backward-filter": True}
     plane = volume.volume_geometry((2, 16, 32, 32, 32), (32, 16, 3, 3, 3), padding=1).plane
     stacked = volume.stacked_copies(plane)
     assert stacked["backward-data"] == 2 * 32 * 48 * 32 * 32 + 2 * 32 * 32 * 32 * 32
-    assert volume.copied_elements(plane, 3) == {"forward": 0, "backward-data": stacked["backward-data"],
-                                                "backward-filter": 0}
+    assert volume.copied_elements(plane, 3) == dict.fromkeys(passes, 0)
+    assert volume.copied_elements(plane, 3, ring=False) == {"forward": 0, "backward-data": stacked["backward-data"],
+                                                            "backward-filter": 0}
 
 
 def test_conv3d_six_sided_padding_is_the_padded_input():

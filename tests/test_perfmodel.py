@@ -7,7 +7,6 @@ import pytest
 from mpi4py import MPI
 
 from cfp.grid import ProcessGrid
-from cfp.kernels.conv import volume
 from cfp.kernels.conv.paths import taken
 from cfp.models import build_model, layer_shapes
 from cfp.perfmodel import LayerShape, MachineProfile, layer_cost, predict_bytes
@@ -295,7 +294,7 @@ def _unit_profile():
     return MachineProfile(profile_data())
 
 
-def test_a_volume_split_by_depth_by_hand(monkeypatch):
+def test_a_volume_split_by_depth_by_hand():
     """Conv3d, 2 samples, 4 -> 6 channels, 8 x 8 x 6, 3x3x3, padding 1, on depth=2: rank 0
     computes output planes 0..3, whose windows read input planes -1..4 (planes 0..4 of its own
     0..3 and one from rank 1; rank 1 likewise one plane, 3). Its kernels are the stacked 2-D
@@ -314,18 +313,14 @@ def test_a_volume_split_by_depth_by_hand(monkeypatch):
                           op="conv3d")["halo"] for r in (0, 1)]
     assert sent == [(3072, 3072)] * 2  # each sends a plane forward and its gradient back
     # The copies of the planes around the 2-D passes (volume.copied_elements), at a profile's
-    # 'volume' rate of 1 s (a third to each pass that copies) + 1e-3 s an element: each pass
-    # stacks or unstacks the stacked input 8 x 12 x 8 x 6 (4608) and turns the output planes
-    # 8 x 6 x 8 x 6 (2304) into samples, its planes of 2 x 2 Winograd tiles being too small to
-    # read in place (volume.IN_PLACE_TILES).
+    # 'volume' rate of 1 s (a third to each pass that copies) + 1e-3 s an element: forward and
+    # backward-filter take Winograd, which at depth stride 1 reads the planes where they lie (no
+    # copies); backward-data (the full convolution of dy's 6 channels, by per-sample columns)
+    # unstacks the stacked gradient 8 x 12 x 8 x 6 (4608) and turns dy's planes 8 x 6 x 8 x 6
+    # (2304) into samples.
     assert taken(g, "float32") == {"forward": "winograd", "backward-data": "full-convolution/columns-per-sample",
                                    "backward-filter": "winograd"}
     copying = MachineProfile(dict(profile_data(), layers={"volume": [1.0, 1e-3]}))
-    cost = layer_cost(layer, "sample", 1, 1, copying, P_d=2)
-    assert cost["compute"] == {p: pytest.approx(497664 / 1e10 + 1.0 / 3 + 6.912, rel=1e-12) for p in cost["compute"]}
-    # Read in place from planes of any size, forward and backward-filter (Winograd's) copy
-    # nothing; backward-data (by per-sample columns) still does.
-    monkeypatch.setattr(volume, "IN_PLACE_TILES", 1)
     cost = layer_cost(layer, "sample", 1, 1, copying, P_d=2)
     copies = {"forward": 0.0, "backward-data": 1.0 / 3 + 6.912, "backward-filter": 0.0}
     assert cost["compute"] == {p: pytest.approx(497664 / 1e10 + copies[p], rel=1e-12) for p in cost["compute"]}

@@ -220,25 +220,33 @@ def _planes_view(x, v, n, outs, xp):
                                            (v.sd * strides[2], v.dd * strides[2], strides[1], strides[3], strides[4]))
 
 
-# A plane read in place has at least this many Winograd tiles. Measured at one thread (AMD EPYC
-# guest, float32, padding 1, C = F), against the stacked planes: 64^3 volumes of 32 channels (256
-# tiles a plane) 12% faster over the three passes, 32^3 (64 tiles) 2-6% faster, 16^3 of 64
-# channels (16 tiles) 8-10% slower, a sample's few planes then filling Winograd's blocks of tiles
-# less well than the stack of every sample's.
+# At a depth stride or dilation other than 1 (the strided view, _planes_view), a plane read in
+# place has at least this many Winograd tiles. Measured at one thread (AMD EPYC guest, float32,
+# padding 1, C = F), the view against the stacked planes: 64^3 volumes of 32 channels (256 tiles
+# a plane) 12% faster over the three passes, 32^3 (64 tiles) 2-6% faster, 16^3 of 64 channels
+# (16 tiles) 8-10% slower, a sample's few planes then filling Winograd's blocks of tiles less
+# well than the stack of every sample's.
 IN_PLACE_TILES = 64
 
 
-def reads_in_place(plane, Kd, pass_name, dtype="float32"):
+def reads_in_place(plane, Kd, pass_name, dtype="float32", ring=True):
     """Whether a volume's pass, on its stacked convolution `plane` of Kd kernel planes, reads
-    the planes where they lie instead of stacking them: where that pass takes Winograd (not its
-    sub-grids) on planes of at least IN_PLACE_TILES tiles; backward-data, whose convolution of
-    dy along depth (_full_depth) transforms Kd F channels where the stacked one transforms F
-    and writes Kd C, also only where F <= C (measured: 16 channels to 32 on 32^3, 24 against
-    19-20 ms) and its full convolution crops nothing in the plane."""
-    if plane.mode != "zeros" or winograd.plane_tiles(plane) < IN_PLACE_TILES:
+    the planes where they lie instead of stacking them: where that pass takes Winograd (not
+    its sub-grids; backward-data by its full convolution, cropping nothing in the plane). ring:
+    the volume's depth stride and dilation are 1, so that each plane's tiles are transformed
+    once (winograd.planes_forward), which measured as fast or faster than the stack on every
+    volume tried (16^3 to 64^3, 16 to 128 channels; 5-15% on 16^3 and on backward-data with F >
+    C). Otherwise (the strided view, each plane transformed in every window that reads it) only
+    on planes of at least IN_PLACE_TILES tiles, and backward-data, whose convolution of dy along
+    depth (_full_depth) then transforms Kd F channels where the stacked one transforms F and
+    writes Kd C, only where F <= C (measured: 16 channels to 32 on 32^3, 24 against 19-20 ms)."""
+    if plane.mode != "zeros":
+        return False
+    if not ring and (winograd.plane_tiles(plane) < IN_PLACE_TILES
+                     or pass_name == "backward-data" and plane.F * Kd > plane.C):
         return False
     if pass_name == "backward-data":
-        return plane.F * Kd <= plane.C and full_geometry(plane)[0] == (0, 0, 0, 0) \
+        return full_geometry(plane)[0] == (0, 0, 0, 0) \
             and paths.taken(plane, dtype)["backward-data"] == "full-convolution/winograd"
     return paths.choose(pass_name, plane, dtype).name == "winograd"
 
@@ -248,7 +256,7 @@ def _in_place(v, pass_name, dtype):
     output planes whose windows stay inside the volume; backward-data only at depth stride 1
     with the padding within the kernel's extent, where it is the convolution of dy along depth
     (_full_depth)."""
-    if not reads_in_place(v.plane, v.Kd, pass_name, dtype):
+    if not reads_in_place(v.plane, v.Kd, pass_name, dtype, ring=(v.sd, v.dd) == (1, 1)):
         return False
     if pass_name == "backward-data":
         full = _full_depth(v)
@@ -334,14 +342,14 @@ def stacked_copies(plane):
     return {"forward": stack + planes, "backward-data": stack + planes, "backward-filter": stack + planes}
 
 
-def copied_elements(plane, Kd, dtype="float32"):
+def copied_elements(plane, Kd, dtype="float32", ring=True):
     """{pass: the elements a volume's pass copies around its 2-D pass} on the stacked
-    convolution `plane` of Kd kernel planes: stacked_copies, but none for a pass that reads its
-    planes where they lie (reads_in_place; not counted: the few planes stacked at the depth
-    padding, and what keeps a backward-data of depth stride 2 or more stacked, which plane does
-    not say). The cost model adds their time to a volume's passes (perfmodel.layer_cost), at
-    the rate calibration times on copy_passes."""
-    return {p: 0 if reads_in_place(plane, Kd, p, dtype) else n for p, n in stacked_copies(plane).items()}
+    convolution `plane` of Kd kernel planes (ring: at depth stride and dilation 1):
+    stacked_copies, but none for a pass that reads its planes where they lie (reads_in_place;
+    not counted: the few planes the strided view stacks at the depth padding, and that a
+    backward-data of depth stride 2 or more stays stacked). The cost model adds their time to a
+    volume's passes (perfmodel.layer_cost), at the rate calibration times on copy_passes."""
+    return {p: 0 if reads_in_place(plane, Kd, p, dtype, ring) else n for p, n in stacked_copies(plane).items()}
 
 
 def copy_passes(x, w_shape, **options):
