@@ -138,6 +138,30 @@ def test_depth_split_matches_serial_and_predicted_bytes(depth_grids, config, nam
     check_against_serial(depth_grids[config[0]], config, DEPTH_CASES[name], name)
 
 
+# Winograd's volumes on a depth split: each plane's tiles transformed once (depth stride and
+# dilation 1), and the strided view at a depth dilation (kernels/conv/volume.py), halo planes
+# included, forced on these small float64 planes
+IN_PLACE_DEPTH_CASES = {
+    "conv3d": CASES["conv3d"],
+    "depth-dilated": ("conv3d", 2, 3, 3, (9, 5, 6), 3, {"padding": (2, 1, 1), "dilation": (2, 1, 1)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE_DEPTH_CASES))
+@pytest.mark.parametrize("config", depth_configs(), ids=ids)
+def test_a_depth_split_reads_its_planes_in_place(depth_grids, config, name, monkeypatch):
+    """The volume kernels that read their planes where they lie, on blocks extended by their
+    depth halo, against serial (the same kernels on the whole volume) and predict_bytes."""
+    from cfp.kernels import settings
+    from cfp.kernels.conv import volume
+    monkeypatch.setattr(volume, "IN_PLACE_TILES", 1)
+    op, N, C_in, F, size, K, opts = IN_PLACE_DEPTH_CASES[name]
+    v = volume.volume_geometry((N, C_in) + size, (F, C_in) + (K,) * 3, **opts)
+    with settings.winograd(True, tile=4):
+        assert_all_ranks(volume._in_place(v, "forward", "float64"), f"{name}: forward reads its planes in place")
+        check_against_serial(depth_grids[config[0]], config, IN_PLACE_DEPTH_CASES[name], name)
+
+
 # the cases whose blocks leave an interior on some rank (and six-sided, reflect: padding that
 # falls to one rank, padded planes gathered from other ranks, where a block computes whole)
 INTERIOR_DEPTH_CASES = ["conv3d", "strided-dilated", "six-sided", "reflect"]
