@@ -270,7 +270,7 @@ def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
     Kd, one new plane for each output plane; output plane o's products are one GEMM of the ring
     (tiles x Kd C) with U's kernel planes rolled to the ring's order (slot j holds kernel plane
     (j - q) mod Kd for the window's first plane q)."""
-    N, C, D = x.shape[:3]
+    C, D = x.shape[1:3]
     Do = y.shape[2]
     tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
     m, a, tw = tiles.m, tiles.a, tiles.tw
@@ -281,24 +281,36 @@ def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
     M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
     cropped = (m * tiles.th, m * tw) != (g.Ho, g.Wo)
     whole = workspace.empty(xp, (1, g.F, m * tiles.strip, m * tw), x.dtype) if cropped else None
+    for n, t0, r, o, q, window in _ring_windows(tiles, x, Do, Kd, front, ring):
+        P = r * tw
+        products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
+        xp.matmul(window, rolled[q % Kd], out=products)
+        out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
+        xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
+        _place(out, tiles, 1, t0, r, g.F, y[n:n + 1, :, o], 0, whole)
+
+
+def _ring_windows(tiles, x, Do, Kd, front, ring):
+    """(n, t0, r, o, q, window) for each sample n of x (N, C, D, H, W), strip of tile rows t0
+    to t0 + r and output plane o, whose window begins at plane q = o - front: the ring
+    ((m+2)^2, rows, Kd, C) holding the transformed tiles of planes q..q + Kd - 1 (plane p in
+    slot p mod Kd, zero outside 0..D-1, each plane transformed once a strip), as window
+    ((m+2)^2, r tw, Kd C) (a view of the ring: valid until the next)."""
+    N, C, D = x.shape[:3]
     for n in range(N):
         tiles.x = x[n].transpose(1, 0, 2, 3)  # the sample's planes as the samples of 2-D tiles
         for t0 in range(0, tiles.th, tiles.strip):
             r = min(tiles.strip, tiles.th - t0)
-            P = r * tw
+            P = r * tiles.tw
             held = [None] * Kd  # the plane each slot holds
-            window = ring[:, :P]
+            slots = ring[:, :P]
             for o in range(Do):
                 q = o - front
                 for p in range(q, q + Kd):
                     if held[p % Kd] != p:
-                        window[:, :, p % Kd] = tiles.transform(p, 1, t0, r) if 0 <= p < D else 0
+                        slots[:, :, p % Kd] = tiles.transform(p, 1, t0, r) if 0 <= p < D else 0
                         held[p % Kd] = p
-                products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
-                xp.matmul(window.reshape(a * a, P, Kd * C), rolled[q % Kd], out=products)
-                out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
-                xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
-                _place(out, tiles, 1, t0, r, g.F, y[n:n + 1, :, o], 0, whole)
+                yield n, t0, r, o, q, slots.reshape(tiles.a ** 2, P, Kd * C)
 
 
 class _OutputTiles:
@@ -370,7 +382,7 @@ def planes_backward_filter(x, dy, g, Kd, front, xp):
     transformed tiles: for output plane o, whose window begins at plane q = o - front, dM_o^T
     @ ring (F x Kd C) goes to the accumulator of the ring's rotation q mod Kd; each is rolled
     back to the kernel planes' order at the end and summed."""
-    N, C, D = x.shape[:3]
+    C, D = x.shape[1:3]
     Do = dy.shape[2]
     tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
     outputs = _OutputTiles(tiles, g, x.dtype, xp)
@@ -378,22 +390,9 @@ def planes_backward_filter(x, dy, g, Kd, front, xp):
     ring = workspace.empty(xp, (a * a, tiles.strip * tw, Kd, C), x.dtype)
     sums = workspace.zeros(xp, (Kd, a * a, g.F, Kd * C), x.dtype)  # per rotation of the ring
     product = workspace.empty(xp, (a * a, g.F, Kd * C), x.dtype)
-    for n in range(N):
-        tiles.x = x[n].transpose(1, 0, 2, 3)
-        dy_planes = dy[n].transpose(1, 0, 2, 3)  # (Do, F, Ho, Wo): output planes as samples
-        for t0 in range(0, tiles.th, tiles.strip):
-            r = min(tiles.strip, tiles.th - t0)
-            P = r * tw
-            held = [None] * Kd
-            window = ring[:, :P]
-            for o in range(Do):
-                q = o - front
-                for p in range(q, q + Kd):
-                    if held[p % Kd] != p:
-                        window[:, :, p % Kd] = tiles.transform(p, 1, t0, r) if 0 <= p < D else 0
-                        held[p % Kd] = p
-                back = outputs.back(dy_planes, o, 1, t0, r)
-                sums[q % Kd] += xp.matmul(back.transpose(0, 2, 1), window.reshape(a * a, P, Kd * C), out=product)
+    for n, t0, r, o, q, window in _ring_windows(tiles, x, Do, Kd, front, ring):
+        back = outputs.back(dy[n].transpose(1, 0, 2, 3), o, 1, t0, r)  # dy's output planes as samples
+        sums[q % Kd] += xp.matmul(back.transpose(0, 2, 1), window, out=product)
     dU = sum(xp.roll(sums[q].reshape(a * a, g.F, Kd, C), -q, axis=2) for q in range(Kd))
     return _filters_from(xp.ascontiguousarray(dU).reshape(a * a, g.F, Kd * C), tiles.G2, xp)
 
