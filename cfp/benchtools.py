@@ -56,10 +56,22 @@ def quiet_barrier(world):
 def on_rank0(world, work):
     """work() on rank 0 alone, its result broadcast to every rank; the others wait in a
     quiet_barrier, so rank 0 has the machine's cores to itself (a one-rank baseline measured
-    inside a P-rank job)."""
-    result = work() if world.Get_rank() == 0 else None
+    inside a P-rank job). Where work() raises, rank 0 raises it and every other rank a
+    RuntimeError with its message, after the same barrier: all ranks stop together, none is
+    left waiting for a rank that has gone."""
+    result, failure, problem = None, None, None
+    if world.Get_rank() == 0:
+        try:
+            result = work()
+        except Exception as e:  # any failure: the others must not wait in the barrier for ever
+            failure, problem = e, f"{type(e).__name__}: {e}"
     quiet_barrier(world)
-    return world.bcast(result, root=0)
+    result, problem = world.bcast((result, problem), root=0)
+    if failure is not None:
+        raise failure
+    if problem is not None:
+        raise RuntimeError(f"rank 0 failed: {problem}")
+    return result
 
 
 KERNELS = ("local_forward", "local_backward_data", "local_backward_filter")

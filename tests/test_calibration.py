@@ -274,6 +274,26 @@ def test_top_up_measures_each_geometry_once_even_where_two_share_flops_and_rows(
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_a_failure_on_rank0_alone_stops_every_rank():
+    """benchtools.on_rank0 (a one-rank baseline inside a P-rank job): its result on every rank;
+    where the work raises on rank 0, rank 0 raises it and every other rank a RuntimeError with
+    its message, instead of waiting in the barrier for a rank that has gone."""
+    from cfp.benchtools import on_rank0
+    from conftest import WORLD, assert_all_ranks, raises_on_all_ranks
+    assert_all_ranks(on_rank0(WORLD, lambda: {"seconds": 1.5}) == {"seconds": 1.5}, "the result on every rank")
+
+    def fails():
+        raise MemoryError("the baseline's arrays do not fit")
+    for _ in range(3):  # and the ranks stay in step for the next collective
+        e = raises_on_all_ranks(Exception, lambda: on_rank0(WORLD, fails), match="the baseline's arrays do not fit")
+        expected = MemoryError if WORLD.Get_rank() == 0 else RuntimeError
+        assert_all_ranks(type(e) is expected and (WORLD.Get_rank() == 0 or str(e).startswith("rank 0 failed: MemoryError")),
+                         f"rank {WORLD.Get_rank()} raised {type(e).__name__}: {e}")
+    assert_all_ranks(WORLD.allreduce(1) == WORLD.Get_size(), "the ranks in step after the failures")
+
+
+@pytest.mark.mpi
 def test_ranks_of_one_machine_are_one_node():
     """Under a plain mpiexec every rank shares one node's memory: one node of P ranks, and the
     machine record says so (tests/test_cluster.py: 2 nodes of 2 on the emulated cluster)."""
