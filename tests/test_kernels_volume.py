@@ -125,6 +125,11 @@ def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile,
                               convnd_backward_data_loop(dy, w, x.shape, **args)) < TOLERANCE
         assert relative_error(conv3d_backward_filter(x, dy, w.shape, **args),
                               convnd_backward_filter_loop(x, dy, w.shape, **args)) < TOLERANCE
+        strided = np.repeat(dy, 2, axis=2)[:, :, ::2]  # dy as a strided view (a halo adjoint's dx is one)
+        assert relative_error(conv3d_backward_data(strided, w, x.shape, **args),
+                              convnd_backward_data_loop(dy, w, x.shape, **args)) < TOLERANCE
+        assert relative_error(conv3d_backward_filter(x, strided, w.shape, **args),
+                              convnd_backward_filter_loop(x, dy, w.shape, **args)) < TOLERANCE
 
 
 def test_which_volumes_read_their_planes_in_place():

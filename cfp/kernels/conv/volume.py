@@ -425,8 +425,8 @@ def conv3d_backward_data(dy, w, x_shape, stride=1, padding=0, dilation=1, groups
         w_full = xp.ascontiguousarray(w.astype(dtype, copy=False)[:, :, ::-1].transpose(2, 0, 1, 3, 4)).reshape(
             v.Kd * v.F, v.C, g.Kh, g.Kw)  # [(j, f), c] = w[f, c, Kd - 1 - j]
         layer = conv_geometry((v.N * v.D, v.C, H, W), w_full.shape, **_plane_options(v))
-        return _forward_in_place(xp.ascontiguousarray(dy, dtype=dtype), w_full, full, full_geometry(layer)[1], xp,
-                                 xp.empty((v.N, v.C, v.D, H, W), dtype), flipped=True)
+        return _forward_in_place(dy.astype(dtype, copy=False), w_full, full, full_geometry(layer)[1], xp,
+                                 xp.empty((v.N, v.C, v.D, H, W), dtype), flipped=True)  # dy read with any strides
     d_stacked = passes.conv2d_backward_data(_planes_as_samples(dy.astype(dtype, copy=False), xp),
                                             _filters2(w.astype(dtype, copy=False), v),
                                             (g.N, g.C, H, W), **_plane_options(v))
@@ -461,10 +461,10 @@ def _backward_filter_in_place(x, dy, v, xp):
     at depth stride and dilation 1 by winograd.planes_backward_filter; otherwise on the interior
     planes with dy's planes read through a strided view, a sample at a time, then the planes
     before and after them stacked."""
-    inner, g = _interior(v), v.plane
     if (v.sd, v.dd) == (1, 1):  # every plane's tiles transformed once, the padding's as zeros
-        return _winograd_planes_backward_filter(x, dy, g, v.Kd, v.pf, xp)
-    geometry = g._replace(N=len(inner))
+        return _winograd_planes_backward_filter(x, dy, v.plane, v.Kd, v.pf, xp)
+    inner = _interior(v)
+    geometry = v.plane._replace(N=len(inner))
     dw2 = None
     for n in range(v.N):
         part = _winograd_backward_filter(_planes_view(x, v, n, inner, xp),

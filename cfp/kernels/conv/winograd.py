@@ -277,11 +277,10 @@ def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
     U = _winograd_filters(w, tiles.G2, xp, flipped).reshape(a * a, Kd, C, g.F)
     rolled = [xp.roll(U, q, axis=1).reshape(a * a, Kd * C, g.F) for q in range(Kd)]
     rows = tiles.strip * tw
-    ring = workspace.empty(xp, (a * a, rows, Kd, C), x.dtype)
     M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
     cropped = (m * tiles.th, m * tw) != (g.Ho, g.Wo)
     whole = workspace.empty(xp, (1, g.F, m * tiles.strip, m * tw), x.dtype) if cropped else None
-    for n, t0, r, o, q, window in _ring_windows(tiles, x, Do, Kd, front, ring):
+    for n, t0, r, o, q, window in _ring_windows(tiles, x, Do, Kd, front):
         P = r * tw
         products = M[:a * a * P * g.F].reshape(a * a, P, g.F)
         xp.matmul(window, rolled[q % Kd], out=products)
@@ -290,13 +289,15 @@ def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
         _place(out, tiles, 1, t0, r, g.F, y[n:n + 1, :, o], 0, whole)
 
 
-def _ring_windows(tiles, x, Do, Kd, front, ring):
+def _ring_windows(tiles, x, Do, Kd, front):
     """(n, t0, r, o, q, window) for each sample n of x (N, C, D, H, W), strip of tile rows t0
     to t0 + r and output plane o, whose window begins at plane q = o - front: the ring
-    ((m+2)^2, rows, Kd, C) holding the transformed tiles of planes q..q + Kd - 1 (plane p in
-    slot p mod Kd, zero outside 0..D-1, each plane transformed once a strip), as window
-    ((m+2)^2, r tw, Kd C) (a view of the ring: valid until the next)."""
+    ((m+2)^2, tiles of a strip, Kd, C; in the workspace) holding the transformed tiles of
+    planes q..q + Kd - 1 (plane p in slot p mod Kd, zero outside 0..D-1, each plane
+    transformed once a strip), as window ((m+2)^2, r tw, Kd C) (a view of the ring: valid
+    until the next)."""
     N, C, D = x.shape[:3]
+    ring = workspace.empty(tiles.xp, (tiles.a ** 2, tiles.strip * tiles.tw, Kd, C), x.dtype)
     for n in range(N):
         tiles.x = x[n].transpose(1, 0, 2, 3)  # the sample's planes as the samples of 2-D tiles
         for t0 in range(0, tiles.th, tiles.strip):
@@ -386,11 +387,10 @@ def planes_backward_filter(x, dy, g, Kd, front, xp):
     Do = dy.shape[2]
     tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
     outputs = _OutputTiles(tiles, g, x.dtype, xp)
-    a, tw = tiles.a, tiles.tw
-    ring = workspace.empty(xp, (a * a, tiles.strip * tw, Kd, C), x.dtype)
+    a = tiles.a
     sums = workspace.zeros(xp, (Kd, a * a, g.F, Kd * C), x.dtype)  # per rotation of the ring
     product = workspace.empty(xp, (a * a, g.F, Kd * C), x.dtype)
-    for n, t0, r, o, q, window in _ring_windows(tiles, x, Do, Kd, front, ring):
+    for n, t0, r, o, q, window in _ring_windows(tiles, x, Do, Kd, front):
         back = outputs.back(dy[n].transpose(1, 0, 2, 3), o, 1, t0, r)  # dy's output planes as samples
         sums[q % Kd] += xp.matmul(back.transpose(0, 2, 1), window, out=product)
     dU = sum(xp.roll(sums[q].reshape(a * a, g.F, Kd, C), -q, axis=2) for q in range(Kd))
