@@ -1,8 +1,8 @@
 """Time every algorithm and grid on one convolution layer at the current rank count.
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
-        [--padding 1] [--stride 1] [--repeats 5] [--threads 1] [--dtype float32] [--spatial] [--breakdown] \\
-        [--chunks 1,2,4] [--device cpu|gpu] [--json out.json]
+        [--padding 1] [--stride 1] [--repeats 5] [--rounds 1] [--threads 1] [--dtype float32] [--spatial] \\
+        [--breakdown] [--chunks 1,2,4] [--device cpu|gpu] [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
 the image split over height and width too; for a volume, --shape N,C,F,D,H,W,K, P_n x P_d x
@@ -11,11 +11,16 @@ p_f dividing P_c): forward and backward time (median over repeats of the slowest
 speedup over one rank (the serial kernels timed on rank 0 in the same run, while the other
 ranks sleep), bytes sent per rank per iteration (the most of any rank, from the ledger), and
 the bytes of the halo exchange and the weight and activation memory per rank. A table on
-stdout; --json keeps the rows. --breakdown adds a second table: where each rank's step goes
+stdout; --json keeps the rows. --rounds R measures everything R times in turns (the serial
+kernels, then every row, R times over): each row's times are then the median over the rounds,
+and its speedup the median of each round's own (the serial kernels of that round over the row
+of that round), with their range beside it, so that a spell of the machine running slower or
+faster, which lasts seconds, falls on the baseline and the rows alike. --breakdown adds a second table: where each rank's step goes
 (median of each part over the repeats): its local kernels, the collectives' local copies
 (packing), the MPI calls, waiting for the group (the barrier before each collective), and the
 rest (the layer's own code around them).
 """
+import statistics
 import sys
 import time
 
@@ -48,6 +53,9 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=5,
                    help="timed iterations, of which the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations before them")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the serial kernels and every row this many times in turns; times are the "
+                        "median over the rounds, speedups the median of each round's own")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="element type")
     p.add_argument("--algorithms", default="sample,x,y,w",
@@ -64,6 +72,9 @@ def parse_args(argv):
                         "collectives pipelined over each count of chunks of its samples (ConvAlgorithm.pipelined, "
                         "train.py --chunks) beside the others, where every rank holds that many samples; 1 is the "
                         "blocking layer")
+    p.add_argument("--grid", action="append", dest="grids", metavar="SPEC",
+                   help="time only this grid of the factorizations above (as train.py's --grid, e.g. depth=2; "
+                        "repeatable); the serial kernels are always timed")
     p.add_argument("--breakdown", action="store_true",
                    help="also print each rank's step as kernels, packing, MPI, waiting and the rest")
     p.add_argument("--device", default="cpu", metavar=cli.one_of(backend.DEVICES),
@@ -82,7 +93,7 @@ def parse_args(argv):
     for name, size in zip(names, sizes):
         setattr(args, name, positive_int(size, f"--shape {args.shape}: {name}"))
     args.op = "conv3d" if args.D else "conv2d"  # the kind of convolution (kernels/conv/ops.py)
-    int_options(args, positive=("stride", "repeats", "threads"), nonnegative=("warmup", "padding"))
+    int_options(args, positive=("stride", "repeats", "rounds", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
     args.chunk_counts = sorted(set(positive_ints(args.chunks, "--chunks")))
@@ -148,6 +159,12 @@ def interior_applies(args, grid, algorithm, p_f):
                      padding=args.padding, layer="conv", op=args.op).interior_applies()
 
 
+def speedup_text(row):
+    """A row's speedup, with the range of the rounds' own where there were several."""
+    low, high = min(row["speedups"]), max(row["speedups"])
+    return f"{row['speedup']:.2f}x" + (f" ({low:.2f}-{high:.2f})" if len(row["speedups"]) > 1 else "")
+
+
 def print_breakdown(rows):
     """Each rank's median step of each distributed row, in milliseconds, part by part."""
     print("\n| grid | algorithm | rank | step ms | kernels | packing | MPI | wait | rest |")
@@ -158,32 +175,35 @@ def print_breakdown(rows):
                   + " | ".join(f"{parts[k] * 1e3:.1f}" for k in BREAKDOWN) + " |")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    world = MPI.COMM_WORLD
-    P, rank = world.Get_size(), world.Get_rank()
-    if args.json:
-        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
-    threads = backend.set_blas_threads(args.threads)
-    xp, where = backend.use_device(args.device, world)
-    dtype = np.dtype(args.dtype)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(x_shape(args)).astype(dtype)
-    w = rng.standard_normal(w_shape(args)).astype(dtype)
-    b = rng.standard_normal(args.F).astype(dtype)
-    y_shape = OPS[args.op].output_shape(x.shape, w.shape, stride=args.stride, padding=args.padding)
-    dy = rng.standard_normal(y_shape).astype(dtype)
-    flops = 3 * (conv3d_flops if args.D else conv2d_flops)(x.shape, w.shape, args.stride, args.padding)
+def grid_shapes(args, P):
+    """The grids this run times, {axis: size} each: every factorization of P over sample and
+    channel (with --spatial the image's or volume's axes too), or of them those --grid names;
+    a --grid that is none of them refused, naming them."""
+    split = [a for a in AXES if a != "depth" or args.D] if args.spatial else ["sample", "channel"]
+    shapes = [dict(zip(split, sizes)) for sizes in factorizations(P, len(split))]
+    if not args.grids:
+        return shapes
+    every = {ProcessGrid.describe_shape(shape): shape for shape in shapes}
+    chosen = []
+    for spec in args.grids:
+        name = ProcessGrid.describe_shape(ProcessGrid.shape_of(spec))
+        if name not in every:
+            raise ValueError(f"--grid {spec}: not a grid this run times on {P} rank(s); expected one of "
+                             f"{', '.join(every)}" + ("" if args.spatial else " (--spatial adds the image's axes)"))
+        if every[name] not in chosen:
+            chosen.append(every[name])
+    return chosen
 
+
+def one_round(args, world, P, x, w, b, dy, xp):
+    """One round: the serial kernels on rank 0, then every grid, algorithm and option's row, each
+    with its speedup over this round's serial kernels."""
     baseline = on_rank0(world, lambda: serial_baseline(args, x, w, b, dy, xp))
-    one_rank = baseline["forward"] + baseline["backward"]
     rows = [{"grid": "1 rank (serial kernels)", "algorithm": "-", "forward_s": baseline["forward"],
              "backward_s": baseline["backward"], "bytes_sent_per_rank": 0, "halo_bytes_per_rank": 0,
              "weight_bytes_per_rank": w.nbytes + b.nbytes, "kept_activation_bytes_per_rank": x.nbytes}]
     wanted = args.algorithms.split(",")
-    split = [a for a in AXES if a != "depth" or args.D] if args.spatial else ["sample", "channel"]
-    for sizes in factorizations(P, len(split)):
-        shape = dict(zip(split, sizes))
+    for shape in grid_shapes(args, P):
         P_d, P_h, P_w, P_c = (shape.get(a, 1) for a in ("depth", "height", "width", "channel"))
         grid = ProcessGrid(shape)
         for algorithm in wanted:
@@ -197,24 +217,68 @@ def main(argv=None):
                 if args.halo_interior and P_d * P_h * P_w > 1 and interior_applies(args, grid, algorithm, p_f):
                     rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
         grid.free()
+    one_rank = baseline["forward"] + baseline["backward"]
     for row in rows:
-        total = row["forward_s"] + row["backward_s"]
-        row["speedup"] = one_rank / total
-        row["gflops_per_s"] = flops / total / 1e9
+        row["speedup"] = one_rank / (row["forward_s"] + row["backward_s"])
+    return rows
+
+
+def combine_rounds(rounds):
+    """The rows of several rounds (one_round's, the same rows in each) as one: forward and
+    backward seconds the median over the rounds, the speedup the median of the rounds' own, with
+    every round's (speedups), and each rank's breakdown that of its round of the median step."""
+    rows = []
+    for same in zip(*rounds):
+        row = dict(same[0])
+        for key in ("forward_s", "backward_s"):
+            row[key] = statistics.median(r[key] for r in same)
+        row["speedups"] = [r["speedup"] for r in same]
+        row["speedup"] = statistics.median(row["speedups"])
+        if "breakdown" in row:  # each rank's from its round of the median step, whose parts add up to it
+            row["breakdown"] = [sorted((r["breakdown"][rank] for r in same), key=lambda parts: parts["step"])
+                                [(len(same) - 1) // 2] for rank in range(len(row["breakdown"]))]
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    P, rank = world.Get_size(), world.Get_rank()
+    if args.json:
+        alike_on_all_ranks(world, lambda: check_writable(args.json, "--json"))
+    grid_shapes(args, P)  # a --grid this run does not time refused before anything runs
+    threads = backend.set_blas_threads(args.threads)
+    xp, where = backend.use_device(args.device, world)
+    dtype = np.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape(args)).astype(dtype)
+    w = rng.standard_normal(w_shape(args)).astype(dtype)
+    b = rng.standard_normal(args.F).astype(dtype)
+    y_shape = OPS[args.op].output_shape(x.shape, w.shape, stride=args.stride, padding=args.padding)
+    dy = rng.standard_normal(y_shape).astype(dtype)
+    flops = 3 * (conv3d_flops if args.D else conv2d_flops)(x.shape, w.shape, args.stride, args.padding)
+
+    rounds = [one_round(args, world, P, x, w, b, dy, xp) for _ in range(args.rounds)]
+    rows = combine_rounds(rounds)
+    for row in rows:
+        row["gflops_per_s"] = flops / (row["forward_s"] + row["backward_s"]) / 1e9
 
     if rank == 0:
         size = "x".join(str(n) for n in x_shape(args)[2:])
         print(f"# conv N={args.N} C={args.C} F={args.F} {size} kernel {'x'.join([str(args.K)] * OPS[args.op].axes)} "
               f"stride {args.stride} padding {args.padding}, {args.dtype}, {P} ranks, {threads} BLAS "
               f"thread(s) per rank, median of {args.repeats} (after {args.warmup} warm-up), "
-              f"time of the slowest rank" + (f", on GPU {where['index']} ({where['name']}) of each node-local "
+              f"time of the slowest rank" + (f"; {args.rounds} rounds in turns: times the median over the rounds, "
+                                             f"speedups the median of the rounds' own (their range)"
+                                             if args.rounds > 1 else "") + (f", on GPU {where['index']} ({where['name']}) of each node-local "
                                              f"rank, {where['messages']}" if xp is not np else ""))
         print("| grid | algorithm | forward s | backward s | total s | speedup vs 1 rank | GFLOP/s "
               "| sent MiB/rank | of it halo MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['grid']} | {r['algorithm']} | {r['forward_s']:.4f} | {r['backward_s']:.4f} | "
-                  f"{r['forward_s'] + r['backward_s']:.4f} | {r['speedup']:.2f}x | {r['gflops_per_s']:.1f} | "
+                  f"{r['forward_s'] + r['backward_s']:.4f} | {speedup_text(r)} | {r['gflops_per_s']:.1f} | "
                   f"{r['bytes_sent_per_rank'] / MiB:.2f} | {r['halo_bytes_per_rank'] / MiB:.2f} | "
                   f"{r['weight_bytes_per_rank'] / MiB:.2f} | "
                   f"{r['kept_activation_bytes_per_rank'] / MiB:.2f} |")

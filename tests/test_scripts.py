@@ -4,6 +4,7 @@ error and a non-zero exit, within seconds."""
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -227,11 +228,13 @@ def test_train_script_end_to_end(tmp_path):
 
 
 def test_bench_conv_breaks_each_ranks_step_down(tmp_path):
-    """bench_conv --breakdown on 2 ranks: a row per rank of every distributed row, whose parts
-    (kernels, packing, MPI, waiting, the rest) add up to its step, and the JSON keeps them."""
+    """bench_conv --breakdown --rounds 3 on 2 ranks: a row per rank of every distributed row, whose
+    parts (kernels, packing, MPI, waiting, the rest) add up to its step, and the JSON keeps them;
+    each row's speedup the median of its three rounds' own, the serial row's 1."""
     out = tmp_path / "bench.json"
     proc, _ = run(2, ["--shape", "2,4,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "x,sample",
-                      "--breakdown", "--json", str(out)], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+                      "--breakdown", "--rounds", "3", "--json", str(out)],
+                  script=os.path.join(ROOT, "scripts", "bench_conv.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = proc.stdout.split("| grid | algorithm | rank | step ms | kernels | packing | MPI | wait | rest |")[1]
     rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[1:] if line.startswith("|")]
@@ -245,6 +248,10 @@ def test_bench_conv_breaks_each_ranks_step_down(tmp_path):
             assert parts["kernels"] > 0 and parts["packing"] >= 0 and parts["mpi"] >= 0 and parts["wait"] >= 0
             total = parts["kernels"] + parts["packing"] + parts["mpi"] + parts["wait"] + parts["rest"]
             assert total == pytest.approx(parts["step"], rel=1e-9, abs=1e-12), parts
+    for r in record["rows"]:
+        assert len(r["speedups"]) == 3 and r["speedup"] == statistics.median(r["speedups"]), r
+    assert record["rows"][0]["speedups"] == [1.0] * 3
+    assert "3 rounds in turns" in proc.stdout.splitlines()[0]
 
 
 def test_bench_conv_times_the_interior_beside_the_blocking_halo(tmp_path):
@@ -304,6 +311,25 @@ def test_bench_conv_splits_a_volume_by_depth(tmp_path):
     halo = [predict_bytes("sample", (1, 4, 6, 5, 5), (6, 4, 3, 3, 3), "depth=2", {"depth": d}, padding=1,
                           itemsize=4, op="conv3d")["halo"][0] for d in (0, 1)]
     assert rows["depth=2"]["halo_bytes_per_rank"] == max(halo) > 0
+
+
+def test_bench_conv_times_only_the_grids_asked_for(tmp_path):
+    """bench_conv --grid on 2 ranks: the serial kernels and the grids named, in their order (a spec
+    as train.py's, 'sample=1,depth=2' and 'depth=2' alike), no other; a grid the run does not time refused,
+    naming those it does."""
+    out = tmp_path / "bench.json"
+    script = os.path.join(ROOT, "scripts", "bench_conv.py")
+    proc, _ = run(2, ["--shape", "1,4,6,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "sample,x",
+                      "--spatial", "--grid", "sample=1,depth=2", "--grid", "height=2", "--grid", "depth=2",
+                      "--json", str(out)], script=script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        rows = [(r["grid"], r["algorithm"]) for r in json.load(f)["rows"]]
+    assert rows == [("1 rank (serial kernels)", "-"), ("depth=2", "sample"), ("depth=2", "x"),
+                    ("height=2", "sample"), ("height=2", "x")], rows  # in the order asked, each once
+    proc, _ = run(2, ["--shape", "1,4,6,5,5,3", "--grid", "height=2"], script=script)
+    assert proc.returncode != 0 and ("--grid height=2: not a grid this run times on 2 rank(s); expected one of "
+                                     "channel=2, sample=2 (--spatial adds the image's axes)") in proc.stderr, proc.stderr
 
 
 def test_bench_progress_times_each_way_of_progressing_a_started_allreduce(tmp_path):
