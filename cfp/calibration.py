@@ -74,12 +74,17 @@ def kernels_version():
 
 
 def _blas():
-    """The BLAS NumPy uses, as name and version ('scipy-openblas 0.3.31.188.0')."""
+    """The BLAS NumPy uses, as name, version and the kernels it runs ('scipy-openblas
+    0.3.31.188.0 (SkylakeX)'): one library runs at different rates with different kernels
+    (cfp/cpu.py), so a profile names them."""
+    loaded = backend.blas_info()
+    kernels = ", ".join(arch for _, _, _, arch in loaded if arch)
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        return f"{blas.get('name', '?')} {blas.get('version', '?')}"
+        name = f"{blas.get('name', '?')} {blas.get('version', '?')}"
     except Exception:  # an older NumPy: what threadpoolctl sees loaded
-        return ", ".join(f"{lib} {version}" for lib, version, _, _ in backend.blas_info()) or "unknown"
+        name = ", ".join(f"{lib} {version}" for lib, version, _, _ in loaded) or "unknown"
+    return f"{name} ({kernels})" if kernels else name
 
 
 def machine_record(ranks, threads, ranks_per_node=None):
