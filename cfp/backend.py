@@ -292,6 +292,15 @@ def blas_info():
     ]
 
 
+def blas_description():
+    """'openblas 0.3.31.188.0 (SkylakeX)': the BLAS libraries loaded here and the kernels each
+    runs, for a benchmark's header. The kernels move the rates: OpenBLAS's Haswell (AVX2) and
+    SkylakeX (AVX-512) kernels, which OPENBLAS_CORETYPE chooses between, ran cfp's convolutions
+    1.4-1.7x apart on one CPU (BENCHMARKS.md)."""
+    return ", ".join(f"{lib} {version} ({arch})" if arch else f"{lib} {version}"
+                     for lib, version, _, arch in blas_info()) or "unknown"
+
+
 def cpu_name():
     """The processor's model name (Linux's /proc/cpuinfo, else what platform says)."""
     import platform

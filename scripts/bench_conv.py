@@ -2,7 +2,7 @@
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
         [--padding 1] [--stride 1] [--repeats 5] [--rounds 1] [--threads 1] [--dtype float32] [--spatial] \\
-        [--breakdown] [--chunks 1,2,4] [--device cpu|gpu] [--json out.json]
+        [--grid SPEC] [--breakdown] [--chunks 1,2,4] [--device cpu|gpu] [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
 the image split over height and width too; for a volume, --shape N,C,F,D,H,W,K, P_n x P_d x
@@ -15,8 +15,9 @@ stdout; --json keeps the rows. --rounds R measures everything R times in turns (
 kernels, then every row, R times over): each row's times are then the median over the rounds,
 and its speedup the median of each round's own (the serial kernels of that round over the row
 of that round), with their range beside it, so that a spell of the machine running slower or
-faster, which lasts seconds, falls on the baseline and the rows alike. --breakdown adds a second table: where each rank's step goes
-(median of each part over the repeats): its local kernels, the collectives' local copies
+faster, which lasts seconds, falls on the baseline and the rows alike. --breakdown adds a
+second table: where each rank's step goes (median of each part over the repeats; over rounds,
+the round of the median step): its local kernels, the collectives' local copies
 (packing), the MPI calls, waiting for the group (the barrier before each collective), and the
 rest (the layer's own code around them).
 """
@@ -266,13 +267,15 @@ def main(argv=None):
 
     if rank == 0:
         size = "x".join(str(n) for n in x_shape(args)[2:])
-        print(f"# conv N={args.N} C={args.C} F={args.F} {size} kernel {'x'.join([str(args.K)] * OPS[args.op].axes)} "
-              f"stride {args.stride} padding {args.padding}, {args.dtype}, {P} ranks, {threads} BLAS "
-              f"thread(s) per rank, median of {args.repeats} (after {args.warmup} warm-up), "
-              f"time of the slowest rank" + (f"; {args.rounds} rounds in turns: times the median over the rounds, "
-                                             f"speedups the median of the rounds' own (their range)"
-                                             if args.rounds > 1 else "") + (f", on GPU {where['index']} ({where['name']}) of each node-local "
-                                             f"rank, {where['messages']}" if xp is not np else ""))
+        kernel = "x".join([str(args.K)] * OPS[args.op].axes)
+        rounds = (f"; {args.rounds} rounds in turns: times the median over the rounds, speedups the median of "
+                  f"the rounds' own (their range)" if args.rounds > 1 else "")
+        device = (f", on GPU {where['index']} ({where['name']}) of each node-local rank, {where['messages']}"
+                  if xp is not np else "")
+        print(f"# conv N={args.N} C={args.C} F={args.F} {size} kernel {kernel} stride {args.stride} padding "
+              f"{args.padding}, {args.dtype}, {P} ranks, {threads} BLAS thread(s) per rank (BLAS "
+              f"{backend.blas_description()}), median of {args.repeats} (after {args.warmup} warm-up), time of the "
+              f"slowest rank{rounds}{device}")
         print("| grid | algorithm | forward s | backward s | total s | speedup vs 1 rank | GFLOP/s "
               "| sent MiB/rank | of it halo MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -21,7 +21,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 import numpy as np
 from mpi4py import MPI
 
-from cfp import cli
+from cfp import backend, cli
 from cfp.benchtools import measure_steps, plan_grids, prepare, single_grid_plans
 from cfp.calibration import machine_profile
 from cfp.checks import int_options
@@ -74,7 +74,8 @@ def main(argv=None):
     predicted_best = min(rows, key=lambda r: r["predicted_s"])
     if world.Get_rank() == 0:
         print(f"# {args.model} width {args.width}, {args.image}x{args.image}, batch {args.batch}, {P} ranks, "
-              f"float32, 1 BLAS thread per rank, median of {args.steps} steps; predicted by {profile.name}")
+              f"float32, 1 BLAS thread per rank (BLAS {backend.blas_description()}), median of {args.steps} "
+              f"steps; predicted by {profile.name}")
         print("| plan | grids | predicted ms | measured ms | vs measured fastest |")
         print("|---|---|---|---|---|")
         for r in rows:

@@ -200,7 +200,7 @@ def main(argv=None):
         print(f"# training step of {args.model} width {args.width}" +
               (f" depth {args.depth}" if args.model == "wide" else "") +
               f", {args.image}x{args.image} images, global batch {args.batch_size}, float32, SGD momentum; "
-              f"median of {args.steps} steps after {args.warmup} warm-up"
+              f"median of {args.steps} steps after {args.warmup} warm-up; BLAS {backend.blas_description()}"
               + (f", each row the median of {args.rounds} rounds" if args.rounds > 1 else "") + "; torch "
               f"{torch.__version__ if torch else 'not installed'}"
               + (f"; on each rank's GPU ({where['name']}), {where['messages']}" if xp is not np else ""))

@@ -26,7 +26,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 import numpy as np
 from mpi4py import MPI
 
-from cfp import cli
+from cfp import backend, cli
 from cfp.benchtools import measure_conv, measure_steps, plan_grids, prepare, single_grid_plans
 from cfp.calibration import machine_profile
 from cfp.checks import finite_number, int_options
@@ -227,7 +227,8 @@ def main(argv=None):
 
     if world.Get_rank() == 0 and rows:
         print(f"# predicted ({profile.name}) against measured forward+backward, {P} rank(s), 1 BLAS thread "
-              f"per rank, float32, median of {args.repeats} rounds; P = planner's choice, F = measured fastest")
+              f"per rank (BLAS {backend.blas_description()}), float32, median of {args.repeats} rounds; "
+              f"P = planner's choice, F = measured fastest")
         print("| layer (N,C,F,HxW,K) | grid | algorithm | measured ms | predicted ms | error | |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
