@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 
 from .algorithms import algorithm_class
 from .algorithms.base import HALO, HALO_ADJOINT, message_sent, run_order
@@ -264,6 +265,7 @@ FORMAT = 2  # the profile format read here (cfp/calibration.py writes it)
 # The layers between convolutions the model times (calibration.calibrate_layers measures them):
 # each [seconds, seconds per element] of one forward and backward.
 LAYER_KINDS = ("batchnorm", "relu", "maxpool", "upsample", "add", "loss", "conv", "optimizer", "volume")
+_VARIANT = re.compile(r" F\(\dx\d\)")  # a path's variant in its name (paths.KernelPath.variant)
 ANY_PATH = "*"  # a profile's rates for whatever path a pass takes (a model of another machine's kernels)
 
 
@@ -391,12 +393,14 @@ class MachineProfile:
 
         The rows are the shape class: at equal flops a pass over few rows and many channels
         streams a large weight matrix for little work and runs slower; for Winograd they are
-        its tiles, which samples and image size fill.
+        its tiles, which samples and image size fill. A variant of a path that the profile has
+        no rates of (Winograd's F(2x2), 'winograd F(2x2)': a profile measured before the kernel
+        table chose tiles per layer) is priced at its path's rates; a calibration measures it.
         """
         if flops <= 0:
             return 0.0
         table = self.kernels[pass_name]
-        points = table.get(path, table.get(ANY_PATH))
+        points = table.get(path, table.get(_VARIANT.sub("", path), table.get(ANY_PATH)))
         if points is None:
             raise ValueError(f"machine profile {self.name!r} has no rates of kernel path {path!r} ({pass_name}): "
                              f"it was measured before that path; calibrate again (scripts/calibrate.py)")

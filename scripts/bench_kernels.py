@@ -21,7 +21,7 @@ import _requirements  # noqa: F401 (first: says what is missing, outside cfp's e
 import numpy as np
 
 from cfp import backend, cli
-from cfp.backend import blas_info, cpu_name, set_blas_threads
+from cfp.backend import blas_description, cpu_name, set_blas_threads
 from cfp.checks import int_options, positive_ints
 from cfp.io import check_writable, save_json
 from cfp.kernels import settings
@@ -320,7 +320,8 @@ def parse_args(argv):
                         help=f"the sweep's networks, comma-separated, of {', '.join(SWEEP_NETWORKS)} (default: all)")
     parser.add_argument("--winograd", choices=("off", "2", "4"), default=None,
                         help="3x3 stride-1 layers by im2col (off) or Winograd F(2x2) / F(4x4) in "
-                             "every dtype (default: cfp's, F(4x4) in float32 and im2col in float64)")
+                             "every dtype (default: cfp's, Winograd in float32 where it pays, each layer at "
+                             "its cheaper tile, and im2col in float64)")
     parser.add_argument("--device", choices=backend.DEVICES, default="cpu",
                         help="cpu (NumPy, torch on the CPU) or gpu (CuPy, torch on CUDA with cuDNN)")
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -368,7 +369,8 @@ def main(argv=None):
 
 def run(args, shapes):
     chosen = settings.current()
-    tile = f"Winograd F({chosen.winograd_tile}x{chosen.winograd_tile}, 3x3)"
+    m = chosen.winograd_tile
+    tile = f"Winograd F({m}x{m}, 3x3)" if m else "Winograd F(2x2) or F(4x4), 3x3 (each layer's cheaper)"
     path = {True: tile, False: "im2col"}.get(chosen.winograd, f"{tile} in float32, im2col in float64")
     threads = set_blas_threads(args.threads)
     from mpi4py import MPI
@@ -378,7 +380,7 @@ def run(args, shapes):
         if xp is not np and not torch.cuda.is_available():
             raise ValueError("--device gpu compares against PyTorch on CUDA, which this torch build lacks "
                              f"(torch {torch.__version__}); install a CUDA build or uninstall torch")
-    blas = ", ".join(f"{lib} {version} ({arch})" for lib, version, _, arch in blas_info())
+    blas = blas_description()
     context = {
         "threads": threads,
         "dtype": args.dtype,

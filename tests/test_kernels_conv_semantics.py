@@ -139,6 +139,37 @@ def test_float32_stays_close(case, fast_path):
         assert relative_error(r32.astype(np.float64), r64) < 1e-5
 
 
+def test_each_winograd_layer_takes_its_cheaper_tile():
+    """By default (winograd_tile None) each Winograd layer runs at the tile winograd.tile picks
+    by tile_cost: F(2x2) where F(4x4)'s tiles overhang a 14x14 output, or a call has few tiles
+    for its filters' transforms; F(4x4) on larger images of many tiles. The passes run at that
+    tile (bit for bit the explicit setting's results, not the other tile's), taken() names it,
+    and an explicit tile holds for every layer."""
+    from cfp.kernels.conv.geometry import conv_geometry
+    picks = {(2, 256, 256, 14): 2, (8, 512, 512, 8): 2, (8, 256, 256, 16): 4, (32, 64, 64, 32): 4, (8, 64, 64, 56): 4}
+    for (N, C, F, H), m in picks.items():
+        g = conv_geometry((N, C, H, H), (F, C, 3, 3), padding=1)
+        assert winograd_kernels.tile(g) == m, (N, C, F, H)
+        assert (winograd_kernels.tile_cost(g, m) < winograd_kernels.tile_cost(g, 6 - m)), (N, C, F, H)
+        name = "winograd" + ("" if m == 4 else " F(2x2)")
+        assert paths.taken(g, "float32") == {"forward": name, "backward-data": "full-convolution/" + name,
+                                             "backward-filter": name}
+        for tile in (2, 4):
+            with settings.winograd(None, tile=tile):
+                assert winograd_kernels.tile(g) == tile
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 8, 14, 14)).astype(np.float32)
+    w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    g = conv_geometry(x.shape, w.shape, padding=1)
+    chosen = winograd_kernels.tile(g)
+    with settings.winograd(True):
+        y = conv2d_forward(x, w, padding=1)
+    with settings.winograd(True, tile=chosen):
+        assert np.array_equal(conv2d_forward(x, w, padding=1), y)
+    with settings.winograd(True, tile=6 - chosen):
+        assert not np.array_equal(conv2d_forward(x, w, padding=1), y)
+
+
 def test_same_padding_puts_the_extra_row_and_column_last():
     """An even kernel under 'same': PyTorch's choice, total // 2 before and the rest after."""
     x = np.zeros((1, 1, 4, 4))

@@ -107,6 +107,19 @@ def test_kernel_rates_are_read_at_the_measured_points():
     assert 1e6 / 1e9 * 30 > between > 3e7 / 1e11
 
 
+def test_a_variant_the_profile_did_not_measure_takes_its_paths_rates():
+    """Winograd's F(2x2) ('winograd F(2x2)', paths.KernelPath.variant) in a profile measured
+    before the kernel table chose tiles per layer is priced at 'winograd''s rates; where the
+    profile has the variant's own, those."""
+    data = profile_data()
+    data["kernels"]["forward"]["winograd"] = [[1e6, 64, 1e9], [1e9, 4096, 1e11]]
+    p = MachineProfile(data)
+    assert p.kernel_time("forward", "winograd F(2x2)", 1e9, 4096) == p.kernel_time("forward", "winograd", 1e9, 4096)
+    assert p.kernel_time("backward-data", "full-convolution/winograd F(2x2)", 1e9, 4096) == pytest.approx(1e9 / 1e10)
+    data["kernels"]["forward"]["winograd F(2x2)"] = [[1e6, 64, 2e9], [1e9, 4096, 2e11]]
+    assert MachineProfile(data).kernel_time("forward", "winograd F(2x2)", 1e9, 4096) == pytest.approx(1e9 / 2e11)
+
+
 def test_a_point_measured_on_the_very_geometry_is_its_rate():
     """Two 1x1 layers of one path, flops and rows (128 -> 64 and 256 -> 32 channels over 8192
     pixels) run at different rates: each is priced at the point measured on it, and a shape
@@ -314,12 +327,12 @@ def test_a_volume_split_by_depth_by_hand():
     assert sent == [(3072, 3072)] * 2  # each sends a plane forward and its gradient back
     # The copies of the planes around the 2-D passes (volume.copied_elements), at a profile's
     # 'volume' rate of 1 s (a third to each pass that copies) + 1e-3 s an element: forward and
-    # backward-filter take Winograd, which at depth stride 1 reads the planes where they lie (no
-    # copies); backward-data (the full convolution of dy's 6 channels, by per-sample columns)
-    # unstacks the stacked gradient 8 x 12 x 8 x 6 (4608) and turns dy's planes 8 x 6 x 8 x 6
-    # (2304) into samples.
-    assert taken(g, "float32") == {"forward": "winograd", "backward-data": "full-convolution/columns-per-sample",
-                                   "backward-filter": "winograd"}
+    # backward-filter take Winograd (F(2x2): the 6 columns would overhang F(4x4)'s tiles), which at
+    # depth stride 1 reads the planes where they lie (no copies); backward-data (the full
+    # convolution of dy's 6 channels, by per-sample columns) unstacks the stacked gradient 8 x 12
+    # x 8 x 6 (4608) and turns dy's planes 8 x 6 x 8 x 6 (2304) into samples.
+    assert taken(g, "float32") == {"forward": "winograd F(2x2)", "backward-data": "full-convolution/columns-per-sample",
+                                   "backward-filter": "winograd F(2x2)"}
     copying = MachineProfile(dict(profile_data(), layers={"volume": [1.0, 1e-3]}))
     cost = layer_cost(layer, "sample", 1, 1, copying, P_d=2)
     copies = {"forward": 0.0, "backward-data": 1.0 / 3 + 6.912, "backward-filter": 0.0}

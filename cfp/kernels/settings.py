@@ -27,13 +27,15 @@ def _switch(variable):
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
     """winograd: 3x3 stride-1 layers by Winograd in every dtype (True), in none (False), or in
-    float32 where it pays (None, the default). winograd_tile: its output tile m, 2 or 4.
+    float32 where it pays (None, the default). winograd_tile: its output tile m, 2 or 4 for
+    every layer, or None (the default) for each layer the cheaper by the kernels' measured cost
+    (kernels/conv/winograd.py, tile).
     plane_stacking: the plane forward's kernel rows stacked into one GEMM (True), a GEMM a
     kernel row (False), or whichever the process measured faster (None). plane_forms: that
     measurement, {(geometry, dtype name): stacked}, shared by the threads of the process (both
     forms give the same bits, so a form measured once holds everywhere)."""
     winograd: typing.Optional[bool] = None
-    winograd_tile: int = 4
+    winograd_tile: typing.Optional[int] = None
     plane_stacking: typing.Optional[bool] = None
     plane_forms: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -41,8 +43,9 @@ class KernelSettings:
         for name in ("winograd", "plane_stacking"):
             if not any(getattr(self, name) is allowed for allowed in (None, True, False)):  # 1 is not True here
                 raise ValueError(f"kernel setting {name}={getattr(self, name)!r}: expected True, False or None")
-        if self.winograd_tile not in WINOGRAD_TILES:
-            raise ValueError(f"Winograd tile {self.winograd_tile!r} is not one of {list(WINOGRAD_TILES)}")
+        if self.winograd_tile is not None and self.winograd_tile not in WINOGRAD_TILES:
+            raise ValueError(f"Winograd tile {self.winograd_tile!r} is not one of {list(WINOGRAD_TILES)} "
+                             f"(or None: each layer's cheaper)")
 
 
 _DEFAULT = KernelSettings(winograd=_switch("CFP_WINOGRAD"), plane_stacking=_switch("CFP_PLANE_STACKING"))
@@ -81,7 +84,8 @@ class configured:
 
 def winograd(enabled=True, tile=None):
     """with winograd(): ... runs 3x3 stride-1 convolutions of every dtype by Winograd F(m x m,
-    3 x 3) (tile 2 or 4, default: the current tile); winograd(False) by im2col + GEMM;
+    3 x 3) (tile 2 or 4, default: the current setting, by default each layer's cheaper of the
+    two); winograd(False) by im2col + GEMM;
     winograd(None) as by default (float32 by Winograd where it pays, float64 by im2col)."""
     tile = current().winograd_tile if tile is None else tile
     return configured(winograd=None if enabled is None else bool(enabled), winograd_tile=tile)

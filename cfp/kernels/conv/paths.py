@@ -39,6 +39,9 @@ class KernelPath(typing.NamedTuple):
     backward_data_applies: where backward-data's choice differs from `applies` (None: the same).
     rows(g): the rows of the path's GEMMs, the shape feature its rate moves with (None: the
     output pixels N Ho Wo); with the flops, what the cost model keys its rates on (rate_key).
+    variant(g): what the path's name in `taken` adds for geometry g ('' for none; Winograd's
+    tile where it is not F(4x4): ' F(2x2)'), so that the cost model keys each variant's rates
+    apart. None: no variants.
     """
     name: str
     applies: typing.Callable
@@ -49,6 +52,11 @@ class KernelPath(typing.NamedTuple):
     flips: bool = False
     backward_data_applies: typing.Optional[typing.Callable] = None
     rows: typing.Optional[typing.Callable] = None
+    variant: typing.Optional[typing.Callable] = None
+
+    def named(self, g):
+        """The path's name for geometry g, its variant's included (taken's names)."""
+        return self.name + (self.variant(g) if self.variant is not None else "")
 
     def takes(self, pass_name, g, dtype):
         """Whether this path computes `pass_name` for geometry g in dtype."""
@@ -123,9 +131,9 @@ def _winograd_layer(g, dtype):
 PATHS = (
     KernelPath("winograd-subgrids", winograd.subgrids_apply, forward=winograd.subgrids_forward,
                backward_filter=winograd.subgrids_backward_filter, workspace=winograd.subgrids_workspace_bytes,
-               flips=True, rows=winograd.subgrids_tile_rows),
+               flips=True, rows=winograd.subgrids_tile_rows, variant=winograd.subgrids_tile_name),
     KernelPath("winograd", winograd.applies, forward=winograd.forward, backward_filter=winograd.backward_filter,
-               workspace=winograd.workspace_bytes, flips=True, rows=winograd.tile_rows),
+               workspace=winograd.workspace_bytes, flips=True, rows=winograd.tile_rows, variant=winograd.tile_name),
     KernelPath("columns", columns.applies, forward=columns.forward, backward_data=columns.backward_data,
                backward_filter=columns.backward_filter, backward_data_applies=_columns_backward_data),
     KernelPath("columns-per-sample", columns.per_sample_applies, forward=columns.per_sample_forward,
@@ -151,14 +159,17 @@ def choose(pass_name, g, dtype):
 
 
 def taken(g, dtype):
-    """{pass: the name of the path it takes} for geometry g (zero padding) in dtype; a
-    backward-data by the full convolution names the forward path that computes it too
-    ('full-convolution/winograd'). What bench_kernels and the tests report."""
+    """{pass: the name of the path it takes} for geometry g (zero padding) in dtype, with its
+    variant (KernelPath.named: 'winograd F(2x2)'); a backward-data by the full convolution
+    names the forward path that computes it too ('full-convolution/winograd'). What
+    bench_kernels and the tests report."""
     out = {}
     for pass_name in PASSES:
-        name = choose(pass_name, g, dtype).name
-        if pass_name == "backward-data" and name == "full-convolution":
-            name += "/" + choose("forward", full_geometry(g)[1], dtype).name
+        path = choose(pass_name, g, dtype)
+        name = path.named(g)
+        if pass_name == "backward-data" and path.name == "full-convolution":
+            full = full_geometry(g)[1]
+            name = path.name + "/" + choose("forward", full, dtype).named(full)
         out[pass_name] = name
     return out
 

@@ -246,8 +246,9 @@ def reads_in_place(plane, Kd, pass_name, dtype="float32", ring=True):
                      or pass_name == "backward-data" and plane.F * Kd > plane.C):
         return False
     if pass_name == "backward-data":
-        return full_geometry(plane)[0] == (0, 0, 0, 0) \
-            and paths.taken(plane, dtype)["backward-data"] == "full-convolution/winograd"
+        crop, full = full_geometry(plane)
+        return crop == (0, 0, 0, 0) and paths.choose(pass_name, plane, dtype).name == "full-convolution" \
+            and paths.choose("forward", full, dtype).name == "winograd"
     return paths.choose(pass_name, plane, dtype).name == "winograd"
 
 

@@ -28,7 +28,8 @@ from cfp.kernels.conv.im2col import spread_plane_size, spread_planes
 # verification, stay on im2col (exact to rounding, and faster there in float64). winograd = True
 # (`with winograd()`, CFP_WINOGRAD=1) takes it for every dtype, False (`winograd(False)`,
 # CFP_WINOGRAD=0) for none: the plain GEMM path stays one switch away. The output tile's side m
-# is the setting winograd_tile, 2 or 4.
+# is the setting winograd_tile, 2 or 4 for every layer, or by default (None) each layer's cheaper
+# of the two by their measured cost (tile).
 
 _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 _MIN_TILES = 32  # by default, fewer tiles a call go by another path (_pays)
@@ -54,8 +55,49 @@ def tile_rows(g):
 
 def plane_tiles(g):
     """The tiles of one sample's output plane, ceil(Ho / m) ceil(Wo / m)."""
-    m = settings.current().winograd_tile
+    m = tile(g)
     return -(-g.Ho // m) * -(-g.Wo // m)
+
+
+# What the three passes of a layer cost by F(m x m, 3 x 3), in seconds, as the sum of what
+# moves with the tile (a = m + 2, T = N ceil(Ho / m) ceil(Wo / m) tiles): the products, T a^2 C F
+# multiply-adds; the filters' transforms (forward's, backward-data's flipped one, backward-
+# filter's back to taps), a^2 C F values each, paid once a call; the tiles' transforms, T a^2
+# (a^2 C + m^2 F) multiply-adds; their copies (padding, channel-last, gather), T a^2 (C + F)
+# values; and where the tiles overhang the outputs, the copy through a block of whole tiles,
+# T m^2 (C + F). The weights were fitted on 30 layers (7x7 to 56x56, 16 to 512 channels, 1 to
+# 32 samples), each timed at both tiles in turns on the Zen 5 guest with OpenBLAS's SkylakeX
+# kernels (BENCHMARKS.md, "Winograd's tile per layer"): they predict the three passes within 5%
+# at the median (26% at worst), and the tile they pick was the faster in 28 of the 30, 6% and
+# 1% slower in the other two.
+_TILE_COST = (0.0322e-9, 2.04e-9, 0.0256e-9, 1.45e-9, 2.05e-9)
+
+
+def tile_cost(g, m):
+    """The predicted seconds of a layer's three Winograd passes at tile m (_TILE_COST)."""
+    a, T = m + 2, g.N * -(-g.Ho // m) * -(-g.Wo // m)
+    cropped = (m * -(-g.Ho // m), m * -(-g.Wo // m)) != (g.Ho, g.Wo)
+    terms = (T * a * a * g.C * g.F, a * a * g.C * g.F, T * a * a * (a * a * g.C + m * m * g.F),
+             T * a * a * (g.C + g.F), cropped * T * m * m * (g.C + g.F))
+    return sum(w * t for w, t in zip(_TILE_COST, terms))
+
+
+def tile_name(g):
+    """What the path table's name of a Winograd pass on g adds: '' at F(4x4), ' F(2x2)' else."""
+    m = tile(g)
+    return "" if m == 4 else f" F({m}x{m})"
+
+
+def tile(g):
+    """The output tile m of geometry g's Winograd passes: the setting winograd_tile where it
+    names one, else (None, the default) the cheaper of 2 and 4 by tile_cost: F(2x2) on the
+    layers of few tiles a call, whose filters' transforms, 16 C F values against 36, weigh more
+    than the products (8x512x512 on 8x8, 2x256x256 on 16x16), and on most of those whose F(4x4)
+    tiles overhang their outputs (14x14: 196 of 256 outputs kept); F(4x4) elsewhere."""
+    m = settings.current().winograd_tile
+    if m is not None:
+        return m
+    return 2 if tile_cost(g, 2) < tile_cost(g, 4) else 4
 
 
 def _pays(g):
@@ -70,8 +112,10 @@ def _pays(g):
     8x8 and 14x14), 24 level (0.96-1.08), 32 and more faster (2x128x128x14x14 0.89, 8x512x512
     x7x7 0.82, 1x64x64x28x28 0.71): the filters' transform, 36 C F values written, is paid
     once a call whatever its tiles. Nor on layers of at most columns.FEW_CHANNELS channels
-    (a network's first layer), whose GEMMs C deep per-sample columns outrun (columns.py)."""
-    m = settings.current().winograd_tile
+    (a network's first layer), whose GEMMs C deep per-sample columns outrun (columns.py).
+    These were measured with F(4x4), whose tiles decide it where the setting names no tile;
+    of the layers that take Winograd, tile() then picks each one's tile."""
+    m = settings.current().winograd_tile or 4  # measured for F(4x4); tile() then picks among both
     tiles = -(-g.Ho // m) * -(-g.Wo // m)
     return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= _MIN_TILES \
         and g.C > columns.FEW_CHANNELS
@@ -135,7 +179,7 @@ def _winograd_tile_sizes(g):
     tiles than that, `strip` tile rows of one sample (step = 1), so that a large image's tiles
     and products stay in cache as a batch of small ones do; Hp x Wp the zero-padded input of a
     block's tiles (m * strip + 2 rows, every tile whole)."""
-    m = settings.current().winograd_tile
+    m = tile(g)
     th, tw = -(-g.Ho // m), -(-g.Wo // m)
     if th * tw <= _WINOGRAD_ROWS:
         step, strip = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw))), th
@@ -414,6 +458,11 @@ def subgrids_apply(g, dtype):
 def subgrids_tile_rows(g):
     """tile_rows of the sub-grid convolution the dilated layer is computed as."""
     return tile_rows(_subgrid_geometry(g))
+
+
+def subgrids_tile_name(g):
+    """tile_name of the sub-grid convolution the dilated layer is computed as."""
+    return tile_name(_subgrid_geometry(g))
 
 
 def _subgrid_geometry(g):
