@@ -292,6 +292,27 @@ def blas_info():
     ]
 
 
+# OpenBLAS's x86-64 kernels (threadpoolctl's 'architecture') that run float32 and float64 GEMMs
+# with AVX-512
+_AVX512_KERNELS = ("skylakex", "cooperlake", "sapphirerapids")
+
+
+@functools.lru_cache(maxsize=None)
+def blas_runs_avx512():
+    """Whether the BLAS loaded here runs AVX-512 GEMMs: OpenBLAS by the kernels it chose (or
+    OPENBLAS_CORETYPE chose for it), another library where the CPU has AVX-512 (Linux's flags).
+    What the Winograd tile's cost weighs (kernels/conv/winograd.py). Fixed for the process."""
+    loaded = blas_info()
+    openblas = [arch for lib, _, _, arch in loaded if lib == "openblas" and arch]
+    if openblas:
+        return openblas[0].lower() in _AVX512_KERNELS
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and " avx512f" in line for line in cpuinfo)
+    except OSError:
+        return False
+
+
 def blas_description():
     """'openblas 0.3.31.188.0 (SkylakeX)': the BLAS libraries loaded here and the kernels each
     runs, for a benchmark's header. The kernels move the rates: OpenBLAS's Haswell (AVX2) and

@@ -141,18 +141,26 @@ def test_float32_stays_close(case, fast_path):
 
 def test_each_winograd_layer_takes_its_cheaper_tile():
     """By default (winograd_tile None) each Winograd layer runs at the tile winograd.tile picks
-    by tile_cost: F(2x2) where F(4x4)'s tiles overhang a 14x14 output, or a call has few tiles
-    for its filters' transforms; F(4x4) on larger images of many tiles. The passes run at that
-    tile (bit for bit the explicit setting's results, not the other tile's), taken() names it,
-    and an explicit tile holds for every layer."""
+    by tile_cost for the BLAS loaded (AVX-512 GEMMs or AVX2 ones): F(2x2) where a call has few
+    tiles for its filters' transforms, and with AVX-512 where F(4x4)'s tiles overhang a 14x14
+    output; F(4x4) on larger images of many tiles. The passes run at that tile (bit for bit the
+    explicit setting's results, not the other tile's), taken() names it, and an explicit tile
+    holds for every layer."""
+    from cfp import backend
     from cfp.kernels.conv.geometry import conv_geometry
-    picks = {(2, 256, 256, 14): 2, (8, 512, 512, 8): 2, (8, 256, 256, 16): 4, (32, 64, 64, 32): 4, (8, 64, 64, 56): 4}
-    for (N, C, F, H), m in picks.items():
+    # (N, C, F, H): the tile with AVX-512 GEMMs, with AVX2 ones
+    picks = {(2, 256, 256, 14): (2, 2), (4, 512, 512, 8): (2, 2), (8, 256, 256, 14): (2, 4),
+             (8, 512, 512, 8): (2, 4), (8, 256, 256, 16): (4, 4), (32, 64, 64, 32): (4, 4), (8, 64, 64, 56): (4, 4)}
+    for (N, C, F, H), tiles in picks.items():
         g = conv_geometry((N, C, H, H), (F, C, 3, 3), padding=1)
+        for avx512, m in zip((True, False), tiles):
+            assert winograd_kernels.tile_cost(g, m, avx512) < winograd_kernels.tile_cost(g, 6 - m, avx512), (N, C, F, H)
+        m = tiles[0] if backend.blas_runs_avx512() else tiles[1]
         assert winograd_kernels.tile(g) == m, (N, C, F, H)
-        assert (winograd_kernels.tile_cost(g, m) < winograd_kernels.tile_cost(g, 6 - m)), (N, C, F, H)
         name = "winograd" + ("" if m == 4 else " F(2x2)")
-        assert paths.taken(g, "float32") == {"forward": name, "backward-data": "full-convolution/" + name,
+        with settings.winograd(True):  # (4x512x512 on 8x8 has too few tiles to take it by default)
+            taken = paths.taken(g, "float32")
+        assert taken == {"forward": name, "backward-data": "full-convolution/" + name,
                                              "backward-filter": name}
         for tile in (2, 4):
             with settings.winograd(None, tile=tile):

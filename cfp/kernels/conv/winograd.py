@@ -5,6 +5,7 @@ import functools
 
 import numpy as np
 
+from cfp import backend
 from cfp.kernels import settings, workspace
 from cfp.kernels.conv import columns
 from cfp.kernels.conv.geometry import padded_size
@@ -66,20 +67,26 @@ def plane_tiles(g):
 # (a^2 C + m^2 F) multiply-adds; their copies (padding, channel-last, gather), T a^2 (C + F)
 # values; and where the tiles overhang the outputs, the copy through a block of whole tiles,
 # T m^2 (C + F). The weights were fitted on 30 layers (7x7 to 56x56, 16 to 512 channels, 1 to
-# 32 samples), each timed at both tiles in turns on the Zen 5 guest with OpenBLAS's SkylakeX
-# kernels (BENCHMARKS.md, "Winograd's tile per layer"): they predict the three passes within 5%
-# at the median (26% at worst), and the tile they pick was the faster in 28 of the 30, 6% and
-# 1% slower in the other two.
-_TILE_COST = (0.0322e-9, 2.04e-9, 0.0256e-9, 1.45e-9, 2.05e-9)
+# 32 samples), each timed at both tiles in turns on the Zen 5 guest (BENCHMARKS.md, "Winograd's
+# tile per layer"), once with OpenBLAS's AVX-512 (SkylakeX) kernels and once with its AVX2
+# (Haswell) ones: the products and the tiles' transforms, which are GEMMs, cost 1.7-2.2 times
+# as much with AVX2, which moves the choice (8x256x256 on 14x14: F(2x2) 10% faster with AVX-512,
+# 4% slower with AVX2). Each set predicts its three passes within 5% at the median (26-27% at
+# worst), and the tile it picks was the faster in 28 of the 30 (AVX-512; 6% and 1% slower in
+# the other two) and 29 of the 30 (AVX2; 1% slower in the other).
+_TILE_COST = {True: (0.0322e-9, 2.04e-9, 0.0256e-9, 1.45e-9, 2.05e-9),  # the BLAS runs AVX-512
+              False: (0.0547e-9, 2.08e-9, 0.0558e-9, 1.77e-9, 1.63e-9)}  # AVX2
 
 
-def tile_cost(g, m):
-    """The predicted seconds of a layer's three Winograd passes at tile m (_TILE_COST)."""
+def tile_cost(g, m, avx512=None):
+    """The predicted seconds of a layer's three Winograd passes at tile m (_TILE_COST) with the
+    BLAS loaded here (avx512: as if it ran AVX-512 GEMMs or not; default backend.blas_runs_avx512)."""
     a, T = m + 2, g.N * -(-g.Ho // m) * -(-g.Wo // m)
     cropped = (m * -(-g.Ho // m), m * -(-g.Wo // m)) != (g.Ho, g.Wo)
     terms = (T * a * a * g.C * g.F, a * a * g.C * g.F, T * a * a * (a * a * g.C + m * m * g.F),
              T * a * a * (g.C + g.F), cropped * T * m * m * (g.C + g.F))
-    return sum(w * t for w, t in zip(_TILE_COST, terms))
+    weights = _TILE_COST[backend.blas_runs_avx512() if avx512 is None else bool(avx512)]
+    return sum(w * t for w, t in zip(weights, terms))
 
 
 def tile_name(g):
@@ -92,8 +99,9 @@ def tile(g):
     """The output tile m of geometry g's Winograd passes: the setting winograd_tile where it
     names one, else (None, the default) the cheaper of 2 and 4 by tile_cost: F(2x2) on the
     layers of few tiles a call, whose filters' transforms, 16 C F values against 36, weigh more
-    than the products (8x512x512 on 8x8, 2x256x256 on 16x16), and on most of those whose F(4x4)
-    tiles overhang their outputs (14x14: 196 of 256 outputs kept); F(4x4) elsewhere."""
+    than the products (4x512x512 on 8x8, 1x256x256 on 16x16), and with AVX-512 GEMMs on most of
+    those whose F(4x4) tiles overhang their outputs (14x14: 196 of 256 outputs kept); F(4x4)
+    elsewhere."""
     m = settings.current().winograd_tile
     if m is not None:
         return m
