@@ -112,6 +112,7 @@ def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile,
     from cfp.kernels import settings
     from cfp.kernels.conv import volume
     monkeypatch.setattr(volume, "IN_PLACE_TILES", 1)
+    monkeypatch.setattr(volume, "RING_PIXELS", 0)  # the ring on these small planes too
     x, w, b, dy = _volume_problem({"x": x_shape, "w": w_shape, "args": args}, seed=9)
     with settings.winograd(True, tile=tile):
         v = volume.volume_geometry(x_shape, w_shape, **args)
@@ -134,9 +135,11 @@ def test_conv3d_winograd_reads_the_planes_in_place(x_shape, w_shape, args, tile,
 
 def test_which_volumes_read_their_planes_in_place():
     """By default (float32): every Winograd pass at depth stride and dilation 1 (each plane's
-    tiles transformed once); at a depth dilation (the strided view) planes of at least
-    IN_PLACE_TILES tiles, backward-data where F <= C; float64 (im2col) stays stacked. What the
-    cost model counts follows (copied_elements: none where a pass reads in place)."""
+    tiles transformed once) on planes of at least RING_PIXELS outputs, or SMALL_RING_PIXELS with
+    at least SMALL_RING_CHANNELS channels to no more filters; at a depth dilation (the strided
+    view) planes of at least IN_PLACE_TILES tiles, backward-data where F <= C; float64 (im2col)
+    stays stacked. What the cost model counts follows (copied_elements: none where a pass reads
+    in place)."""
     from cfp.kernels.conv import volume
     passes = ("forward", "backward-data", "backward-filter")
 
@@ -147,6 +150,14 @@ def test_which_volumes_read_their_planes_in_place():
     assert reading((1, 32, 64, 64, 64), (32, 32, 3, 3, 3)) == every
     assert reading((4, 64, 16, 16, 16), (64, 64, 3, 3, 3)) == every
     assert reading((2, 16, 32, 32, 32), (32, 16, 3, 3, 3)) == every
+    assert reading((2, 32, 24, 24, 24), (64, 32, 3, 3, 3)) == every  # 576 outputs a plane
+    assert reading((2, 32, 16, 16, 16), (16, 32, 3, 3, 3)) == every  # 256, 32 channels to 16 filters
+    none = dict.fromkeys(passes, False)
+    assert reading((2, 16, 16, 16, 16), (32, 16, 3, 3, 3)) == none  # 256 outputs, more filters than channels
+    assert reading((1, 16, 16, 16, 16), (16, 16, 3, 3, 3)) == none  # 16 channels
+    assert reading((2, 128, 8, 8, 8), (128, 128, 3, 3, 3)) == none  # 64 outputs a plane
+    small = volume.volume_geometry((1, 16, 16, 16, 16), (16, 16, 3, 3, 3), padding=1).plane
+    assert volume.copied_elements(small, 3) == volume.stacked_copies(small)
     assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), "float64") == dict.fromkeys(passes, False)
     dilated = {"dilation": (2, 1, 1), "padding": (2, 1, 1)}
     assert reading((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), **dilated) == every

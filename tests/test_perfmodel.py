@@ -327,15 +327,17 @@ def test_a_volume_split_by_depth_by_hand():
     assert sent == [(3072, 3072)] * 2  # each sends a plane forward and its gradient back
     # The copies of the planes around the 2-D passes (volume.copied_elements), at a profile's
     # 'volume' rate of 1 s (a third to each pass that copies) + 1e-3 s an element: forward and
-    # backward-filter take Winograd (F(2x2): the 6 columns would overhang F(4x4)'s tiles), which at
-    # depth stride 1 reads the planes where they lie (no copies); backward-data (the full
-    # convolution of dy's 6 channels, by per-sample columns) unstacks the stacked gradient 8 x 12
-    # x 8 x 6 (4608) and turns dy's planes 8 x 6 x 8 x 6 (2304) into samples.
+    # backward-filter take Winograd (F(2x2): the 6 columns would overhang F(4x4)'s tiles), whose
+    # ring would read the planes where they lie, but not on planes of 48 outputs (below
+    # volume.RING_PIXELS): they stack the input 8 x 12 x 8 x 6 (4608) and turn y's (dy's) planes
+    # 8 x 6 x 8 x 6 (2304) into samples; backward-data (the full convolution of dy's 6 channels,
+    # by per-sample columns) unstacks the stacked gradient (4608) and turns dy's planes (2304)
+    # into samples.
     assert taken(g, "float32") == {"forward": "winograd F(2x2)", "backward-data": "full-convolution/columns-per-sample",
                                    "backward-filter": "winograd F(2x2)"}
     copying = MachineProfile(dict(profile_data(), layers={"volume": [1.0, 1e-3]}))
     cost = layer_cost(layer, "sample", 1, 1, copying, P_d=2)
-    copies = {"forward": 0.0, "backward-data": 1.0 / 3 + 6.912, "backward-filter": 0.0}
+    copies = dict.fromkeys(cost["compute"], 1.0 / 3 + 6.912)
     assert cost["compute"] == {p: pytest.approx(497664 / 1e10 + copies[p], rel=1e-12) for p in cost["compute"]}
 
 

@@ -227,6 +227,23 @@ def _planes_view(x, v, n, outs, xp):
 # (16 tiles) 8-10% slower, a sample's few planes then filling Winograd's blocks of tiles less
 # well than the stack of every sample's.
 IN_PLACE_TILES = 64
+# At depth stride and dilation 1 (the ring), a plane read in place has at least RING_PIXELS
+# outputs, or at least SMALL_RING_PIXELS with at least SMALL_RING_CHANNELS input channels and no
+# more filters than those. The ring runs a GEMM, an output transform and a placement for every
+# output plane of every sample, of one plane's tiles each, which on small planes cost more than
+# what it saves (Kd - 1 of every Kd input transforms, and the stack's copies). Measured on the
+# Zen 5 guest, the three passes, one thread, ring against stack with OpenBLAS's Haswell and
+# SkylakeX kernels alike (BENCHMARKS.md, "Volumes: the ring on small planes"): 24^3 and larger
+# 0.66-0.84; 16^3 with C >= F >= 16 and C >= 32 0.71-1.01 (2x32x32 level), with C < F 1.00-1.26,
+# 1x16x16 1.26-1.33; 12^3 and 8^3 1.27-2.18.
+RING_PIXELS, SMALL_RING_PIXELS, SMALL_RING_CHANNELS = 512, 256, 32
+
+
+def ring_pays(plane, Kd):
+    """Whether the ring reads a volume's planes in place (RING_PIXELS), for its stacked
+    convolution `plane` of Kd kernel planes (plane.C // Kd input channels a plane)."""
+    pixels, C = plane.Ho * plane.Wo, plane.C // Kd
+    return pixels >= RING_PIXELS or pixels >= SMALL_RING_PIXELS and C >= max(plane.F, SMALL_RING_CHANNELS)
 
 
 def reads_in_place(plane, Kd, pass_name, dtype="float32", ring=True):
@@ -234,13 +251,12 @@ def reads_in_place(plane, Kd, pass_name, dtype="float32", ring=True):
     the planes where they lie instead of stacking them: where that pass takes Winograd (not
     its sub-grids; backward-data by its full convolution, cropping nothing in the plane). ring:
     the volume's depth stride and dilation are 1, so that each plane's tiles are transformed
-    once (winograd.planes_forward), which measured as fast or faster than the stack on every
-    volume tried (16^3 to 64^3, 16 to 128 channels; 5-15% on 16^3 and on backward-data with F >
-    C). Otherwise (the strided view, each plane transformed in every window that reads it) only
+    once (winograd.planes_forward), on planes large enough for it (ring_pays: 24x24 and up, or
+    16x16 of at least 32 channels to no more filters). Otherwise (the strided view, each plane transformed in every window that reads it) only
     on planes of at least IN_PLACE_TILES tiles, and backward-data, whose convolution of dy along
     depth (_full_depth) then transforms Kd F channels where the stacked one transforms F and
     writes Kd C, only where F <= C (measured: 16 channels to 32 on 32^3, 24 against 19-20 ms)."""
-    if plane.mode != "zeros":
+    if plane.mode != "zeros" or ring and not ring_pays(plane, Kd):
         return False
     if not ring and (winograd.plane_tiles(plane) < IN_PLACE_TILES
                      or pass_name == "backward-data" and plane.F * Kd > plane.C):
