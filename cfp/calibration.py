@@ -33,13 +33,14 @@ from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forwar
 from .kernels import settings as kernel_settings
 from .kernels.conv import paths
 from .kernels.conv.geometry import geometry_flops
-from .kernels.conv.volume import copy_passes, stacked_copies, volume_geometry
+from .kernels.conv.volume import (conv3d_backward_data, conv3d_backward_filter, conv3d_forward, copy_passes,
+                                  stacked_copies, volume_geometry)
 from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy,
                  Upsample)
 from .nn.module import Parameter
 from .optim import SGD
 from .partition import block_sizes
-from .perfmodel import MachineProfile
+from .perfmodel import MachineProfile, volume_key
 from .tensor import DistTensor, Layout
 
 FORMAT = 2  # the profile format this cfp writes and reads (perfmodel.MachineProfile)
@@ -499,16 +500,69 @@ def measured(profile_data, g):
     return True
 
 
-def top_up(world, profile_data, geometries, repeats=5):
+def top_up(world, profile_data, geometries, repeats=5, volumes=()):
     """Measure the kernels of those `geometries` (ConvGeometry, zero padding) the profile has
     no points of (`measured`), adding them to profile_data's rates in place, as FFTW adds to its
     wisdom: the planner's own layers are then priced at measured rates, not interpolated ones
     (the median of 5 by default: these points price the plan itself, where the quick
-    calibration's 3 left a layer's prediction 15% apart between two runs).
-    Returns how many were measured (the same on every rank)."""
+    calibration's 3 left a layer's prediction 15% apart between two runs). `volumes`: [(block,
+    its stacked geometry)] of Conv3d layers (perfmodel.local_block), timed as volumes where the
+    profile has no points of them (calibrate_volumes). Returns how many were measured (the
+    same on every rank)."""
     missing = [g for g in dict.fromkeys(geometries) if g.N * g.C * g.F > 0 and not measured(profile_data, g)]
     calibrate_kernels(world, missing, repeats, table=profile_data["kernels"])
-    return len(missing)
+    unmeasured = {}
+    for block, plane in volumes:
+        if plane is not None and plane.N * plane.C * plane.F > 0 and not volume_measured(profile_data, block, plane):
+            unmeasured.setdefault(volume_key("forward", block, plane)[1], (block, plane))
+    calibrate_volumes(world, list(unmeasured.values()), repeats, profile_data["kernels"])
+    return len(missing) + len(unmeasured)
+
+
+def volume_measured(profile_data, block, plane):
+    """Whether every pass of a volume's block (perfmodel.local_block; `plane` its stacked
+    geometry) has a point of its own in the profile's kernel rates (perfmodel.volume_key)."""
+    for name in paths.PASSES:
+        path, key = volume_key(name, block, plane)
+        if not any(len(p) > 3 and p[3] == key for p in profile_data["kernels"][name].get(path, [])):
+            return False
+    return True
+
+
+def calibrate_volumes(world, volumes, repeats, table):
+    """Time the three Conv3d passes of each volume block (x shape, w shape, options) with its
+    stacked geometry `plane` [(block, plane)] on every rank of `world` at once, on cold caches,
+    the blocks in rounds as calibrate_kernels goes, and file each pass under
+    perfmodel.volume_key at the stacked geometry's flops and rows (float32), in `table`."""
+    rng = np.random.default_rng(0)
+    cold = _Cold()
+    steps = [_volume_step(block, rng, cold) for block, _ in volumes]
+    samples = [[] for _ in volumes]
+    for round_ in range(1 + repeats):
+        for step, kept in zip(steps, samples):
+            seconds = slowest_median(world, step, 1, 0)
+            if round_:
+                kept.append(seconds)
+    for (block, plane), kept in zip(volumes, samples):
+        flops = _flops(plane)
+        for name in paths.PASSES:
+            seconds = statistics.median(s[name] for s in kept)
+            path, key = volume_key(name, block, plane)
+            _, rows = paths.rate_key(name, plane, np.dtype(np.float32))
+            table[name].setdefault(path, []).append([flops, float(rows), flops / seconds, key])
+
+
+def _volume_step(block, rng, cold):
+    """A step for slowest_median: a volume block's three Conv3d passes in turn, each on cold
+    caches ({pass: seconds})."""
+    x_shape, w_shape, options = block
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    y = conv3d_forward(x, w, None, **options)
+    calls = {"forward": lambda: conv3d_forward(x, w, None, **options),
+             "backward-data": lambda: conv3d_backward_data(y, w, x.shape, **options),
+             "backward-filter": lambda: conv3d_backward_filter(x, y, w.shape, **options)}
+    return lambda: {name: cold(call)["total"] for name, call in calls.items()}
 
 
 # -- the layers between convolutions -----------------------------------------------------------
@@ -721,7 +775,8 @@ def profile_for(world, threads, layers=None, directory=None, out=None):
     if layers:
         from .planner import geometries
         start = time.time()
-        added = top_up(world, data, geometries(layers, world.Get_size(), MachineProfile(data)))
+        planes, volumes = geometries(layers, world.Get_size(), MachineProfile(data))
+        added = top_up(world, data, planes, volumes=volumes)
         if added and rank0:  # (every rank measured the same slowest-rank rates)
             say(f"cfp: measured the kernels of {added} more layer shape(s) the planner weighs in "
                 f"{time.time() - start:.1f} s, {_cache(path, data)}")

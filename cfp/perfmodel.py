@@ -385,6 +385,10 @@ class MachineProfile:
         fixed, per_element = self.layers[kind]
         return count * fixed + elements * per_element
 
+    def point_rate(self, pass_name, path, geometry):
+        """The flop/s of the point measured on `geometry` (its name) under `path`, or None."""
+        return next((rate for _, _, rate, key in self.kernels[pass_name].get(path, ()) if key == geometry), None)
+
     def kernel_time(self, pass_name, path, flops, rows=None, geometry=None):
         """Seconds of one kernel pass of `flops` by kernel path `path` over `rows` GEMM rows
         (paths.rate_key): the rate measured on `geometry` itself (paths.geometry_key) where
@@ -590,8 +594,9 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     out, needed = math.prod(s["y"]), math.prod(w[3] for w in windows)
     x_bytes, y_bytes = n * read * needed * item, n * filters * out * item
     inside = inside_nodes(shape, profile, p_f, node_axes)
+    block = local_block(layer, n, read, filters, s["seen"], windows)
     local, passes = local_geometry(layer, n, read, filters, s["seen"], windows)
-    compute, keys = _pass_seconds(layer, local, passes, profile)
+    compute, keys = _pass_seconds(layer, local, passes, profile, block)
     comm = {phase: 0.0 for phase in PHASES}
     spatial = P_d * P_h * P_w
     groups = {"row": (p_f, inside["row"]), "column": (q, inside["column"]),
@@ -650,6 +655,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
             # the share of backward-data after the gradient sum starts (sum_start_seconds)
             "data_after_sum": (1 / chunks if cls.dw_by_chunks else 1.0) if cls.sums_before_data else 0.0,
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
+            "block": block if priced_as_volume(layer) and local is not None else None,
             "chunks": chunks, "hidden": hidden,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
@@ -706,7 +712,9 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
                          f"(stationary-x, -y and -w do)")
     if chunks > max(n, 1):
         raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds")
-    chunk, _ = _pass_seconds(layer, *local_geometry(layer, -(-n // chunks), read, filters, seen, windows), profile)
+    part_n = -(-n // chunks)
+    chunk, _ = _pass_seconds(layer, *local_geometry(layer, part_n, read, filters, seen, windows), profile,
+                             local_block(layer, part_n, read, filters, seen, windows))
     progress = profile.progress_of(all(groups[m.group][1] for m in sent))
 
     def part(phase, collective):
@@ -732,14 +740,19 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
             hidden[p] = max(0.0, total - exposed) * share
 
 
-def _pass_seconds(layer, local, passes, profile):
+def _pass_seconds(layer, local, passes, profile, block=None):
     """({pass: seconds} of the layer's local kernels, {pass: (path, GEMM rows)}) on the 2-D
     geometry `local` (local_geometry) whose `passes` compute them: each at its path's measured
     rate (kernel_time), a volume's with the copies of its planes around them where it makes
-    them (volume.copied_elements, at the profile's 'volume' rate); none for the first layer's
-    backward-data or a block no window reaches."""
+    them (volume.copied_elements, at the profile's 'volume' rate), or, where the profile has
+    its passes measured on its own `block` (local_block; volume_key), at those; none for the
+    first layer's backward-data or a block no window reaches."""
     flops = geometry_flops(local) if local is not None else 0
     keys = {p: rate_key(passes[p], local, "float32") if local is not None else (None, None) for p in PASSES}
+    if flops and block is not None and priced_as_volume(layer):
+        own = {p: profile.point_rate(passes[p], *volume_key(passes[p], block, local)) for p in PASSES}
+        if all(own.values()):
+            return {p: 0.0 if layer.first and p == "backward-data" else flops / own[p] for p in PASSES}, keys
     named = None if local is None else geometry_key(local)
     copied = copied_elements(local, layer.K, ring=(layer.stride, layer.dilation) == (1, 1)) \
         if flops and len(layer.spatial) == 3 else {}
@@ -750,18 +763,46 @@ def _pass_seconds(layer, local, passes, profile):
     return seconds, keys
 
 
-def local_geometry(layer, n, read, filters, seen, windows):
-    """(the 2-D ConvGeometry that computes the busiest rank's local convolution of `layer`,
-    {pass: its pass that computes each}; ConvOp.plane): x (n, read, *extents), w (filters, seen,
-    K...) with the padding of `windows` (_windows); its kernel paths are what the kernel table
-    chooses for it (paths.rate_key). None for a transposed block no window reaches."""
-    op = conv_op(layer.op)
+def local_block(layer, n, read, filters, seen, windows):
+    """(x shape, w shape, options) of the busiest rank's local convolution of `layer`: x (n,
+    read, *extents), w (filters, seen, K...) with the padding of `windows` (_windows)."""
     groups = 1 if layer.groups == 1 else max(1, read // max(1, seen))
     options = dict(layer.options, groups=groups, padding=tuple(side for w in windows for side in w[1:3]))
-    if op.transposed:
+    if conv_op(layer.op).transposed:
         options["output_padding"] = 0
     x_shape = (max(n, 1), max(read, groups)) + tuple(w[0] for w in windows)
-    return op.plane(x_shape, (max(filters, groups), seen) + (layer.K,) * len(windows), **options)
+    return x_shape, (max(filters, groups), seen) + (layer.K,) * len(windows), options
+
+
+def local_geometry(layer, n, read, filters, seen, windows):
+    """(the 2-D ConvGeometry that computes the busiest rank's local convolution of `layer`,
+    {pass: its pass that computes each}; ConvOp.plane) of its local_block; its kernel paths are
+    what the kernel table chooses for it (paths.rate_key). None for a transposed block no
+    window reaches."""
+    x_shape, w_shape, options = local_block(layer, n, read, filters, seen, windows)
+    return conv_op(layer.op).plane(x_shape, w_shape, **options)
+
+
+# A volume's passes (Conv3d) run its own kernels around the stacked 2-D convolution they are
+# keyed by: the ring that transforms each plane once, or the stack's copies. Where calibration
+# has timed a volume's passes on its very block (calibration.top_up), the profile keeps them
+# under VOLUME + the 2-D path's name and volume_key's name of the block, and the volume is priced
+# at them; elsewhere at its stacked convolution's rate plus the copies (volume.copied_elements).
+VOLUME = "volume "
+
+
+def volume_key(pass_name, block, plane):
+    """(path, geometry name) of a volume's pass measured on its own block (x shape, w shape,
+    options; local_block) whose stacked convolution is `plane`."""
+    name, _ = rate_key(pass_name, plane, "float32")
+    x_shape, w_shape, options = block
+    opts = " ".join(f"{k}={options[k]}" for k in sorted(options))
+    return VOLUME + name, f"{'x'.join(map(str, x_shape))} {'x'.join(map(str, w_shape))} {opts}"
+
+
+def priced_as_volume(layer):
+    """Whether `layer`'s passes may be priced at its volume's own measured points (Conv3d)."""
+    return layer.op == "conv3d"
 
 
 def _layers_time(layer, profile, elements, channels, w_count, optimizer_buffers, sharing, intra):

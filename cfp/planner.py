@@ -138,10 +138,13 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
 
 
 def geometries(layers, ranks, profile, spatial=False):
-    """The local convolutions (perfmodel.local_geometry) of every option of every layer on
-    `ranks` ranks: what the kernels of any plan of these layers would run, for calibration to
-    measure (calibration.top_up)."""
-    return [o.cost["geometry"] for L in layers for o in layer_options(L, ranks, profile, spatial=spatial)]
+    """The local convolutions of every option of every layer on `ranks` ranks, for calibration
+    to measure (calibration.top_up): (the 2-D geometries, perfmodel.local_geometry: what the
+    kernels of any plan of these layers would run; the volumes' own blocks with their stacked
+    geometries, [(perfmodel.local_block, geometry)], which it times as volumes)."""
+    options = [o for L in layers for o in layer_options(L, ranks, profile, spatial=spatial)]
+    return ([o.cost["geometry"] for o in options],
+            [(o.cost["block"], o.cost["geometry"]) for o in options if o.cost.get("block") is not None])
 
 
 def moves(chosen, choice, itemsize):

@@ -288,6 +288,33 @@ def test_top_up_measures_each_geometry_once_even_where_two_share_flops_and_rows(
             pytest.approx(point[0] / point[2], rel=1e-12)
 
 
+def test_a_volume_is_measured_on_its_own_block_and_priced_at_it():
+    """A Conv3d layer's local block (perfmodel.local_block) is timed as a volume by top_up, once
+    however many options share it, and its passes are then priced at those points (its ring's
+    or its stack's own time, copies included), not at its stacked 2-D convolution's rate plus
+    the copies; a Conv2d layer has no block to time."""
+    from cfp.perfmodel import LayerShape, volume_key
+    from cfp.planner import geometries
+    layer = LayerShape("v", 2, 8, 8, 12, 12, 3, op="conv3d", D=12)
+    data = fake_profile(calibration.machine_record(1, 1))
+    data["kernels"] = {p: {"*": [[1e6, 64, 1e9]]} for p in paths.PASSES}
+    data["layers"] = dict(data.get("layers", {}), volume=[1.0, 1.0])  # copies priced at 1 s + 1 s an element
+    before = layer_cost(layer, "sample", 1, 1, MachineProfile(data))
+    assert before["compute"]["forward"] > 1.0  # the stack's copies, at the made-up rate
+    planes, volumes = geometries([layer], 1, MachineProfile(data))
+    assert len(volumes) >= 1 and all(block == before["block"] for block, _ in volumes)
+    assert calibration.top_up(MPI.COMM_SELF, data, planes, repeats=1, volumes=volumes + volumes) == len(set(planes)) + 1
+    assert calibration.volume_measured(data, before["block"], before["geometry"])
+    assert calibration.top_up(MPI.COMM_SELF, data, planes, repeats=1, volumes=volumes) == 0
+    after = layer_cost(layer, "sample", 1, 1, MachineProfile(data))
+    for p in paths.PASSES:
+        path, key = volume_key(p, before["block"], before["geometry"])
+        point = next(q for q in data["kernels"][p][path] if q[3] == key)
+        assert after["compute"][p] == pytest.approx(point[0] / point[2], rel=1e-12) and after["compute"][p] < 0.5
+    flat = LayerShape("c", 2, 8, 8, 12, 12, 3)
+    assert layer_cost(flat, "sample", 1, 1, MachineProfile(data))["block"] is None
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_a_failure_on_rank0_alone_stops_every_rank():
