@@ -29,12 +29,12 @@ from . import backend, comm
 from .benchtools import count_kernel_seconds, on_rank0, quiet_barrier, slowest_median, timed
 from .grid import ProcessGrid, node_layout  # noqa: F401 (calibration.node_layout: the nodes it measures)
 from .io import load_json, save_json
-from .kernels import conv2d_backward_data, conv2d_backward_filter, conv2d_forward, conv_geometry
+from .kernels import conv_geometry
 from .kernels import settings as kernel_settings
 from .kernels.conv import paths
 from .kernels.conv.geometry import geometry_flops
-from .kernels.conv.volume import (conv3d_backward_data, conv3d_backward_filter, conv3d_forward, copy_passes,
-                                  stacked_copies, volume_geometry)
+from .kernels.conv.ops import OPS
+from .kernels.conv.volume import copy_passes, stacked_copies, volume_geometry
 from .nn import (BatchNorm2d, Conv2d, GlobalAvgPool2d, MaxPool2d, ReLU, Residual, Sequential, SoftmaxCrossEntropy,
                  Upsample)
 from .nn.module import Parameter
@@ -457,13 +457,7 @@ def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
     table = {name: {} for name in paths.PASSES} if table is None else table
     done = 0
     for group in _rounds(geometries):
-        steps = [_kernel_step(g, rng, cold) for g in group]
-        samples = [[] for _ in group]
-        for round_ in range(1 + repeats):
-            for step, kept in zip(steps, samples):
-                seconds = slowest_median(world, step, 1, 0)
-                if round_:
-                    kept.append(seconds)
+        samples = _in_rounds(world, [_kernel_step(g, rng, cold) for g in group], repeats)
         for g, kept in zip(group, samples):
             flops = _flops(g)
             for name in paths.PASSES:
@@ -476,28 +470,48 @@ def calibrate_kernels(world, geometries, repeats, progress=None, table=None):
     return table
 
 
-def _kernel_step(g, rng, cold):
-    """A step for slowest_median: geometry g's three passes in turn, each on cold caches, as a
-    layer's training step runs them ({pass: seconds})."""
-    x_shape, w_shape, args = _shapes_and_args(g)
+def _in_rounds(world, steps, repeats):
+    """[[{pass: seconds}, ...] of each step]: every step (slowest_median's) once a round, a
+    warm-up round and `repeats` timed ones, the slowest rank's time of each."""
+    samples = [[] for _ in steps]
+    for round_ in range(1 + repeats):
+        for step, kept in zip(steps, samples):
+            seconds = slowest_median(world, step, 1, 0)
+            if round_:
+                kept.append(seconds)
+    return samples
+
+
+def _passes_step(op, x_shape, w_shape, options, rng, cold):
+    """A step for slowest_median: the three passes of convolution kind `op` (kernels/conv/ops.py)
+    on x and w of these shapes in turn, each on cold caches, as a layer's training step runs
+    them ({pass: seconds})."""
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal(w_shape).astype(np.float32)
-    y = conv2d_forward(x, w, None, **args)
-    calls = {"forward": lambda: conv2d_forward(x, w, None, **args),
-             "backward-data": lambda: conv2d_backward_data(y, w, x.shape, **args),
-             "backward-filter": lambda: conv2d_backward_filter(x, y, w.shape, **args)}
+    y = op.forward(x, w, None, **options)
+    calls = {"forward": lambda: op.forward(x, w, None, **options),
+             "backward-data": lambda: op.backward_data(y, w, x.shape, **options),
+             "backward-filter": lambda: op.backward_filter(x, y, w.shape, **options)}
     return lambda: {name: cold(call)["total"] for name, call in calls.items()}
+
+
+def _kernel_step(g, rng, cold):
+    """_passes_step of geometry g (zero padding)."""
+    return _passes_step(OPS["conv2d"], *_shapes_and_args(g), rng, cold)
+
+
+def _has_points(profile_data, keys):
+    """Whether the profile's kernel rates have a point of each (pass, path, geometry name)."""
+    return all(any(len(p) > 3 and p[3] == key for p in profile_data["kernels"][name].get(path, []))
+               for name, path, key in keys)
 
 
 def measured(profile_data, g):
     """Whether every pass of geometry g has a point of its own in the profile's kernel rates
     (the same path, measured on g: paths.geometry_key)."""
     key = paths.geometry_key(g)
-    for name in paths.PASSES:
-        path, _ = paths.rate_key(name, g, np.dtype(np.float32))
-        if not any(len(p) > 3 and p[3] == key for p in profile_data["kernels"][name].get(path, [])):
-            return False
-    return True
+    return _has_points(profile_data, [(name, paths.rate_key(name, g, np.dtype(np.float32))[0], key)
+                                      for name in paths.PASSES])
 
 
 def top_up(world, profile_data, geometries, repeats=5, volumes=()):
@@ -522,11 +536,7 @@ def top_up(world, profile_data, geometries, repeats=5, volumes=()):
 def volume_measured(profile_data, block, plane):
     """Whether every pass of a volume's block (perfmodel.local_block; `plane` its stacked
     geometry) has a point of its own in the profile's kernel rates (perfmodel.volume_key)."""
-    for name in paths.PASSES:
-        path, key = volume_key(name, block, plane)
-        if not any(len(p) > 3 and p[3] == key for p in profile_data["kernels"][name].get(path, [])):
-            return False
-    return True
+    return _has_points(profile_data, [(name, *volume_key(name, block, plane)) for name in paths.PASSES])
 
 
 def calibrate_volumes(world, volumes, repeats, table):
@@ -536,13 +546,7 @@ def calibrate_volumes(world, volumes, repeats, table):
     perfmodel.volume_key at the stacked geometry's flops and rows (float32), in `table`."""
     rng = np.random.default_rng(0)
     cold = _Cold()
-    steps = [_volume_step(block, rng, cold) for block, _ in volumes]
-    samples = [[] for _ in volumes]
-    for round_ in range(1 + repeats):
-        for step, kept in zip(steps, samples):
-            seconds = slowest_median(world, step, 1, 0)
-            if round_:
-                kept.append(seconds)
+    samples = _in_rounds(world, [_passes_step(OPS["conv3d"], *block, rng, cold) for block, _ in volumes], repeats)
     for (block, plane), kept in zip(volumes, samples):
         flops = _flops(plane)
         for name in paths.PASSES:
@@ -550,19 +554,6 @@ def calibrate_volumes(world, volumes, repeats, table):
             path, key = volume_key(name, block, plane)
             _, rows = paths.rate_key(name, plane, np.dtype(np.float32))
             table[name].setdefault(path, []).append([flops, float(rows), flops / seconds, key])
-
-
-def _volume_step(block, rng, cold):
-    """A step for slowest_median: a volume block's three Conv3d passes in turn, each on cold
-    caches ({pass: seconds})."""
-    x_shape, w_shape, options = block
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    w = rng.standard_normal(w_shape).astype(np.float32)
-    y = conv3d_forward(x, w, None, **options)
-    calls = {"forward": lambda: conv3d_forward(x, w, None, **options),
-             "backward-data": lambda: conv3d_backward_data(y, w, x.shape, **options),
-             "backward-filter": lambda: conv3d_backward_filter(x, y, w.shape, **options)}
-    return lambda: {name: cold(call)["total"] for name, call in calls.items()}
 
 
 # -- the layers between convolutions -----------------------------------------------------------
