@@ -66,14 +66,15 @@ def plane_tiles(g):
 # filter's back to taps), a^2 C F values each, paid once a call; the tiles' transforms, T a^2
 # (a^2 C + m^2 F) multiply-adds; their copies (padding, channel-last, gather), T a^2 (C + F)
 # values; and where the tiles overhang the outputs, the copy through a block of whole tiles,
-# T m^2 (C + F). The weights were fitted on layers of 7x7 to 56x56, 16 to 1024 channels and 1 to
-# 32 samples, each timed at both tiles in turns on the Zen 5 guest (BENCHMARKS.md, "Winograd's
-# tile per layer"), with OpenBLAS's AVX-512 (SkylakeX) kernels (43 layers) and with its AVX2
-# (Haswell) ones (30): the products and the tiles' transforms, which are GEMMs, cost 1.6-2.2
-# times as much with AVX2, which moves the choice (8x256x256 on 14x14: F(2x2) 10% faster with
-# AVX-512, 4% slower with AVX2). Of the 43 layers the AVX-512 weights pick the faster tile in
-# 39 (the other four 1.5-11.7% slower), the AVX2 ones in 41 (0.1% and 1.3%).
-_TILE_COST = {True: (0.0409e-9, 2.01e-9, 0.0282e-9, 1.18e-9, 2.74e-9),  # the BLAS runs AVX-512
+# T m^2 (C + F). The weights were fitted on 30 layers (7x7 to 56x56, 16 to 512 channels, 1 to
+# 32 samples), each timed at both tiles in turns on the Zen 5 guest (BENCHMARKS.md, "Winograd's
+# tile per layer"), once with OpenBLAS's AVX-512 (SkylakeX) kernels and once with its AVX2
+# (Haswell) ones: the products and the tiles' transforms, which are GEMMs, cost 1.7-2.2 times
+# as much with AVX2, which moves the choice (8x256x256 on 14x14: F(2x2) 10% faster with AVX-512,
+# 4% slower with AVX2). Each set predicts its three passes within 5% at the median (26-27% at
+# worst), and the tile it picks was the faster in 28 of the 30 (AVX-512; 6% and 1% slower in
+# the other two) and 29 of the 30 (AVX2; 1% slower in the other).
+_TILE_COST = {True: (0.0322e-9, 2.04e-9, 0.0256e-9, 1.45e-9, 2.05e-9),  # the BLAS runs AVX-512
               False: (0.0547e-9, 2.08e-9, 0.0558e-9, 1.77e-9, 1.63e-9)}  # AVX2
 
 
