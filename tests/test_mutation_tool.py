@@ -77,16 +77,21 @@ def test_since_reads_the_changed_lines_of_a_diff():
 
 
 def test_repoint_follows_each_entrys_line_by_its_text():
-    """--repoint: an entry whose line moved (a line inserted above) points at its text again,
-    an "as L:C" reference with it; an unchanged one stays; one whose text is gone, or now on
-    two lines, is left as it was and named."""
-    old = {"m.py": ["a = 1", "b = 2", "c = 3", "d = 4"]}
-    new = {"m.py": ["new = 0", "a = 1", "b = 2", "c = 9", "d = 4", "d = 4"]}
+    """--repoint: an entry whose line moved (a line inserted above) points at it again, an "as
+    L:C" reference with it; an unchanged one stays; a line whose text is on several lines
+    follows the line diff where it keeps the line among unchanged ones (a statement repeated in
+    two functions, both moved); one whose text is gone, or moved and now on two lines the diff
+    does not keep it at, is left as it was and named."""
+    old = {"m.py": ["a = 1", "b = 2", "c = 3", "d = 4", "x", "d = 4", "y"]}
+    new = {"m.py": ["new = 0", "a = 1", "b = 2", "c = 9", "d = 4", "x", "d = 4", "y", "z", "b = 2"]}
     entries = ["# comment", "m.py:2:4 core/NumberReplacer  # b",
                "m.py:1:4 core/NumberReplacer  # as 2:4, a", "m.py:3:4 core/NumberReplacer  # c",
-               "m.py:4:4 core/NumberReplacer  # d", ""]
+               "m.py:4:4 core/NumberReplacer  # d", "m.py:6:4 core/NumberReplacer  # as 4:4, the second d", ""]
     result, lost = run.repointed(entries, old, new)
     assert result == ["# comment", "m.py:3:4 core/NumberReplacer  # b",
                       "m.py:2:4 core/NumberReplacer  # as 3:4, a", "m.py:3:4 core/NumberReplacer  # c",
-                      "m.py:4:4 core/NumberReplacer  # d", ""]
-    assert lost == ["m.py:3:4 core/NumberReplacer  # c", "m.py:4:4 core/NumberReplacer  # d"]
+                      "m.py:5:4 core/NumberReplacer  # d", "m.py:7:4 core/NumberReplacer  # as 5:4, the second d", ""]
+    assert lost == ["m.py:3:4 core/NumberReplacer  # c"]
+    moved = {"m.py": ["p", "q = 1", "r"]}
+    twice = {"m.py": ["q = 1", "s", "q = 1"]}  # q moved and now on two lines, neither kept by the diff
+    assert run.repointed(["m.py:2:4 core/NumberReplacer  # q"], moved, twice)[1] == ["m.py:2:4 core/NumberReplacer  # q"]

@@ -23,6 +23,7 @@ default HEAD); an entry whose text is gone or repeated is named and left for a p
 """
 import argparse
 import concurrent.futures
+import difflib
 import functools
 import hashlib
 import os
@@ -260,11 +261,18 @@ def collect(group, db, tree, elapsed, skipped):
 
 def repointed(entries, old_lines, new_lines):
     """(equivalent.txt's lines with every moved entry repointed, [entries left alone: their
-    line's text is gone or on several lines]) from its lines `entries` and, per module,
-    `old_lines` (the module's lines at the entries' revision) and `new_lines` (now). An entry
-    stays where its line is unchanged, moves to the one line that has its text, and "as L:C" in
-    an entry follows line L of its own module."""
+    line's text is gone, or on several lines and not where the diff keeps it]) from its lines
+    `entries` and, per module, `old_lines` (the module's lines at the entries' revision) and
+    `new_lines` (now). An entry stays where its line is unchanged, moves to where the line diff
+    of the module keeps its line (difflib: a line in a run of at least two unchanged ones, even
+    one whose text is on several lines, as a repeated statement in two functions is), else to
+    the one line that has its text, and "as L:C" in an entry follows line L of its own module."""
     moved, out, lost = {}, [], []
+    kept = {}  # per module: {old line: new line} of the lines the diff leaves unchanged, in runs of 2 or more
+    for module in old_lines:
+        matcher = difflib.SequenceMatcher(None, old_lines[module], new_lines[module], autojunk=False)
+        kept[module] = {a + k + 1: b + k + 1 for a, b, size in matcher.get_matching_blocks() if size >= 2
+                        for k in range(size)}
     for raw in entries:
         m = re.match(r"^(\S+?):(\d+):(\d+) (.*)$", raw)
         if not m:
@@ -276,7 +284,7 @@ def repointed(entries, old_lines, new_lines):
         if line <= len(new) and new[line - 1] == text:
             out.append(raw)
             continue
-        hits = [i + 1 for i, t in enumerate(new) if t == text]
+        hits = [kept[module][line]] if line in kept[module] else [i + 1 for i, t in enumerate(new) if t == text]
         if len(hits) != 1:
             lost.append(raw)
             out.append(raw)
