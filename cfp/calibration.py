@@ -77,7 +77,7 @@ def kernels_version():
 def _blas():
     """The BLAS NumPy uses, as name, version and the kernels it runs ('scipy-openblas
     0.3.31.188.0 (SkylakeX)'): one library runs at different rates with different kernels
-    (cfp/cpu.py), so a profile names them."""
+    (OpenBLAS's Haswell and SkylakeX ones, backend.blas_description), so a profile names them."""
     loaded = backend.blas_info()
     kernels = ", ".join(arch for _, _, _, arch in loaded if arch)
     try:

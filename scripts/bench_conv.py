@@ -268,14 +268,14 @@ def main(argv=None):
     if rank == 0:
         size = "x".join(str(n) for n in x_shape(args)[2:])
         kernel = "x".join([str(args.K)] * OPS[args.op].axes)
-        rounds = (f"; {args.rounds} rounds in turns: times the median over the rounds, speedups the median of "
-                  f"the rounds' own (their range)" if args.rounds > 1 else "")
+        in_turns = (f"; {args.rounds} rounds in turns: times the median over the rounds, speedups the median "
+                    f"of the rounds' own (their range)" if args.rounds > 1 else "")
         device = (f", on GPU {where['index']} ({where['name']}) of each node-local rank, {where['messages']}"
                   if xp is not np else "")
         print(f"# conv N={args.N} C={args.C} F={args.F} {size} kernel {kernel} stride {args.stride} padding "
               f"{args.padding}, {args.dtype}, {P} ranks, {threads} BLAS thread(s) per rank (BLAS "
               f"{backend.blas_description()}), median of {args.repeats} (after {args.warmup} warm-up), time of the "
-              f"slowest rank{rounds}{device}")
+              f"slowest rank{in_turns}{device}")
         print("| grid | algorithm | forward s | backward s | total s | speedup vs 1 rank | GFLOP/s "
               "| sent MiB/rank | of it halo MiB/rank | weights MiB/rank | kept for backward MiB/rank |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -252,8 +252,9 @@ def reads_in_place(plane, Kd, pass_name, dtype="float32", ring=True):
     its sub-grids; backward-data by its full convolution, cropping nothing in the plane). ring:
     the volume's depth stride and dilation are 1, so that each plane's tiles are transformed
     once (winograd.planes_forward), on planes large enough for it (ring_pays: 24x24 and up, or
-    16x16 of at least 32 channels to no more filters). Otherwise (the strided view, each plane transformed in every window that reads it) only
-    on planes of at least IN_PLACE_TILES tiles, and backward-data, whose convolution of dy along
+    16x16 of at least 32 channels to no more filters). Otherwise (the strided view, each plane
+    transformed in every window that reads it) only on planes of at least IN_PLACE_TILES
+    tiles, and backward-data, whose convolution of dy along
     depth (_full_depth) then transforms Kd F channels where the stacked one transforms F and
     writes Kd C, only where F <= C (measured: 16 channels to 32 on 32^3, 24 against 19-20 ms)."""
     if plane.mode != "zeros" or ring and not ring_pays(plane, Kd):

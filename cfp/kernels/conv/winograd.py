@@ -180,14 +180,15 @@ def _winograd_filters(w, G2, xp, flipped):
     return U
 
 
-def _winograd_tile_sizes(g):
+def _winograd_tile_sizes(g, m=None):
     """(m, a, th, tw, strip, Hp, Wp, step) of geometry g: the output tile's side m and the
     input's a = m + 2, tiles th x tw a sample, and the blocks the passes go through, about
     _WINOGRAD_ROWS tiles each: `step` whole samples (strip = th), or, where one sample has more
     tiles than that, `strip` tile rows of one sample (step = 1), so that a large image's tiles
     and products stay in cache as a batch of small ones do; Hp x Wp the zero-padded input of a
-    block's tiles (m * strip + 2 rows, every tile whole)."""
-    m = tile(g)
+    block's tiles (m * strip + 2 rows, every tile whole). m: the tile, where another geometry
+    chose it (default: tile(g))."""
+    m = tile(g) if m is None else m
     th, tw = -(-g.Ho // m), -(-g.Wo // m)
     if th * tw <= _WINOGRAD_ROWS:
         step, strip = max(1, min(g.N, _WINOGRAD_ROWS // (th * tw))), th
@@ -225,10 +226,10 @@ class _WinogradTiles:
     tile rows of one sample: _winograd_tile_sizes), zero padded, channel-last, cut into
     overlapping (m+2) x (m+2) tiles (m apart) and transformed: V ((m+2)^2, tiles, C) =
     (B^T (x) B^T) @ d. x may be any strided view, and (N, K, C / K, H, W) for C channels in K
-    groups (_copy_sample_rows)."""
+    groups (_copy_sample_rows). m: the tile (default: tile(g))."""
 
-    def __init__(self, x, g, xp):
-        self.m, self.a, self.th, self.tw, self.strip, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g)
+    def __init__(self, x, g, xp, m=None):
+        self.m, self.a, self.th, self.tw, self.strip, self.Hp, self.Wp, self.step = _winograd_tile_sizes(g, m)
         m, a = self.m, self.a
         self.x, self.g, self.xp = x, g, xp
         self.B2, self.G2, self.A2 = _winograd_transforms(m, xp.dtype(x.dtype), xp)
@@ -310,11 +311,12 @@ def forward(x, w, g, xp, y, flipped=False):
 def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
     """A volume's convolution at depth stride and dilation 1 (kernels/conv/volume.py) by
     Winograd with each input plane's tiles transformed once: y[n, :, o] (y (N, F, Do, Ho, Wo),
-    any strides, written) sums over kernel planes k the 3x3 convolution (2-D geometry g, one
-    plane of C channels to F, zero padding) of x's plane o - front + k (x (N, C, D, H, W), any
-    strides; zero outside 0..D-1) with w2's kernel plane k, w2 (F, Kd C, 3, 3) the stacked
-    filters in (plane, channel) order (flipped: a full convolution's, with w2 (Kd C, F, 3, 3)
-    the layer's, _winograd_filters' meaning).
+    any strides, written) sums over kernel planes k the 3x3 convolution (one plane of C channels
+    to F, zero padding) of x's plane o - front + k (x (N, C, D, H, W), any strides; zero outside
+    0..D-1) with w2's kernel plane k, w2 (F, Kd C, 3, 3) the stacked filters in (plane,
+    channel) order (flipped: a full convolution's, with w2 (Kd C, F, 3, 3) the layer's,
+    _winograd_filters' meaning). g: the volume's stacked 2-D convolution (Kd C channels to F),
+    whose Winograd tile (tile(g), what the kernel table names for it) the planes take.
 
     The stacked convolution (volume.py) transforms each input plane Kd times, once for every
     output plane that reads it. Here, for each strip of tile rows of a sample, the planes'
@@ -324,7 +326,8 @@ def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
     (j - q) mod Kd for the window's first plane q)."""
     C, D = x.shape[1:3]
     Do = y.shape[2]
-    tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
+    # the planes as the samples of 2-D tiles, at the tile the volume's stacked convolution g takes
+    tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp, tile(g))
     m, a, tw = tiles.m, tiles.a, tiles.tw
     U = _winograd_filters(w, tiles.G2, xp, flipped).reshape(a * a, Kd, C, g.F)
     rolled = [xp.roll(U, q, axis=1).reshape(a * a, Kd * C, g.F) for q in range(Kd)]
@@ -437,7 +440,8 @@ def planes_backward_filter(x, dy, g, Kd, front, xp):
     back to the kernel planes' order at the end and summed."""
     C, D = x.shape[1:3]
     Do = dy.shape[2]
-    tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp)
+    # the planes as the samples of 2-D tiles, at the tile the volume's stacked convolution g takes
+    tiles = _WinogradTiles(x[0].transpose(1, 0, 2, 3), g._replace(N=D, C=C), xp, tile(g))
     outputs = _OutputTiles(tiles, g, x.dtype, xp)
     a = tiles.a
     sums = workspace.zeros(xp, (Kd, a * a, g.F, Kd * C), x.dtype)  # per rotation of the ring
