@@ -15,7 +15,8 @@ import os
 import re
 
 from .algorithms import algorithm_class
-from .algorithms.base import HALO, HALO_ADJOINT, message_sent, run_order
+from .algorithms.base import (HALO, HALO_ADJOINT, by_features, feature_chunk_limit, feature_chunk_tensors, message_sent,
+                              run_order)
 from .comm import PHASES as LEDGER_PHASES
 from .grid import AXES, coords_of, parse_grid_spec, process_ranks, rank_of
 from .io import load_json
@@ -568,7 +569,8 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     (inside_nodes: the grid's placement, `node_axes`, on the profile's nodes), else over the
     link between nodes (docs/design.md, "Rank placement").
 
-    chunks > 1: the layer's passes pipelined over that many chunks of its samples, each chunk's
+    chunks > 1: the layer's passes pipelined over that many chunks of its samples (or of its
+    features where a rank holds fewer; _pipeline), each chunk's
     collectives in flight while the next computes (ConvAlgorithm.pipelined; stationary-x, -y
     and -w): each pass priced by pipeline_seconds, its comm the part left exposed, "hidden"
     the part the chunks' kernels hide. halo_interior: on a split image, the interior of the
@@ -609,7 +611,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
         comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
     if chunks > 1:
         _pipeline(layer, cls, chunks, n, read, filters, s["seen"], windows, profile, compute, comm, hidden,
-                  [m for m in sent if m.group in ("row", "column")], groups, result)
+                  [m for m in sent if m.group in ("row", "column")], groups, result, P_c)
     if spatial > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
         received = n * x_channels * max(0, needed - math.prod(s["x"])) * item
         halo = profile.collective_time("alltoall", spatial, received * spatial / (spatial - 1), inside["halo"])
@@ -653,7 +655,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     return {"compute": compute, "comm": comm, "layers": layers, "memory": memory, "p_f": p_f,
             "gradient_intra": inside["gradient"],
             # the share of backward-data after the gradient sum starts (sum_start_seconds)
-            "data_after_sum": (1 / chunks if cls.dw_by_chunks else 1.0) if cls.sums_before_data else 0.0,
+            "data_after_sum": data_after_sum(cls, n, chunks, layer.first),
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
             "block": block if priced_as_volume(layer) and local is not None else None,
             "chunks": chunks, "hidden": hidden,
@@ -661,8 +663,30 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
             "bytes": sum(memory.values())}
 
 
+def data_after_sum(cls, n, chunks, first=False):
+    """The share of a layer's backward-data computed after its gradient sum starts
+    (ConvAlgorithm.sums_before_data; sum_start_seconds): all of it where backward sums first,
+    the last chunk's where dw is computed chunk by chunk beside dx (dw_by_chunks: chunks of
+    samples, or of dy's filters), none where backward sums last. In feature chunks of dx's
+    channels (stationary-w, by_features) dw is whole before the first chunk: all of it."""
+    if not cls.sums_before_data:
+        return 0.0
+    if not cls.dw_by_chunks or (by_features(n, chunks)
+                                and feature_chunk_tensors(cls, first, not first)["backward"] == "x"):
+        return 1.0
+    return 1 / chunks
+
+
+def chunk_counts(layer, cls, P_n, P_c, counts):
+    """Those of `counts` the layer runs in on P_n x P_c ranks (ConvAlgorithm.pipelined): no more
+    than the samples a rank holds, or, beyond them, than the smallest block of the features
+    its chunks split (feature_chunk_limit)."""
+    limit = feature_chunk_limit(cls, layer.C, layer.F, P_c, layer.first, not layer.first)
+    return [k for k in counts if k <= layer.N // P_n or k <= limit]
+
+
 def pipelines(cls, first=False):
-    """Whether `cls`'s layers pipeline their collectives over chunks of samples
+    """Whether `cls`'s layers pipeline their collectives over chunks of samples (or features)
     (ConvAlgorithm.pipelined): those with messages of their own besides the gradient sum,
     stationary-x, -y and -w (train.pipelined_layers)."""
     return any(m.group in ("row", "column") and message_sent(m, first, not first) for m in cls.messages)
@@ -700,44 +724,83 @@ def pipeline_seconds(chunks, compute, gather=0.0, scatter=0.0, progress=0.0):
 
 
 def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, compute, comm, hidden, sent, groups,
-              result):
+              result, P_c):
     """layer_cost's `compute`, `comm` and `hidden` (dicts by phase, updated) for the layer's
-    passes in `chunks` chunks of its n samples: each chunk's kernels priced at the chunk's own
-    geometry (the largest chunk, for all), each chunk's collectives at a chunks-th of the
-    bytes. Forward: gather x, compute, reduce-scatter y. Backward under stationary-x and -w
-    (dy gathered): one pipeline, per chunk both passes, its dx reduce-scattered (-w); under -y
-    backward-data alone, its dx reduce-scattered, and backward-filter on the whole block."""
+    passes in `chunks` chunks, as ConvAlgorithm.pipelined cuts them: of its n samples, or,
+    where a rank holds fewer (by_features), of the features each pass's collective moves
+    (feature_chunk_tensors: y's filters, x's channels). Each chunk's kernels are priced at the
+    chunk's own geometry (the largest chunk, for all), each chunk's collectives at a chunks-th
+    of the bytes. In samples: forward is gather x, compute, reduce-scatter y; backward under
+    stationary-x and -w (dy gathered) one pipeline, per chunk both passes, its dx
+    reduce-scattered (-w); under -y backward-data alone, its dx reduce-scattered, and
+    backward-filter on the whole block. In features, a pass with a reduce-scatter pipelines it
+    behind the chunks of the phase that computes its summand, after its allgather (whole,
+    blocking) and its other phases (whole: stationary-w's dw); one without pipelines its
+    allgather behind the chunks of all its phases."""
     if not pipelines(cls, layer.first):
         raise ValueError(f"layer {layer.name}: chunks={chunks}: its algorithm pipelines no collectives "
                          f"(stationary-x, -y and -w do)")
-    if chunks > max(n, 1):
-        raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds")
-    part_n = -(-n // chunks)
-    chunk, _ = _pass_seconds(layer, *local_geometry(layer, part_n, read, filters, seen, windows), profile,
-                             local_block(layer, part_n, read, filters, seen, windows))
+    features = by_features(n, chunks)
+    if features:
+        limit = feature_chunk_limit(cls, layer.C, layer.F, P_c, layer.first, not layer.first)
+        if chunks > limit:
+            raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds and "
+                             f"the {limit} channel(s) or filter(s) of the smallest block its feature chunks split")
     progress = profile.progress_of(all(groups[m.group][1] for m in sent))
 
-    def part(phase, collective):
-        return sum(profile.collective_time(m.collective, groups[m.group][0], result[m.tensor] / chunks,
-                                           groups[m.group][1]) for m in sent if m.phase == phase and m.collective == collective)
+    def part(phases, collective, share=chunks):
+        return sum(profile.collective_time(m.collective, groups[m.group][0], result[m.tensor] / share,
+                                           groups[m.group][1])
+                   for m in sent if m.phase in phases and m.collective == collective)
 
-    stages = [(("forward",), part("forward", "allgather"), part("forward", "reduce_scatter"))]
-    if any(m.phase == "backward-filter" and m.collective == "allgather" for m in sent):  # x, w
-        stages.append((("backward-filter", "backward-data"), part("backward-filter", "allgather"),
-                       part("backward-data", "reduce_scatter")))
-    else:  # y: dy is its own; backward-filter is one blocking pass
-        stages.append((("backward-data",), 0.0, part("backward-data", "reduce_scatter")))
-    for phases, gather, scatter in stages:
+    def chunk_seconds(part_n, part_read, part_filters):  # (a chunk of the channels reads as many of w's)
+        part_seen = seen if part_read == read else part_read
+        return _pass_seconds(layer, *local_geometry(layer, part_n, part_read, part_filters, part_seen, windows),
+                             profile, local_block(layer, part_n, part_read, part_filters, part_seen, windows))[0]
+
+    # stages: (the phases computed in chunks, their chunks' seconds, the allgather pipelined,
+    # the reduce-scatter pipelined, the allgather's seconds where it runs whole and blocking first)
+    stages = []
+    if not features:
+        chunk = chunk_seconds(-(-n // chunks), read, filters)
+        stages.append((("forward",), chunk, part(("forward",), "allgather"), part(("forward",), "reduce_scatter"), 0.0))
+        if any(m.phase == "backward-filter" and m.collective == "allgather" for m in sent):  # x, w
+            both = ("backward-filter", "backward-data")
+            stages.append((both, chunk, part(both, "allgather"), part(both, "reduce_scatter"), 0.0))
+        else:  # y: dy is its own; backward-filter is one blocking pass
+            stages.append((("backward-data",), chunk, 0.0, part(("backward-data",), "reduce_scatter"), 0.0))
+    else:
+        tensors = feature_chunk_tensors(cls, layer.first, not layer.first)
+        for stage, phases in (("forward", ("forward",)), ("backward", ("backward-filter", "backward-data"))):
+            if tensors[stage] is None:
+                continue
+            chunk = chunk_seconds(n, *((read, -(-filters // chunks)) if tensors[stage] == "y"
+                                       else (-(-read // chunks), filters)))
+            scattered = [m.phase for m in sent if m.phase in phases and m.collective == "reduce_scatter"]
+            if scattered:  # (its other phases computed whole, as they were priced)
+                stages.append((tuple(scattered), chunk, 0.0, part(phases, "reduce_scatter"),
+                               part(phases, "allgather", share=1)))
+            else:
+                stages.append((phases, chunk, part(phases, "allgather"), 0.0, 0.0))
+    for phases, chunk, gather, scatter, blocking in stages:
         c = sum(chunk[p] for p in phases)
-        exposed = pipeline_seconds(chunks, c, gather, scatter, progress) - chunks * c
+        exposed = pipeline_seconds(chunks, c, gather, scatter, progress) - chunks * c + blocking
         # the exposed and hidden time shared among the stage's phases as their collectives' time
-        moved = {p: chunks * (part(p, "allgather") + part(p, "reduce_scatter")) for p in phases}
+        every = _stage_phases(phases)
+        moved = {p: (part((p,), "allgather", share=1) if blocking else chunks * part((p,), "allgather"))
+                 + chunks * part((p,), "reduce_scatter") for p in every}
         total = sum(moved.values())
         for p in phases:
             compute[p] = chunks * chunk[p]
-            share = moved[p] / total if total else 1.0 / len(phases)
+        for p in every:
+            share = moved[p] / total if total else 1.0 / len(every)
             comm[p] = exposed * share
             hidden[p] = max(0.0, total - exposed) * share
+
+
+def _stage_phases(phases):
+    """The phases of the stage (forward, or backward's two) that `phases` belong to."""
+    return ("forward",) if "forward" in phases else ("backward-filter", "backward-data")
 
 
 def _pass_seconds(layer, local, passes, profile, block=None):

@@ -16,12 +16,12 @@ import itertools
 import math
 
 from .grid import AXES, ProcessGrid, factorizations, placed_axes, placement_order
-from .perfmodel import layer_cost, overlapped_step, pipelines
+from .perfmodel import chunk_counts, layer_cost, overlapped_step, pipelines
 from .algorithms import algorithm_class
 from .report import format_table
 
 CHANNEL_ALGORITHMS = ("x", "y", "w")
-CHUNKS = (1, 2, 4)  # the chunks of samples a pipelined layer may run in (plan(..., chunks=True))
+CHUNKS = (1, 2, 4)  # the chunks (of samples, or features) a pipelined layer may run in (plan(..., chunks=True))
 BUCKETS_MB = (1, 4, 25)  # the gradient buckets a plan may sum in during backward (plan(..., buckets=True))
 
 
@@ -38,7 +38,7 @@ class Choice:
     P_w: int = 1
     node_axes: tuple = None  # the grid's placement (grid.ProcessGrid); None: channel fastest
     P_d: int = 1  # a volume's depth axis
-    chunks: int = 1  # > 1: its passes pipelined over that many chunks of samples (perfmodel.pipeline_seconds)
+    chunks: int = 1  # > 1: its passes pipelined over that many chunks (of samples or features; perfmodel's)
 
     @property
     def grid(self):
@@ -99,7 +99,7 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
     spatial: also the grids that split the image over height and width, a volume also over
     depth (as far as the layer's output has planes, rows and columns). The placements are
     `placements`' (one unless the grid spans nodes of a two-link profile; `node_axes` given:
-    that one). chunks: also x, y and w in each of CHUNKS chunks of the samples a rank holds, on
+    that one). chunks: also x, y and w in each of CHUNKS chunks they run in (chunk_counts), on
     grids with channel ranks to exchange with and where the profile's links progress while
     ranks compute (with none, a pipeline hides nothing and only adds its chunks' latencies:
     one chunk), and each layer on a split image that convolves its own block with its interior
@@ -125,8 +125,9 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
             if algorithm != "sample" and P_c == 1 and algorithm != "y":
                 continue  # with one channel rank x, y and w are the same computation: keep one
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
-            ks = [k for k in CHUNKS if k <= layer.N // P_n] if progress and P_c > 1 and pipelines(
-                algorithm_class(algorithm, layer.groups), layer.first) else [1]
+            cls = algorithm_class(algorithm, layer.groups)
+            ks = chunk_counts(layer, cls, P_n, P_c, CHUNKS) if progress and P_c > 1 and pipelines(
+                cls, layer.first) else [1]
             for p_f, placed, k in itertools.product(p_fs, placements(
                     {"sample": P_n, "depth": P_d, "height": P_h, "width": P_w, "channel": P_c}, profile, node_axes),
                     ks):
@@ -299,7 +300,7 @@ class Plan:
 
     def pipelined(self, profile, chunks=CHUNKS, optimizer_buffers=1):
         """This plan with each x, y and w layer on a grid with channel ranks run in the number
-        of `chunks` (no more than the samples its ranks hold) whose pipeline is the fastest
+        of `chunks` it runs in (chunk_counts: of samples, or of features) whose pipeline is the fastest
         (layer_cost's chunks), and each layer on a split image with its interior computed while
         the halo moves (halo_interior), its grids and algorithms kept: what --overlap all gives
         the plan (simulate.py's overlapped columns; plan(..., chunks=True) chooses grids with
@@ -308,7 +309,7 @@ class Plan:
         choices = []
         for c in self.choices:
             cls = algorithm_class(c.algorithm, c.layer.groups)
-            ks = [k for k in chunks if k <= c.layer.N // c.P_n] if flowing and c.P_c > 1 and pipelines(
+            ks = chunk_counts(c.layer, cls, c.P_n, c.P_c, chunks) if flowing and c.P_c > 1 and pipelines(
                 cls, c.layer.first) else [1]
             costs = [layer_cost(c.layer, c.algorithm, c.P_n, c.P_c, profile, c.p_f if c.algorithm == "w" else None,
                                 optimizer_buffers, c.P_h, c.P_w, c.node_axes, c.P_d, k, halo_interior=True)

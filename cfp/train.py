@@ -89,7 +89,7 @@ class TrainConfig:
     progress: bool = True
     comm_table: str = "top"  # the summary's communication table: "top" rows of most transfer time, or "full"
     bucket_mb: float = 0  # > 0: the gradient allreduces started in buckets of this many MiB during backward
-    chunks: int = 1  # > 1: each x/y/w layer's collectives pipelined over this many chunks of samples (training steps)
+    chunks: int = 1  # > 1: each x/y/w layer's collectives pipelined over this many chunks of samples or features
     device: str = "cpu"  # "gpu": the model and each batch on this rank's GPU (CuPy; backend.use_device)
     overlap: str = None  # "off", "grads" (bucket_mb, default OVERLAP_BUCKET_MB) or "all" (and chunks, default
     # OVERLAP_CHUNKS); None: as bucket_mb and chunks say
@@ -328,18 +328,23 @@ def _chunks_of(layer, chunks):
 
 
 def check_chunks(model, chunks, batch_size, option=None):
-    """ValueError unless every pipelined layer's ranks hold at least `chunks` samples of a
-    batch of `batch_size` (its smallest sample block): the same on every rank, as the batch
-    size and the grids are. chunks: one count for every layer, or {layer name: k} (a plan's).
-    option: how the message names the setting, {k} its count (default --chunks K)."""
+    """ValueError unless every pipelined layer can run in `chunks` chunks of a batch of
+    `batch_size`: its ranks hold at least that many samples (its smallest sample block), or,
+    where they hold fewer, the smallest block of the features its chunks split has that many
+    (ConvAlgorithm.feature_chunk_limit; a layer whose passes move nothing of their own runs
+    one chunk): the same on every rank, as the batch size and the grids are. chunks: one count
+    for every layer, or {layer name: k} (a plan's). option: how the message names the
+    setting, {k} its count (default --chunks K)."""
     for layer in pipelined_layers(model):
         held = batch_size // layer.grid.axis_size("sample")
         k = _chunks_of(layer, chunks)
-        if k > held:
+        limit = layer.conv.feature_chunk_limit()
+        if k > held and 0 < limit < k:
             what = f"--chunks {k}" if option is None else option.format(k=k)
             raise ValueError(f"{what} is more than the {held} sample(s) a rank of layer {layer.name} "
-                             f"holds (batch {batch_size} over sample={layer.grid.axis_size('sample')}); "
-                             f"expected --chunks <= {held}")
+                             f"holds (batch {batch_size} over sample={layer.grid.axis_size('sample')}) and the "
+                             f"{limit} channel(s) or filter(s) of the smallest block its feature chunks split; "
+                             f"expected --chunks <= {max(held, limit)}")
 
 
 def halo_interior_layers(model):
@@ -357,7 +362,7 @@ def train_step(model, loss_fn, optimizer, x_local, y_local, bucket_mb=0, chunks=
     while backward runs (algorithms.base.overlapped_gradient_sync) and waited for before the
     update; 0: each layer sums its gradients when it has them, blocking. chunks > 1 (or, per
     layer, {layer name: k}: a plan's): the
-    stationary-x/-y/-w layers run their passes over that many chunks of samples, each chunk's
+    stationary-x/-y/-w layers run their passes over that many chunks of samples (or features), each chunk's
     collectives in flight while the next computes (ConvAlgorithm.pipelined; check_chunks
     first), and are left at one chunk (evaluation's batches may be smaller). halo_interior:
     the convolutions on a split image that convolve their own block compute its interior while

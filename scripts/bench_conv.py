@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS, make_conv
+from cfp.algorithms.base import by_features, feature_chunk_limit
 from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int, positive_ints
 from cfp.grid import ProcessGrid, factorizations
@@ -70,9 +71,9 @@ def parse_args(argv):
                         "so, beside the blocking exchange")
     p.add_argument("--chunks", default="1",
                    help="comma-separated chunk counts: each x, y and w layer with channel ranks is timed with its "
-                        "collectives pipelined over each count of chunks of its samples (ConvAlgorithm.pipelined, "
-                        "train.py --chunks) beside the others, where every rank holds that many samples; 1 is the "
-                        "blocking layer")
+                        "collectives pipelined over each count of chunks of its samples, or where a rank holds "
+                        "fewer, of its features (ConvAlgorithm.pipelined, train.py --chunks) beside the others; 1 is "
+                        "the blocking layer")
     p.add_argument("--grid", action="append", dest="grids", metavar="SPEC",
                    help="time only this grid of the factorizations above (as train.py's --grid, e.g. depth=2; "
                         "repeatable); the serial kernels are always timed")
@@ -98,9 +99,9 @@ def parse_args(argv):
     if args.padding is None:
         args.padding = args.K // 2
     args.chunk_counts = sorted(set(positive_ints(args.chunks, "--chunks")))
-    if args.chunk_counts[-1] > args.N:
+    if args.chunk_counts[-1] > max(args.N, min(args.C, args.F)):
         raise ValueError(f"--chunks {args.chunks}: {args.chunk_counts[-1]} chunks is more than the {args.N} "
-                         f"sample(s) of --shape {args.shape}")
+                         f"sample(s) and the {min(args.C, args.F)} channels or filters of --shape {args.shape}")
     try:  # the kernel must fit the padded input
         OPS[args.op].output_shape(x_shape(args), w_shape(args), stride=args.stride, padding=args.padding)
     except ValueError as e:
@@ -148,9 +149,10 @@ def serial_baseline(args, x, w, b, dy, xp=np):
 def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False, chunks=1):
     row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
                        args.repeats, args.warmup, xp, halo_interior, args.op, chunks=chunks)
+    features = by_features(min(block_sizes(args.N, grid.axis_size("sample"))), chunks)
     return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else "")
             + (" (interior while the halo moves)" if halo_interior else "")
-            + (f" ({chunks} chunks)" if chunks > 1 else ""), "chunks": chunks, **row}
+            + (f" ({chunks} {'feature ' if features else ''}chunks)" if chunks > 1 else ""), "chunks": chunks, **row}
 
 
 def interior_applies(args, grid, algorithm, p_f):
@@ -211,9 +213,12 @@ def one_round(args, world, P, x, w, b, dy, xp):
             p_fs = [d for d in range(1, P_c + 1) if P_c % d == 0] if algorithm == "w" else [None]
             for p_f in p_fs:
                 rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp))
-                # pipelined: a layer with collectives of its own, each rank holding k samples
-                for k in args.chunk_counts[1:] if P_c > 1 and pipelines(ALGORITHMS[algorithm]) else []:
-                    if min(block_sizes(args.N, shape.get("sample", 1))) >= k:
+                # pipelined: a layer with collectives of its own, each rank holding k samples, or,
+                # holding fewer, k of the features its chunks split
+                cls = ALGORITHMS[algorithm]
+                for k in args.chunk_counts[1:] if P_c > 1 and pipelines(cls) else []:
+                    if (min(block_sizes(args.N, shape.get("sample", 1))) >= k
+                            or feature_chunk_limit(cls, args.C, args.F, P_c, False, True) >= k):
                         rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, chunks=k))
                 if args.halo_interior and P_d * P_h * P_w > 1 and interior_applies(args, grid, algorithm, p_f):
                     rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))

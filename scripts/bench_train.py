@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--overlap", default="off",
                    help="comma-separated overlap settings to time side by side, each as train.py --overlap: off, "
                         f"grads (gradient sums in {OVERLAP_BUCKET_MB} MiB buckets during backward), all (and the "
-                        f"x/y/w layers' collectives over {OVERLAP_CHUNKS} chunks of samples)")
+                        f"x/y/w layers' collectives over {OVERLAP_CHUNKS} chunks of samples or features)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help=f"the buckets of --overlap grads and all, MiB (default {OVERLAP_BUCKET_MB}, train.py's)")
     p.add_argument("--mpi-progress", default="calls",

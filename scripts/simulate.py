@@ -22,7 +22,7 @@ the layers between them and the update where the profile times them (reference-v
 there batch norm, ReLU, pooling, the loss and the optimizer step cost nothing). Each plan's step is
 given twice: every collective blocking, and with the gradient allreduces started in buckets of
 --bucket-mb MiB during backward (perfmodel.overlapped_step, at the profile's measured progress of
-a started collective) and each x, y and w layer pipelined over the chunks of samples that pay
+a started collective) and each x, y and w layer pipelined over the chunks (of samples or features) that pay
 (planner.Plan.pipelined, perfmodel.pipeline_seconds); the plans are chosen without overlap.
 """
 import collections
@@ -227,7 +227,7 @@ def run_simulation(args):
              "Convolutions, the layers between them and the update are modelled (the profile's layer times). ")
           + "'overlapped': the same plans with the gradient allreduces started in "
           f"buckets of {args.bucket_mb:g} MiB during backward and each x, y and w layer pipelined in the "
-          "chunks of samples that pay, a started collective moving at "
+          "chunks (of samples or features) that pay, a started collective moving at "
           f"{profile.progress_of(True):.0%} (inside a node) and {profile.progress_of(False):.0%} (between "
           "nodes) of its rate while its rank computes (the profile's progress). Data parallelism "
           f"cannot use more ranks than samples: above {args.batch} GPUs it runs on {args.batch} and the "

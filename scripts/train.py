@@ -93,7 +93,8 @@ def parse_args(argv):
                    help="start the weight gradients' allreduces during backward, in buckets of this many MiB "
                         "(0, the default: each layer sums its own when it has them)")
     p.add_argument("--chunks", type=int, default=defaults.chunks,
-                   help="pipeline each x/y/w layer's collectives over this many chunks of a rank's samples "
+                   help="pipeline each x/y/w layer's collectives over this many chunks of a rank's samples (of its "
+                        "features where a rank holds fewer samples) "
                         "(1, the default: blocking; measured slower on 2 cores, docs/design.md)")
     p.add_argument("--overlap", default=defaults.overlap, metavar=cli.one_of(OVERLAPS),
                    help="overlap communication with computation: off (every collective blocking, what measured "

@@ -1,6 +1,7 @@
 """The paper's algorithms against the serial convolution of the same global tensors: y, dx, dw,
 db on every grid factorization and every p_f, and the ledger against perfmodel.predict_bytes."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -147,14 +148,51 @@ def P_c_of(grid):
     return grid.axis_size("channel")
 
 
-def test_chunks_more_than_the_samples_held_refused(grids):
-    """One sample per rank and chunks=2: one message on every rank, before any message moves."""
+# one sample per rank (N = P_n), 9 channels and 11 filters: at least 2 of each per rank of up to
+# 4 channel ranks, uneven blocks
+FEATURED = (None, 9, 11, 6, 5, 3, 1, 1)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("first", [False, True], ids=["inner", "first"])
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] != "sample"], ids=ids)
+def test_feature_chunks_match_serial_and_predicted_bytes(grids, config, first, chunks):
+    """chunks=k on a block of fewer samples than chunks (one sample a rank): the pass cut into
+    k chunks of the features its collective moves (filters of x, channels of y, both of w),
+    each chunk's collective non-blocking while the next computes: the serial numbers, the
+    bytes of the one-chunk pass, and one call per chunk and message."""
+    spec, algorithm, p_f = config
+    grid = grids[spec]
+    shape = (grid.axis_size("sample"),) + FEATURED[1:]
+    k = min(chunks, min(shape[1], shape[2]) // P_c_of(grid))
+    conv, ledger, got, (x, w, b, dy) = run_distributed(grid, algorithm, p_f, shape, first=first, chunks=k)
+    y, dx, dw, db = serial(x, w, b, dy, shape[6], shape[7])
+    for name, expected in (("y", y), ("dx", None if first else dx), ("dw", dw), ("db", db)):
+        if expected is None:
+            assert_all_ranks(got[name] is None, f"{ids(config)} {name}: expected none")
+        else:
+            assert_close_all_ranks(got[name], expected, 1e-10, f"{ids(config)} chunks={k} {name}")
+    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, 1, 1, filter_groups=p_f,
+                              input_whole=first, need_dx=not first, itemsize=8)
+    measured = ledger_bytes(ledger, layer="conv")
+    assert_all_ranks(measured == predicted, f"{ids(config)} chunks={k}: ledger {measured} != predicted {predicted}")
+    records = [r for r in ledger.records if r.layer == "conv" and r.phase != "gradient-sync"]
+    if P_c_of(grid) > 1 and k > 1 and conv.feature_chunk_limit():  # started, one a chunk (first y: none)
+        started = sum(1 for r in records if r.started is not None)
+        assert_all_ranks(started % k == 0 and started >= k, f"{ids(config)}: {started} started calls for {k} chunks")
+
+
+def test_chunks_more_than_the_samples_and_features_held_refused(grids):
+    """One sample per rank and chunks=2 where a rank's block holds one channel: one message on
+    every rank, before any message moves."""
     grid = grids[grid_specs()[-1]]
-    conv = make_conv("w", grid, 4, 4, 3, padding=1, layer="conv", chunks=2)
-    x_local = DistTensor.from_global(np.zeros((grid.axis_size("sample"), 4, 5, 5)), SPLIT, grid).local
-    w, b = conv.shard_weight(np.zeros((4, 4, 3, 3))), conv.shard_bias(np.zeros(4))
+    P_c = P_c_of(grid)
+    conv = make_conv("w", grid, P_c, 4 * P_c, 3, padding=1, layer="conv", chunks=2)
+    x_local = DistTensor.from_global(np.zeros((grid.axis_size("sample"), P_c, 5, 5)), SPLIT, grid).local
+    w, b = conv.shard_weight(np.zeros((4 * P_c, P_c, 3, 3))), conv.shard_bias(np.zeros(4 * P_c))
     raises_on_all_ranks(ValueError, lambda: conv.forward(x_local, w, b),
-                        "conv: chunks=2 is more than the 1 sample")
+                        re.escape("conv: chunks=2 is more than the 1 sample(s) this rank's block holds and the 1 "
+                                  "channel(s) or filter(s) of the smallest block"))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)

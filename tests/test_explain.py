@@ -270,16 +270,30 @@ def test_the_script_explains_a_volume_on_a_depth_split_and_a_transposed_layer():
 def test_the_pipelined_schedule_follows_the_algorithms_messages():
     """--chunks k: each pass's allgathers before a chunk computes, its reduce-scatters after,
     as the layer's steps say; a layer without collectives of its own computes whole; a rank
-    holding fewer samples than chunks is flagged."""
+    holding fewer samples than chunks chunks the features, and too few of those is flagged."""
     w = explain_layer((4, 8, 8, 8), 8, 3, "w", "sample=1,channel=4", filter_groups=2, padding=1, chunks=3).text()
     assert "Pipelined over 3 chunks of each rank's samples (--chunks 3): rank 0's 4 in chunks of 2, 1, 1" in w
     assert ("forward: start the allgather of x (row) of chunk 1; then for i = 1..3: wait for chunk i's allgather of "
             "x (row), start chunk i+1's; test the collectives in flight; compute chunk i; start its reduce_scatter "
             "of y (column); then wait for the 3 reduce-scatters") in w
     assert "backward: start the allgather of y (column) of chunk 1" in w
-    y = explain_layer((2, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, chunks=2).text()
+    y = explain_layer((4, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, chunks=2).text()
     assert "backward: for i = 1..2: test the collectives in flight; compute chunk i; start its reduce_scatter of x" in y
-    assert "refused here: a rank holds 1 sample(s), fewer than 2 chunks" in y
+    # one sample a rank: chunks of the features each pass's collective moves
+    y = explain_layer((2, 8, 8, 8), 8, 3, "y", "sample=2,channel=2", padding=1, chunks=2).text()
+    assert "Pipelined over 2 chunks of the features (--chunks 2): rank 0 holds 1 sample(s), fewer than 2" in y
+    assert ("forward: start the allgather of x (row) of chunk 1's channels; then for j = 1..2: wait for chunk j's, "
+            "start chunk j+1's; compute from chunk j's channels a part of y, added up") in y
+    assert ("backward: dw whole and its sum; then for j = 1..2: test the collectives in flight; compute the partial "
+            "result of chunk j's channels; start its reduce_scatter of x (row)") in y
+    assert "refused here" not in y
+    w = explain_layer((1, 8, 8, 8), 8, 3, "w", "channel=4", filter_groups=2, padding=1, chunks=2).text()
+    assert ("forward: the allgather of x (row) whole; then for j = 1..2: test the collectives in flight; compute the "
+            "partial result of chunk j's filters; start its reduce_scatter of y (column)") in w
+    x = explain_layer((1, 8, 8, 8), 8, 3, "x", "channel=4", padding=1, chunks=2).text()
+    assert "compute from chunk j's filters their rows of dw and a part of dx, added up" in x
+    refused = explain_layer((1, 4, 8, 8), 8, 3, "y", "channel=4", padding=1, chunks=2).text()
+    assert "refused here: the smallest block of those features holds 1, fewer than 2 chunks" in refused
     sample = explain_layer((4, 8, 8, 8), 8, 3, "sample", "sample=2", padding=1, chunks=2).text()
     assert "forward: no collective of its own to pipeline" in sample
     assert "Pipelined" not in explain_layer((4, 8, 8, 8), 8, 3, "w", "channel=4", padding=1).text()

@@ -1,6 +1,7 @@
 """The cost model and the planner: profile loading and its errors, the alpha-beta formulas, the
 model's message sizes against predict_bytes, and the planner's choices and memory limit."""
 import dataclasses
+import re
 import json
 
 import pytest
@@ -478,6 +479,63 @@ def test_a_layer_in_chunks_is_priced_as_its_pipeline():
     with pytest.raises(ValueError, match="layer L: chunks=2: its algorithm pipelines no collectives"):
         layer_cost(layer, "sample", 2, 1, MachineProfile(data), chunks=2)
     with pytest.raises(ValueError, match="layer L: chunks=9 is more than the 8 sample"):
+        layer_cost(layer, "x", 1, 2, MachineProfile(data), chunks=9)
+
+
+def test_a_one_sample_layer_in_chunks_is_priced_as_its_feature_pipeline():
+    """One sample a rank on channel=2, 2 chunks: the passes cut along the features their
+    collective moves (ConvAlgorithm.pipelined). Stationary-x: y's filters both ways, each
+    chunk priced as the layer with half the filters (its kernels and its collectives' bytes).
+    Stationary-y: x's channels both ways, as the layer with half the channels, its
+    backward-filter whole. Stationary-w (p_f = 1, one row: nothing gathered of x): forward as
+    x; backward dy gathered whole and blocking, dw whole, then dx's channels in chunks, their
+    reduce-scatters pipelined; all of dx after the gradient sum. At progress 0 nothing hides;
+    more chunks than the smallest block of features is refused."""
+    from cfp.perfmodel import pipeline_seconds
+    layer = LayerShape("L", 1, 16, 16, 8, 8, 3)
+    data = profile_data(alpha=1e-5, beta=1e-9)
+    for progress in (0.0, 1.0):
+        profile = MachineProfile(dict(data, progress={"intra": progress}))
+        cost = layer_cost(layer, "x", 1, 2, profile, chunks=2)
+        half = layer_cost(dataclasses.replace(layer, F=8), "x", 1, 2, profile)
+        assert cost["compute"] == pytest.approx({p: 2 * t for p, t in half["compute"].items()}, rel=1e-12)
+        forward = pipeline_seconds(2, half["compute"]["forward"], 0.0, half["comm"]["forward"], progress)
+        assert cost["comm"]["forward"] == pytest.approx(forward - 2 * half["compute"]["forward"], rel=1e-12)
+        both = half["compute"]["backward-filter"] + half["compute"]["backward-data"]
+        backward = pipeline_seconds(2, both, half["comm"]["backward-filter"], 0.0, progress)
+        assert cost["comm"]["backward-filter"] == pytest.approx(backward - 2 * both, rel=1e-12)
+        assert cost["data_after_sum"] == 0.5
+
+        whole = layer_cost(layer, "y", 1, 2, profile)
+        cost = layer_cost(layer, "y", 1, 2, profile, chunks=2)
+        half = layer_cost(dataclasses.replace(layer, C=8), "y", 1, 2, profile)
+        assert cost["compute"]["forward"] == pytest.approx(2 * half["compute"]["forward"], rel=1e-12)
+        assert cost["compute"]["backward-data"] == pytest.approx(2 * half["compute"]["backward-data"], rel=1e-12)
+        assert cost["compute"]["backward-filter"] == whole["compute"]["backward-filter"]
+        forward = pipeline_seconds(2, half["compute"]["forward"], half["comm"]["forward"], 0.0, progress)
+        assert cost["comm"]["forward"] == pytest.approx(forward - 2 * half["compute"]["forward"], rel=1e-12)
+        data_pass = pipeline_seconds(2, half["compute"]["backward-data"], 0.0, half["comm"]["backward-data"],
+                                     progress)
+        assert cost["comm"]["backward-data"] == pytest.approx(data_pass - 2 * half["compute"]["backward-data"],
+                                                              rel=1e-12)
+
+        whole = layer_cost(layer, "w", 1, 2, profile, p_f=1)
+        cost = layer_cost(layer, "w", 1, 2, profile, p_f=1, chunks=2)
+        filters = layer_cost(dataclasses.replace(layer, F=8), "w", 1, 2, profile, p_f=1)
+        channels = layer_cost(dataclasses.replace(layer, C=8), "w", 1, 2, profile, p_f=1)
+        assert cost["compute"]["forward"] == pytest.approx(2 * filters["compute"]["forward"], rel=1e-12)
+        assert cost["compute"]["backward-filter"] == whole["compute"]["backward-filter"]
+        assert cost["compute"]["backward-data"] == pytest.approx(2 * channels["compute"]["backward-data"], rel=1e-12)
+        c = channels["compute"]["backward-data"]
+        # (w's backward-data of half the channels at p_f = 1 reduce-scatters nothing: its row is one rank)
+        data_pass = pipeline_seconds(2, c, 0.0, channels["comm"]["backward-data"], progress)
+        assert (cost["comm"]["backward-filter"] + cost["comm"]["backward-data"]) == pytest.approx(
+            whole["comm"]["backward-filter"] + data_pass - 2 * c, rel=1e-12)
+        assert cost["data_after_sum"] == 1.0
+        if progress == 0:
+            assert sum(cost["hidden"].values()) == pytest.approx(0.0, abs=1e-15)
+    with pytest.raises(ValueError, match=re.escape("layer L: chunks=9 is more than the 1 sample(s) a rank holds "
+                                                   "and the 8 channel(s) or filter(s)")):
         layer_cost(layer, "x", 1, 2, MachineProfile(data), chunks=9)
 
 

@@ -278,7 +278,8 @@ def test_bench_conv_times_the_interior_beside_the_blocking_halo(tmp_path):
 def test_bench_conv_times_each_layer_in_chunks_beside_the_blocking_one(tmp_path):
     """bench_conv --chunks 1,2 on 2 ranks: on channel=2 each of x, y and w a second time with its
     collectives pipelined over 2 chunks, moving the same bytes; none on sample=2, whose ranks
-    hold one sample each; a count above the samples refused."""
+    hold one sample each; with one sample, in 2 chunks of the features; a count above the samples
+    and the features refused."""
     out = tmp_path / "chunks.json"
     proc, _ = run(2, ["--shape", "2,4,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "x,y,w,sample",
                       "--chunks", "1,2", "--json", str(out)], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
@@ -292,8 +293,22 @@ def test_bench_conv_times_each_layer_in_chunks_beside_the_blocking_one(tmp_path)
     blocking = {r["algorithm"]: r for r in rows if r["grid"] == "channel=2" and r.get("chunks") == 1}
     assert all(r["bytes_sent_per_rank"] == blocking[r["algorithm"].replace(" (2 chunks)", "")]["bytes_sent_per_rank"]
                for r in chunked)
-    proc, _ = run(1, ["--shape", "2,4,6,5,5,3", "--chunks", "3"], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
-    assert proc.returncode != 0 and "--chunks 3: 3 chunks is more than the 2 sample(s)" in proc.stderr, proc.stderr
+    # one sample: the chunks split the features (2 of C=4 and 3 of F=6 a rank), the same bytes again
+    proc, _ = run(2, ["--shape", "1,4,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "x,y,w",
+                      "--grid", "channel=2", "--chunks", "1,2", "--json", str(out)],
+                  script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    chunked = [r for r in rows if r.get("chunks") == 2]
+    assert sorted(r["algorithm"] for r in chunked) == ["w (p_f=1) (2 feature chunks)", "w (p_f=2) (2 feature chunks)",
+                                                       "x (2 feature chunks)", "y (2 feature chunks)"], chunked
+    blocking = {r["algorithm"]: r for r in rows if r.get("chunks") == 1}
+    assert all(r["bytes_sent_per_rank"] == blocking[r["algorithm"].replace(" (2 feature chunks)", "")]
+               ["bytes_sent_per_rank"] for r in chunked)
+    proc, _ = run(1, ["--shape", "2,4,6,5,5,3", "--chunks", "5"], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+    assert proc.returncode != 0 and ("--chunks 5: 5 chunks is more than the 2 sample(s) and the 4 channels or "
+                                     "filters") in proc.stderr, proc.stderr
 
 
 def test_bench_conv_splits_a_volume_by_depth(tmp_path):

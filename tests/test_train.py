@@ -355,6 +355,49 @@ def test_overlap_all_trains_as_overlap_off(monkeypatch):
         assert_all_ranks(all(0.0 <= t["hidden"] <= 1.0 for t in hidden.values()), f"{what}: hidden {hidden}")
 
 
+def _feature_chunk_cases():
+    """(grid, algorithm, overrides, chunks) with one sample a rank: x, y, w (p_f = 2 where the
+    channel axis has 4 ranks) and, at 4 ranks, a split image under x, whose first layer
+    computes its interior while the halo moves; 3 chunks where the classifier's 10 filters
+    give every channel rank 3 (up to 3 ranks), else 2."""
+    cases = [(f"channel={SIZE}", "x", {}, 3 if SIZE < 4 else 2), (f"channel={SIZE}", "y", {}, 2),
+             (f"channel={SIZE}", "w", {"filter_groups": 2} if SIZE == 4 else {}, 2)]
+    if SIZE == 4:
+        cases.append(("height=2,channel=2", "x", {}, 3))
+    return cases
+
+
+def test_one_sample_a_rank_trains_in_feature_chunks_as_overlap_off():
+    """A batch of one sample a rank: --overlap all runs the x, y and w layers' passes in chunks
+    of their features (ConvAlgorithm.pipelined) and 20 float64 steps equal --overlap off
+    (losses 1e-12, weights 1e-10), with the same bytes in every phase but the gradient sum; the chunks' collectives
+    are counted, so a run that silently stayed blocking fails."""
+    from cfp import comm
+    started = []
+    real = comm.ireduce_scatter
+    try:
+        comm.ireduce_scatter = lambda *a, **k: started.append(1) or real(*a, **k)
+        for grid, algorithm, extra, chunks in _feature_chunk_cases():
+            common = dict(grid=grid, algorithm=algorithm, batch_size=1, train_samples=STEPS, **extra)
+            off, model = train_model(config(overlap="off", **common))
+            expected = ([h["loss"] for h in off["history"]], weights(model))
+            started.clear()
+            result, model = train_model(config(overlap="all", chunks=chunks, bucket_mb=1e-4, **common))
+            what = f"--overlap all, {chunks} feature chunks, on {grid} {algorithm}, batch 1"
+            if SIZE > 1:
+                assert_all_ranks(len(started) >= STEPS * chunks, f"{what}: {len(started)} chunks' reduce-scatters")
+            # (a chunk of the channels or filters splits a sum over them in parts, as a channel
+            # split does: the weights, after 20 steps, to the 1e-10 of two grids)
+            assert_trains_like(result, model, expected, what, tol=1e-12, weights_tol=1e-10)
+            before, after = _phase_bytes(off), _phase_bytes(result)
+            for phase in set(before) | set(after):
+                if phase != "gradient-sync":
+                    assert_all_ranks(before.get(phase) == after.get(phase),
+                                     f"{what}: {phase} moved {after.get(phase)} bytes, {before.get(phase)} blocking")
+    finally:
+        comm.ireduce_scatter = real
+
+
 @pytest.mark.parametrize("case", [0, 1])
 def test_overlap_all_in_float32_trains_as_overlap_off_to_rounding(case):
     """float32, 5 steps: --overlap all (2 chunks, small buckets; on a split image the interior

@@ -52,6 +52,60 @@ def run_order(messages, spatial):
     return ((HALO,) if spatial else ()) + tuple(messages) + ((HALO_ADJOINT,) if spatial else ())
 
 
+def by_features(n, chunks):
+    """Whether a pass in `chunks` chunks of a block of n samples splits its features instead:
+    a block of at least as many samples as chunks is cut by sample, a smaller one (one sample
+    of a large image) along the channel axis its pipelined collective moves (feature_chunks).
+    The layer (ConvAlgorithm.pipelined) and perfmodel both ask here."""
+    return chunks > 1 and n < chunks
+
+
+def feature_chunk_tensors(cls, input_whole, need_dx):
+    """{'forward', 'backward'}: the tensor ('x' or 'y', None where the pass moves nothing of its
+    own) whose channel axis each pass of `cls` splits into feature chunks: its reduce-scatter's,
+    where it has one (the partial results summed over the group, chunk by chunk), else its
+    allgather's (the gathered input, chunk by chunk; the results added up). Read from the
+    algorithm's `messages`: stationary-x chunks its filters both ways, stationary-y its
+    channels, stationary-w its filters forward and its channels backward (its filters where it
+    computes no dx)."""
+    out = {}
+    for stage, phases in (("forward", ("forward",)), ("backward", ("backward-filter", "backward-data"))):
+        sent = [m for m in cls.messages if m.phase in phases and m.group in ("row", "column")
+                and message_sent(m, input_whole, need_dx)]
+        by = [m for m in sent if m.collective == "reduce_scatter"] or sent
+        out[stage] = by[0].tensor if by else None
+    return out
+
+
+def feature_chunk_limit(cls, C, F, P_c, input_whole, need_dx):
+    """The most feature chunks a layer of `cls` (C channels in, F filters, P_c channel ranks)
+    takes: the smallest block, over P_c, of the axes its passes split (feature_chunk_tensors),
+    so that every rank holds at least one feature of each chunk; 0 where no pass moves
+    anything of its own."""
+    extent = {"x": C, "y": F}
+    split = [extent[t] // P_c for t in feature_chunk_tensors(cls, input_whole, need_dx).values() if t]
+    return min(split) if split else 0
+
+
+def feature_chunks(sizes, k):
+    """The k feature chunks of an axis held in blocks of `sizes` by a group's ranks: chunk j
+    is the j-th of k balanced pieces of every rank's block (partition.block_range), as (its
+    indices in the whole axis, in rank order, and its pieces' sizes, rank by rank: the block
+    sizes of chunk j's collective). Each rank's pieces, chunk after chunk, are its block."""
+    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    chunks = []
+    for j in range(k):
+        ranges = [block_range(size, k, j) for size in sizes]
+        chunks.append(([o + i for o, (a, b) in zip(offsets, ranges) for i in range(a, b)],
+                       [b - a for a, b in ranges]))
+    return chunks
+
+
+def with_channels(shape, features):
+    """`shape` (n, C, ...) with the channel extent of `features` (None: as it is)."""
+    return tuple(shape) if features is None else (shape[0], len(features)) + tuple(shape[2:])
+
+
 def message_sent(message, input_whole, need_dx):
     """Whether a layer sends `message` (one of its algorithm's `messages`): not the forward's
     gather of x when its input is whole over the channel axis (the first layer), nor anything
@@ -93,7 +147,7 @@ class ConvAlgorithm:
         # the kind of convolution (kernels/conv/ops.py): conv2d, conv3d, conv_transpose2d/3d, each
         # with its weight in the convolution's orientation (F, C/groups, *K)
         self.op = conv_op(op)
-        # k: forward and backward run the block in k chunks of samples, the collectives of one
+        # k: forward and backward run the block in k chunks of samples (or features), the collectives of one
         # chunk in flight while the next computes (pipelined); 1 is one blocking call each
         self.chunks = positive_int(chunks, "chunks")
         self.C = positive_int(in_channels, "in_channels")
@@ -192,7 +246,8 @@ class ConvAlgorithm:
     def halo_then_forward(self, x, w, b=None, take=None):
         """(extended, compute) for forward of this rank's block x: extended() is x's block
         extended by its halo (of it only the channels `take`, where the first layer convolves
-        its own of a whole input), compute(s) the local forward of that block's samples s. With
+        its own of a whole input), compute(s) the local forward of that block's samples s (compute(s,
+        w_s): with the weight w_s instead, a feature chunk's filters of w: pipelined). With
         halo_interior on a spatial grid the halo is started here and the first compute() call
         convolves the interior while it moves (HaloInFlight), the border strips once it has
         arrived; else the halo is exchanged first, blocking (always with `take`: such a layer
@@ -201,10 +256,10 @@ class ConvAlgorithm:
             x = self.halo(x)
             if take is not None:
                 x = backend.take(x, 1, take)
-            return (lambda: x), (lambda s: self.local_forward(x[s], w, b))
+            return (lambda: x), (lambda s, w_s=w: self.local_forward(x[s], w_s, b))
         incoming = self._halo.start(x, self.layer)
-        return incoming.wait, (lambda s: incoming.forward(s, lambda block, padding: self.local_forward(block, w, b,
-                                                                                                    padding)))
+        return incoming.wait, (lambda s, w_s=w: incoming.forward(
+            s, lambda block, padding: self.local_forward(block, w_s, b, padding)))
 
     def shard_indices(self, c):
         """(filters, channels, bias filters): the global indices of the weight and bias shard
@@ -448,29 +503,45 @@ class ConvAlgorithm:
         """The kernels' keyword arguments: stride, padding, dilation, groups, padding_mode."""
         return dict(self.options)
 
+    def feature_chunk_limit(self):
+        """The most feature chunks this layer's passes take (feature_chunk_limit): the same on
+        every rank, as it depends on the layer's extents and grid only."""
+        return feature_chunk_limit(type(self), self.C, self.F, self.P_c, self.input_whole, self.need_dx)
+
     def pipelined(self, block, compute, gather=None, scatter=None):
-        """One pass of a layer in self.chunks chunks of the block's samples: each chunk's
-        channels gathered (gather = (group, sizes): an allgather along axis 1, may_alias), then
-        compute(samples, gathered chunk) (a slice of the block's samples and the gathered
-        chunk; it may return None: nothing to scatter), then the result reduce-scattered along
-        axis 1 (scatter = (group, sizes), donated). A third entry of gather or scatter names the
-        ledger phase of its messages (else the phase in force). With k chunks, chunk i + 1's gather is
-        started before chunk i computes and chunk i's reduce-scatter runs while chunk i + 1
-        computes (non-blocking collectives, each one's bytes a k-th of the whole); with one
-        chunk, the blocking calls. Returns (the gathered block, the results along axis 0)."""
+        """One pass of a layer in self.chunks chunks: each chunk's channels gathered (gather =
+        (group, sizes): an allgather along axis 1, may_alias), then compute(samples, gathered
+        chunk, features), then the result reduce-scattered along axis 1 (scatter = (group,
+        sizes), donated; compute may return None: nothing to scatter). A third entry of gather
+        or scatter names the ledger phase of its messages (else the phase in force). Returns
+        (the gathered block, the result).
+
+        A block of at least k samples is cut into k chunks of samples (features None: all of
+        them): chunk i + 1's gather is started before chunk i computes and chunk i's
+        reduce-scatter runs while chunk i + 1 computes (non-blocking collectives, each one's
+        bytes a k-th of the whole). A smaller block (by_features: one sample of a large image)
+        is cut along the channel axis its collective moves instead (_pipelined_features). With
+        one chunk, the blocking calls."""
         n, k = block.shape[0], self.chunks
         gather_phase = gather[2] if gather is not None and len(gather) > 2 else None
         scatter_phase = scatter[2] if scatter is not None and len(scatter) > 2 else None
-        if k > max(n, 1):
-            raise ValueError(f"{self.layer}: chunks={k} is more than the {n} sample(s) this rank's block holds; "
-                             f"expected chunks <= the samples per rank")
+        if by_features(n, k) and (gather is not None or scatter is not None):
+            limit = self.feature_chunk_limit()
+            if k > limit:
+                raise ValueError(f"{self.layer}: chunks={k} is more than the {n} sample(s) this rank's block holds "
+                                 f"and the {limit} channel(s) or filter(s) of the smallest block its feature chunks "
+                                 f"split (C={self.C}, F={self.F} over {self.P_c} channel rank(s)); expected chunks "
+                                 f"<= {max(n, limit)}")
+            return self._pipelined_features(block, compute, gather, scatter, gather_phase, scatter_phase)
+        if by_features(n, k):
+            k = 1  # nothing of its own moves: the pass in one chunk
         if k == 1:
             if gather is None:
                 g = block
             else:
                 with comm.tag(phase=gather_phase):
                     g = comm.allgather(gather[0], block, 1, gather[1], may_alias=True)
-            r = compute(slice(0, n), g)
+            r = compute(slice(0, n), g, None)
             if scatter is not None and r is not None:
                 with comm.tag(phase=scatter_phase):
                     r = comm.reduce_scatter(scatter[0], r, 1, scatter[1], donate=True)
@@ -491,7 +562,7 @@ class ConvAlgorithm:
                 next_gather = start_gather(samples[i + 1])
             for pending in in_flight:  # most transports move data only inside MPI calls
                 pending.test()
-            r = compute(s, g)
+            r = compute(s, g, None)
             if gather is not None:
                 gathered.append(g)
             if scatter is not None and r is not None:
@@ -505,6 +576,55 @@ class ConvAlgorithm:
         return (xp.concatenate(gathered, axis=0) if gathered else block,
                 None if results[0] is None else xp.concatenate(results, axis=0))
 
+    def _pipelined_features(self, block, compute, gather, scatter, gather_phase, scatter_phase):
+        """pipelined's pass in k feature chunks (feature_chunks) of the channel axis its
+        collective moves, every chunk on all of the block's samples. With a reduce-scatter,
+        the result's axis: the input gathered whole first (blocking), then compute(samples,
+        gathered, features) gives the partial result of chunk j's features, reduce-scattered
+        while chunk j + 1 computes; this rank's pieces side by side are its block. Without
+        one, the gathered axis: chunk j + 1's gather started before chunk j computes on chunk
+        j's channels (features: their indices in the gathered axis), and the chunks' results
+        added up (a sum over the channels, in k parts: equal to rounding)."""
+        k, n = self.chunks, block.shape[0]
+        xp = backend.get_array_module(block)
+        whole = slice(0, n)
+        if scatter is not None:
+            if gather is None:
+                g = block
+            else:
+                with comm.tag(phase=gather_phase):
+                    g = comm.allgather(gather[0], block, 1, gather[1], may_alias=True)
+            in_flight = []
+            for features, sizes in feature_chunks(scatter[1], k):
+                for pending in in_flight:  # most transports move data only inside MPI calls
+                    pending.test()
+                r = compute(whole, g, features)
+                with comm.tag(phase=scatter_phase):
+                    in_flight.append(comm.ireduce_scatter(scatter[0], r, 1, sizes, donate=True))
+            return g, xp.concatenate([pending.wait() for pending in in_flight], axis=1)
+        group, held = gather[0], gather[1][gather[0].Get_rank()]
+        chunks = feature_chunks(gather[1], k)
+
+        def start_gather(j):
+            with comm.tag(phase=gather_phase):
+                return comm.iallgather(group, block[:, slice(*block_range(held, k, j))], 1, chunks[j][1],
+                                       may_alias=True)
+
+        gathered = xp.empty(block.shape[:1] + (sum(gather[1]),) + block.shape[2:], dtype=block.dtype)
+        total, next_gather = None, start_gather(0)
+        for j, (features, _) in enumerate(chunks):
+            g = next_gather.wait()
+            if j + 1 < k:
+                next_gather = start_gather(j + 1)
+            gathered[:, features] = g
+            r = compute(whole, g, features)
+            if r is not None:
+                if total is None:
+                    total = r
+                else:
+                    total += r
+        return gathered, total
+
     def pipelined_backward(self, x, w, dy, db, gather, scatter=None):
         """(dx, dw, db) of stationary-x and -w, whose backward gathers dy (gather, phase
         backward-filter) and computes both from it: per chunk of samples, that chunk's dw
@@ -513,19 +633,39 @@ class ConvAlgorithm:
         needs none. dw (with db) is summed over the ranks sharing the shard (sync_gradients) as
         soon as it is whole: after the last chunk's dw, before that chunk's dx, so that a sum
         started in a bucket moves while it computes (sums_before_data). x is what forward
-        kept."""
-        dw, summed = None, None
+        kept. In feature chunks (pipelined): per chunk of dy's filters, their rows of dw and a
+        part of dx, added up; where dx is reduce-scattered, per chunk of dx's channels instead,
+        after dw, whole from the gathered dy, and its sum."""
+        dw, summed, done = None, None, [0]
+        scatter = scatter if self.need_dx else None
+        by_channels = scatter is not None and by_features(dy.shape[0], self.chunks)
 
-        def chunk(s, dy_s):
+        def chunk(s, dy_s, features):
             nonlocal dw, summed
-            part = self.local_backward_filter(x[s], dy_s, w.shape)
-            if dw is None:
-                dw = part
-            else:
-                dw += part
-            if s.stop >= x.shape[0]:  # the last chunk: dw is whole
+            if by_channels:  # dy whole in every chunk: dw and its sum before the first chunk's dx
+                if dw is None:
+                    dw = self.local_backward_filter(x, dy_s, w.shape)
+                    summed = self.sync_gradients(dw, db)
+                return self.local_backward_data(dy_s, backend.take(w, 1, features),
+                                                with_channels(x.shape, features))
+            done[0] += 1
+            if features is None:
+                part = self.local_backward_filter(x[s], dy_s, w.shape)
+                if dw is None:
+                    dw = part
+                else:
+                    dw += part
+                last = s.stop >= x.shape[0]
+            else:  # these filters' rows of dw
+                if dw is None:
+                    dw = backend.get_array_module(w).empty_like(w)
+                dw[features] = self.local_backward_filter(x, dy_s, (len(features),) + tuple(w.shape[1:]))
+                last = done[0] == self.chunks
+            if last:  # dw is whole
                 summed = self.sync_gradients(dw, db)
-            return self.local_backward_data(dy_s, w, x[s].shape) if self.need_dx else None
+            if not self.need_dx:
+                return None
+            return self.local_backward_data(dy_s, w if features is None else backend.take(w, 0, features), x[s].shape)
 
         with comm.tag(layer=self.layer, phase="backward-filter"):
             _, dx = self.pipelined(dy, chunk, gather=gather,

@@ -5,6 +5,10 @@ forward:          allgather x within the row (p_f ranks), partial y, reduce-scat
                   column (q ranks)
 backward-filter:  allgather dy within the column, local dw
 backward-data:    local partial dx, reduce-scatter within the row
+In k chunks (ConvAlgorithm.pipelined): of samples, or, on a block of fewer samples, of the
+filters forward (x gathered whole, a chunk's partial y reduce-scattered) and of the channels
+backward (dy gathered whole, dw and its sum, then a chunk's partial dx reduce-scattered; of the
+filters where it computes no dx).
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F / p_f, C / q, Kh, Kw): the filters of the
 column's F blocks and the channels of the row's C blocks (partition.union_of_blocks).
 """
@@ -48,7 +52,9 @@ class StationaryW(ConvAlgorithm):
         with comm.tag(layer=self.layer, phase="forward"):
             if self.input_whole:  # the first layer: take the row's channels, no message
                 x = backend.take(x, 1, self.w_channels)
-            x_row, y = self.pipelined(x, lambda s, x_s: self.local_forward(x_s, w),
+            # (in feature chunks: x gathered whole, the partial y of a chunk's filters of the column)
+            x_row, y = self.pipelined(x, lambda s, x_s, f: self.local_forward(
+                x_s, w if f is None else backend.take(w, 0, f)),
                                       gather=None if self.input_whole else (self.row_comm, self.row_channel_sizes),
                                       scatter=(self.column_comm, self.column_filter_sizes))
         if self.bias:

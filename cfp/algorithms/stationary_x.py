@@ -3,9 +3,12 @@
 forward:          local partial y over all F, reduce-scatter over P_c (each keeps its F block)
 backward-filter:  allgather dy over P_c, local dw
 backward-data:    local dx with the gathered dy, no communication
+In k chunks (ConvAlgorithm.pipelined): of samples, or, on a block of fewer samples, of the
+filters both ways (a chunk's partial y reduce-scattered, a chunk's dy gathered for its rows of
+dw and its part of dx).
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F, C_c, Kh, Kw).
 """
-from .. import comm
+from .. import backend, comm
 from ..layout import Layout
 from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
 
@@ -35,7 +38,8 @@ class StationaryX(ConvAlgorithm):
         # (the first layer takes this rank's channels of its whole input, no message)
         extended, compute = self.halo_then_forward(x, w, take=self.w_channels if self.input_whole else None)
         with comm.tag(layer=self.layer, phase="forward"):
-            _, y = self.pipelined(x, lambda s, _: compute(s),
+            # (in feature chunks: the partial y of a chunk's filters, from their rows of w)
+            _, y = self.pipelined(x, lambda s, _, f: compute(s) if f is None else compute(s, backend.take(w, 0, f)),
                                   scatter=(self.channel_comm, channel_block_sizes(self.F, self.grid)))
         if self.bias:
             self.with_bias(y, b)

@@ -3,11 +3,14 @@
 forward:          allgather x over P_c, local y for this rank's filters
 backward-filter:  local dw with the gathered x (kept from forward)
 backward-data:    local partial dx over all C, reduce-scatter over P_c
+In k chunks (ConvAlgorithm.pipelined): of samples, or, on a block of fewer samples, of the
+channels both ways (a chunk's channels of x gathered for its part of y, a chunk's partial dx
+reduce-scattered).
 x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F_c, C, Kh, Kw).
 """
-from .. import comm
+from .. import backend, comm
 from ..layout import Layout
-from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes
+from .base import GRADIENT_SYNC, ConvAlgorithm, Message, by_features, channel_block_sizes, with_channels
 
 
 class StationaryY(ConvAlgorithm):
@@ -37,11 +40,18 @@ class StationaryY(ConvAlgorithm):
         with comm.tag(layer=self.layer, phase="forward"):
             if self.input_whole:  # the first layer's input holds all channels: nothing to gather
                 extended, compute = self.halo_then_forward(x, w, b)
-                _, y = self.pipelined(x, lambda s, _: compute(s))
+                _, y = self.pipelined(x, lambda s, _, f: compute(s))
                 x_all_channels = extended()
             else:
-                x_all_channels, y = self.pipelined(self.halo(x), lambda s, x_s: self.local_forward(x_s, w, b),
-                                                   gather=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
+                # in feature chunks: each chunk's channels of x with their columns of w, the parts
+                # of y added up, and the bias after them
+                chunked = by_features(x.shape[0], self.chunks)
+                x_all_channels, y = self.pipelined(
+                    self.halo(x), lambda s, x_s, f: self.local_forward(x_s, w if f is None else backend.take(w, 1, f),
+                                                                       None if chunked else b),
+                    gather=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
+                if chunked and b is not None:
+                    self.with_bias(y, b)
         self._saved = (x_all_channels, w)
         return y
 
@@ -55,6 +65,7 @@ class StationaryY(ConvAlgorithm):
         dx = None
         if self.need_dx:
             with comm.tag(layer=self.layer, phase="backward-data"):
-                _, dx = self.pipelined(dy, lambda s, dy_s: self.local_backward_data(dy_s, w, x_all_channels[s].shape),
+                _, dx = self.pipelined(dy, lambda s, dy_s, f: self.local_backward_data(
+                    dy_s, w if f is None else backend.take(w, 1, f), with_channels(x_all_channels[s].shape, f)),
                                        scatter=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
         return self.halo_adjoint(dx), dw, db

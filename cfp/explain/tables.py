@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from ..algorithms import algorithm_class
-from ..algorithms.base import HALO, HALO_ADJOINT, run_order
+from ..algorithms.base import HALO, HALO_ADJOINT, by_features, feature_chunk_limit, feature_chunk_tensors, run_order
 from ..checks import int_tuple, positive_int
 from ..grid import AXES, ProcessGrid, check_node_fit, coords_of, placed_axes, placement_order, process_ranks, rank_of
 from ..halo import check_image_fits, halo_plan, window_options
@@ -197,22 +197,24 @@ class LayerExplanation:
         return format_table(rows)
 
     def pipeline_text(self):
-        """The schedule of a pass pipelined over self.chunks chunks of each rank's samples
-        (ConvAlgorithm.pipelined), read from the steps: a pass's allgathers gather each chunk
-        before it computes, its reduce-scatters scatter each chunk's result after; the halo and
-        the gradient sum run whole, before and after."""
+        """The schedule of a pass pipelined over self.chunks chunks (ConvAlgorithm.pipelined),
+        read from the steps: of each rank's samples, a pass's allgathers gather each chunk
+        before it computes, its reduce-scatters scatter each chunk's result after; of the
+        features where a rank holds fewer samples than chunks (by_features), the axis each
+        pass's collective moves (feature_chunk_tensors). The halo and the gradient sum run
+        whole, before and after."""
         k = self.chunks
         held = [len(self.holds[r]["x"][0]) for r in range(self.ranks)]
+        cls = algorithm_class(self.algorithm, self.options.get("groups", 1))
+        if by_features(held[0], k):
+            return self._feature_pipeline_text(cls, held[0])
         lines = [f"Pipelined over {k} chunks of each rank's samples (--chunks {k}): rank 0's "
                  f"{held[0]} in chunks of {', '.join(map(str, block_sizes(held[0], k)))}; each collective "
                  f"below moves a chunk's share, the same bytes per phase in all"]
         if k > min(held):
-            lines.append(f"  refused here: a rank holds {min(held)} sample(s), fewer than {k} chunks")
+            lines.append(f"  ranks holding fewer than {k} samples ({min(held)}) chunk their features instead")
         for name, phases in (("forward", ("forward",)), ("backward", ("backward-filter", "backward-data"))):
-            steps = [s for s in self.steps if s.phase in phases]
-            gather, scatter = (" and ".join(f"{s.message.collective} of {s.message.tensor} ({s.message.group})"
-                                            for s in steps if s.message.collective == c)
-                               for c in ("allgather", "reduce_scatter"))
+            gather, scatter = self._collectives(phases)
             if not gather and not scatter:
                 lines.append(f"  {name}: no collective of its own to pipeline: each rank computes its block whole")
                 continue
@@ -222,6 +224,47 @@ class LayerExplanation:
             parts.append(f"for i = 1..{k}: " + "; ".join(each))
             if scatter:
                 parts.append(f"wait for the {k} reduce-scatters")
+            lines.append(f"  {name}: " + "; then ".join(parts))
+        return "\n".join(lines)
+
+    def _collectives(self, phases):
+        """(the allgathers, the reduce-scatters) of the steps in `phases`, as text ('' for none)."""
+        steps = [s for s in self.steps if s.phase in phases]
+        return tuple(" and ".join(f"{s.message.collective} of {s.message.tensor} ({s.message.group})"
+                                  for s in steps if s.message.collective == c)
+                     for c in ("allgather", "reduce_scatter"))
+
+    def _feature_pipeline_text(self, cls, held):
+        """pipeline_text for a rank holding fewer samples than chunks: chunks of the filters
+        (y's channel axis) or channels (x's) each pass's collective moves."""
+        k, C, F = self.chunks, self.shapes["x"][1], self.shapes["w"][0]
+        P_c = self.grid.get("channel", 1)
+        limit = feature_chunk_limit(cls, C, F, P_c, self.input_whole, self.need_dx)
+        lines = [f"Pipelined over {k} chunks of the features (--chunks {k}): rank 0 holds {held} sample(s), fewer "
+                 f"than {k}, so each pass is cut along the channel axis its collective moves, every rank's block "
+                 f"of it in {k} pieces (chunk j: the j-th piece of each); each collective below moves a chunk's "
+                 f"share, the same bytes per phase in all"]
+        if limit and k > limit:
+            lines.append(f"  refused here: the smallest block of those features holds {limit}, fewer than {k} chunks")
+        axis = {"y": "filters", "x": "channels"}
+        tensors = feature_chunk_tensors(cls, self.input_whole, self.need_dx)
+        for name, phases in (("forward", ("forward",)), ("backward", ("backward-filter", "backward-data"))):
+            gather, scatter = self._collectives(phases)
+            if tensors[name] is None:
+                lines.append(f"  {name}: no collective of its own to pipeline: each rank computes its block whole")
+                continue
+            what = f"chunk j's {axis[tensors[name]]}"
+            if scatter:
+                parts = ([f"the {gather} whole"] if gather else []) + (
+                    ["dw whole and its sum"] if name == "backward" else [])
+                parts.append(f"for j = 1..{k}: test the collectives in flight; compute the partial result of {what}; "
+                             f"start its {scatter}")
+                parts.append(f"wait for the {k} reduce-scatters, this rank's pieces side by side")
+            else:
+                parts = [f"start the {gather} of chunk 1's {axis[tensors[name]]}",
+                         f"for j = 1..{k}: wait for chunk j's, start chunk j+1's; compute from {what} "
+                         + ("their rows of dw and a part of dx, added up" if name == "backward"
+                            else "a part of y, added up")]
             lines.append(f"  {name}: " + "; then ".join(parts))
         return "\n".join(lines)
 

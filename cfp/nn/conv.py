@@ -29,7 +29,7 @@ class Conv2d(Module):
     input_whole: the input holds all C channels on every channel rank (the network's first
     layer, fed the images). need_dx: whether backward computes the input's gradient (not for
     the first layer). input_spec and output_spec are the algorithm's layouts on `grid`.
-    chunks: the layer's collectives pipelined over that many chunks of samples
+    chunks: the layer's collectives pipelined over that many chunks of samples (or features)
     (ConvAlgorithm.pipelined; 1: blocking).
     """
     op = "conv2d"  # the kind of convolution (kernels/conv/ops.py); Conv3d and the transposed layers differ
