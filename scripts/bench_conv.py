@@ -2,7 +2,8 @@
 
     mpiexec -n P python -m mpi4py scripts/bench_conv.py --shape 8,512,512,16,16,3 \\
         [--padding 1] [--stride 1] [--repeats 5] [--rounds 1] [--threads 1] [--dtype float32] [--spatial] \\
-        [--grid SPEC] [--breakdown] [--chunks 1,2,4] [--device cpu|gpu] [--json out.json]
+        [--grid SPEC] [--breakdown] [--chunks 1,2,4] [--mpi-progress calls,thread] [--device cpu|gpu]
+        [--json out.json]
 
 For each factorization P_n x P_c of the rank count (with --spatial, P_n x P_h x P_w x P_c,
 the image split over height and width too; for a volume, --shape N,C,F,D,H,W,K, P_n x P_d x
@@ -19,8 +20,12 @@ faster, which lasts seconds, falls on the baseline and the rows alike. --breakdo
 second table: where each rank's step goes (median of each part over the repeats; over rounds,
 the round of the median step): its local kernels, the collectives' local copies
 (packing), the MPI calls, waiting for the group (the barrier before each collective), and the
-rest (the layer's own code around them).
+rest (the layer's own code around them). --chunks times each x, y and w layer again with its
+collectives pipelined (of samples, or of features on a block of fewer samples; "feature chunks"
+in the row), and --mpi-progress calls,thread times those rows (and --halo-interior's) both with
+cfp's own test() calls and under a progress thread.
 """
+import contextlib
 import statistics
 import sys
 import time
@@ -32,11 +37,13 @@ from mpi4py import MPI
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS, make_conv
 from cfp.algorithms.base import by_features, feature_chunk_limit
+from cfp.comm import progress_thread
 from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int, positive_ints
 from cfp.grid import ProcessGrid, factorizations
 from cfp.partition import block_sizes
 from cfp.perfmodel import pipelines
+from cfp.train import MPI_PROGRESS
 from cfp.io import check_writable, save_json
 from cfp.grid import AXES
 from cfp.kernels import conv2d_flops
@@ -74,6 +81,10 @@ def parse_args(argv):
                         "collectives pipelined over each count of chunks of its samples, or where a rank holds "
                         "fewer, of its features (ConvAlgorithm.pipelined, train.py --chunks) beside the others; 1 is "
                         "the blocking layer")
+    p.add_argument("--mpi-progress", default="calls",
+                   help="comma-separated, of calls and thread (train.py --mpi-progress): the pipelined and interior "
+                        "rows timed with the collectives in flight progressed only by cfp's test() calls between "
+                        "chunks, and/or a second time under a progress thread (comm.progress_thread)")
     p.add_argument("--grid", action="append", dest="grids", metavar="SPEC",
                    help="time only this grid of the factorizations above (as train.py's --grid, e.g. depth=2; "
                         "repeatable); the serial kernels are always timed")
@@ -98,6 +109,10 @@ def parse_args(argv):
     int_options(args, positive=("stride", "repeats", "rounds", "threads"), nonnegative=("warmup", "padding"))
     if args.padding is None:
         args.padding = args.K // 2
+    args.progresses = args.mpi_progress.split(",")
+    if not args.progresses or any(m not in MPI_PROGRESS for m in args.progresses):
+        raise ValueError(f"--mpi-progress {args.mpi_progress!r}: expected a comma-separated list of "
+                         f"{', '.join(MPI_PROGRESS)}")
     args.chunk_counts = sorted(set(positive_ints(args.chunks, "--chunks")))
     if args.chunk_counts[-1] > max(args.N, min(args.C, args.F)):
         raise ValueError(f"--chunks {args.chunks}: {args.chunk_counts[-1]} chunks is more than the {args.N} "
@@ -146,13 +161,19 @@ def serial_baseline(args, x, w, b, dy, xp=np):
     return slowest_median(MPI.COMM_SELF, step, args.repeats, args.warmup)
 
 
-def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False, chunks=1):
-    row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
-                       args.repeats, args.warmup, xp, halo_interior, args.op, chunks=chunks)
+def bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp=np, halo_interior=False, chunks=1,
+              progress="calls"):
+    """One row: the layer timed (measure_conv), under a progress thread where `progress` is
+    'thread' (comm.progress_thread, testing what its pipeline or halo has in flight)."""
+    with progress_thread() if progress == "thread" else contextlib.nullcontext():
+        row = measure_conv(world, grid, algorithm, p_f, x, w, b, dy, args.stride, args.padding,
+                           args.repeats, args.warmup, xp, halo_interior, args.op, chunks=chunks)
     features = by_features(min(block_sizes(args.N, grid.axis_size("sample"))), chunks)
     return {"grid": grid.describe(), "algorithm": algorithm + (f" (p_f={p_f})" if p_f else "")
             + (" (interior while the halo moves)" if halo_interior else "")
-            + (f" ({chunks} {'feature ' if features else ''}chunks)" if chunks > 1 else ""), "chunks": chunks, **row}
+            + (f" ({chunks} {'feature ' if features else ''}chunks)" if chunks > 1 else "")
+            + (" (progress thread)" if progress == "thread" else ""), "chunks": chunks, "mpi_progress": progress,
+            **row}
 
 
 def interior_applies(args, grid, algorithm, p_f):
@@ -219,9 +240,11 @@ def one_round(args, world, P, x, w, b, dy, xp):
                 for k in args.chunk_counts[1:] if P_c > 1 and pipelines(cls) else []:
                     if (min(block_sizes(args.N, shape.get("sample", 1))) >= k
                             or feature_chunk_limit(cls, args.C, args.F, P_c, False, True) >= k):
-                        rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, chunks=k))
+                        rows += [bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, chunks=k,
+                                           progress=m) for m in args.progresses]
                 if args.halo_interior and P_d * P_h * P_w > 1 and interior_applies(args, grid, algorithm, p_f):
-                    rows.append(bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True))
+                    rows += [bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, halo_interior=True,
+                                       progress=m) for m in args.progresses]
         grid.free()
     one_rank = baseline["forward"] + baseline["backward"]
     for row in rows:

@@ -294,18 +294,25 @@ def test_bench_conv_times_each_layer_in_chunks_beside_the_blocking_one(tmp_path)
     assert all(r["bytes_sent_per_rank"] == blocking[r["algorithm"].replace(" (2 chunks)", "")]["bytes_sent_per_rank"]
                for r in chunked)
     # one sample: the chunks split the features (2 of C=4 and 3 of F=6 a rank), the same bytes again
+    # (and --mpi-progress calls,thread: each of those rows a second time under the progress thread)
     proc, _ = run(2, ["--shape", "1,4,6,5,5,3", "--repeats", "1", "--warmup", "0", "--algorithms", "x,y,w",
-                      "--grid", "channel=2", "--chunks", "1,2", "--json", str(out)],
+                      "--grid", "channel=2", "--chunks", "1,2", "--mpi-progress", "calls,thread", "--json", str(out)],
                   script=os.path.join(ROOT, "scripts", "bench_conv.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out) as f:
         rows = json.load(f)["rows"]
     chunked = [r for r in rows if r.get("chunks") == 2]
-    assert sorted(r["algorithm"] for r in chunked) == ["w (p_f=1) (2 feature chunks)", "w (p_f=2) (2 feature chunks)",
-                                                       "x (2 feature chunks)", "y (2 feature chunks)"], chunked
+    labels = ["w (p_f=1) (2 feature chunks)", "w (p_f=2) (2 feature chunks)", "x (2 feature chunks)",
+              "y (2 feature chunks)"]
+    assert sorted(r["algorithm"] for r in chunked) == sorted(labels + [a + " (progress thread)" for a in labels]), chunked
+    assert sorted(r["mpi_progress"] for r in chunked) == ["calls"] * 4 + ["thread"] * 4, chunked
     blocking = {r["algorithm"]: r for r in rows if r.get("chunks") == 1}
-    assert all(r["bytes_sent_per_rank"] == blocking[r["algorithm"].replace(" (2 feature chunks)", "")]
+    assert all(r["bytes_sent_per_rank"] == blocking[r["algorithm"].split(" (2 feature chunks)")[0]]
                ["bytes_sent_per_rank"] for r in chunked)
+    proc, _ = run(1, ["--shape", "2,4,6,5,5,3", "--mpi-progress", "calls,often"],
+                  script=os.path.join(ROOT, "scripts", "bench_conv.py"))
+    assert proc.returncode != 0 and ("--mpi-progress 'calls,often': expected a comma-separated list of calls, "
+                                     "thread") in proc.stderr, proc.stderr
     proc, _ = run(1, ["--shape", "2,4,6,5,5,3", "--chunks", "5"], script=os.path.join(ROOT, "scripts", "bench_conv.py"))
     assert proc.returncode != 0 and ("--chunks 5: 5 chunks is more than the 2 sample(s) and the 4 channels or "
                                      "filters") in proc.stderr, proc.stderr
