@@ -204,6 +204,19 @@ def plan_grids(entries):
                               for e in entries.values()))
 
 
+def same_plan(a, b):
+    """Whether plan entries `a` and `b` run every layer alike: the same layers, each on the
+    same grid (its axes of one rank ignored: 'sample=2,channel=1' is 'sample=2'), algorithm,
+    filter groups, placement and chunks."""
+    from .grid import parse_grid_spec
+
+    def canonical(entry):
+        grid = {axis: n for axis, n in parse_grid_spec(entry["grid"]).items() if n > 1}
+        return (sorted(grid.items()), entry["algorithm"], entry.get("filter_groups"), entry.get("node_axes") or None,
+                entry.get("chunks", 1))
+    return a.keys() == b.keys() and all(canonical(a[name]) == canonical(b[name]) for name in a)
+
+
 def single_grid_plans(names, ranks, algorithms=None, profile=None):
     """{label: plan entries} of every grid of `ranks` ranks (sample x channel) with every
     algorithm (sample where P_c = 1; x, y and w for each p_f otherwise; or those of

@@ -318,6 +318,41 @@ def test_bench_conv_times_each_layer_in_chunks_beside_the_blocking_one(tmp_path)
                                      "filters") in proc.stderr, proc.stderr
 
 
+def test_same_plan_compares_what_each_layer_runs():
+    """benchtools.same_plan: a grid's axes of one rank do not count; the algorithm, filter
+    groups, placement and chunks of any layer do."""
+    from cfp.benchtools import same_plan
+    a = {"c1": {"grid": "sample=2", "algorithm": "sample"}, "c2": {"grid": "channel=2", "algorithm": "x"}}
+    b = {"c1": {"grid": "sample=2,channel=1", "algorithm": "sample"},
+         "c2": {"grid": "sample=1,channel=2", "algorithm": "x"}}
+    assert same_plan(a, b) and same_plan(b, a)
+    for change in ({"algorithm": "y"}, {"filter_groups": 2}, {"node_axes": "channel"}, {"chunks": 2},
+                   {"grid": "sample=2"}):
+        assert not same_plan(a, {**b, "c2": {**b["c2"], **change}}), change
+    assert not same_plan(a, {"c1": b["c1"]})
+
+
+def test_bench_plans_measures_a_planners_single_grid_plan_once(tmp_path):
+    """bench_plans on 2 ranks: every single-grid plan and the planner's, the planner's last; where
+    the planner's plan is one of the single-grid plans its row names it and carries that plan's
+    measurement (the same plan is not timed against itself)."""
+    out = tmp_path / "plans.json"
+    proc, _ = run(2, ["--model", "resnet", "--width", "1", "--batch", "8", "--steps", "1", "--warmup", "0",
+                      "--profile", "cpu-dev", "--json", str(out)], script=os.path.join(ROOT, "scripts", "bench_plans.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        result = json.load(f)
+    rows = {r["plan"]: r for r in result["rows"]}
+    assert {"channel=2 x", "channel=2 y", "channel=2 w p_f=1", "channel=2 w p_f=2", "sample=2 sample"} <= set(rows)
+    last = result["rows"][-1]
+    if result["planner_is"] is None:
+        assert last["plan"] == "planner", last
+    else:
+        assert last["plan"] == f"planner (= {result['planner_is']})", last
+        assert last["measured_s"] == rows[result["planner_is"]]["measured_s"]
+        assert last["predicted_s"] == pytest.approx(rows[result["planner_is"]]["predicted_s"], rel=1e-12)
+
+
 def test_bench_conv_splits_a_volume_by_depth(tmp_path):
     """bench_conv --shape N,C,F,D,H,W,K --spatial on 2 ranks: a volume's rows on every grid of
     sample, depth, height, width and channel, the depth split's halo bytes those predict_bytes
