@@ -90,6 +90,27 @@ def test_volumes_and_transposed_match_serial_and_predicted_bytes(grids, config, 
     check_against_serial(grids[config[0]], config, CASES[name], name)
 
 
+# one sample a rank (N set to P_n), 9 channels and 10 filters: at least 2 of each per rank of up
+# to 4 channel ranks, for chunks of the features
+FEATURE_CASES = {name: (op, None, 9, 10) + tuple(rest) for name, (op, _, _, _, *rest) in CASES.items()
+                 if name in ("conv3d", "transpose2d", "transpose3d")}
+
+
+def feature_chunked(case, grid):
+    """A case with one sample per rank of `grid`, and the chunks of features it takes (2, or 1
+    where a rank holds fewer than 2 channels or filters)."""
+    return (case[0], grid.axis_size("sample")) + case[2:], 1 + (min(case[2], case[3]) // grid.axis_size("channel") > 1)
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_CASES))
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] != "sample"], ids=ids)
+def test_volumes_and_transposed_in_feature_chunks_match_serial(grids, config, name):
+    """Conv3d, ConvTranspose2d and 3d with one sample a rank in 2 chunks of their features
+    (ConvAlgorithm.pipelined): the serial numbers and the one-chunk pass's bytes."""
+    case, chunks = feature_chunked(FEATURE_CASES[name], grids[config[0]])
+    check_against_serial(grids[config[0]], config, case, name, chunks=chunks)
+
+
 def depth_configs():
     """(grid spec, algorithm, p_f) on grids that split a volume: depth with sample or channel,
     and (at 4 ranks) depth with height, width and channel."""
@@ -136,6 +157,21 @@ def test_depth_split_matches_serial_and_predicted_bytes(depth_grids, config, nam
     the padding modes whose padded planes lie on other ranks, against serial; the ledger
     (halo included) equal to predict_bytes."""
     check_against_serial(depth_grids[config[0]], config, DEPTH_CASES[name], name)
+
+
+def _channel_ranks(spec):
+    """The channel axis's size in a grid spec ('depth=2,channel=2': 2)."""
+    return dict(part.split("=") for part in spec.split(",")).get("channel", "1")
+
+
+@pytest.mark.parametrize("config", [c for c in depth_configs() if _channel_ranks(c[0]) != "1" and c[1] != "sample"],
+                         ids=ids)
+def test_a_depth_split_in_feature_chunks_matches_serial(depth_grids, config):
+    """A volume split by depth and channel, one sample a rank, in 2 chunks of its features: the
+    halo once, the channel collectives chunk by chunk, the serial numbers and bytes."""
+    grid = depth_grids[config[0]]
+    case, chunks = feature_chunked(FEATURE_CASES["conv3d"], grid)
+    check_against_serial(grid, config, case, "conv3d", chunks=chunks)
 
 
 # Winograd's volumes on a depth split: each plane's tiles transformed once (depth stride and
