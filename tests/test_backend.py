@@ -67,8 +67,24 @@ def test_the_mpi_library_is_asked_about_cuda_buffers(monkeypatch):
 
 
 def test_take_copies_one_slice_or_gathers():
-    x = np.arange(24.0).reshape(2, 6, 2)
-    for indices in ([1, 2, 3], range(0, 6), [0, 2, 5], []):
-        got = backend.take(x, 1, indices)
-        assert got.flags.c_contiguous and not np.shares_memory(got, x)
-        assert np.array_equal(got, x[:, list(indices)])
+    """One run of consecutive indices, a few (a union of blocks, a feature chunk: slices side by
+    side), or many (a gather), along any axis: a fresh C-contiguous copy of x's entries; put
+    writes such entries in place."""
+    x = np.arange(2 * 20 * 3.0).reshape(2, 20, 3)
+    many = list(range(0, 20, 2))  # 10 runs, more than backend._FEW_RUNS
+    assert len(many) > backend._FEW_RUNS
+    for axis in (0, 1, 2):
+        extent = x.shape[axis]
+        for indices in ([1, 2, 3], range(0, 6), [0, 2, 5], [0, 1, 5, 6, 7, 12], [], many, [extent - 1]):
+            indices = [i for i in indices if i < extent]
+            got = backend.take(x, axis, indices)
+            assert got.flags.c_contiguous and not np.shares_memory(got, x)
+            assert np.array_equal(got, np.take(x, indices, axis=axis)), (axis, indices)
+            # put writes them back where take read them, and nothing else
+            out = np.zeros_like(x)
+            assert backend.put(out, axis, indices, got) is out
+            expected = np.zeros_like(x)
+            at = [slice(None)] * x.ndim
+            at[axis] = indices
+            expected[tuple(at)] = got
+            assert np.array_equal(out, expected), (axis, indices)

@@ -616,7 +616,7 @@ class ConvAlgorithm:
             g = next_gather.wait()
             if j + 1 < k:
                 next_gather = start_gather(j + 1)
-            gathered[:, features] = g
+            backend.put(gathered, 1, features, g)
             r = compute(whole, g, features)
             if r is not None:
                 if total is None:
@@ -659,7 +659,7 @@ class ConvAlgorithm:
             else:  # these filters' rows of dw
                 if dw is None:
                     dw = backend.get_array_module(w).empty_like(w)
-                dw[features] = self.local_backward_filter(x, dy_s, (len(features),) + tuple(w.shape[1:]))
+                backend.put(dw, 0, features, self.local_backward_filter(x, dy_s, (len(features),) + tuple(w.shape[1:])))
                 last = done[0] == self.chunks
             if last:  # dw is whole
                 summed = self.sync_gradients(dw, db)
