@@ -326,6 +326,26 @@ def blas_info():
     ]
 
 
+def numpy_blas_info():
+    """blas_info's entries of the BLAS library NumPy itself calls, which runs cfp's kernels'
+    GEMMs: the one loaded from NumPy's own folders (a wheel's numpy.libs), else the one of the
+    version NumPy was built with, else every one loaded. SciPy brings an OpenBLAS of its own,
+    loaded once scipy.linalg or scipy.optimize is imported, so blas_info's list depends on what
+    a process imported first; this one does not."""
+    from threadpoolctl import threadpool_info
+
+    loaded = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    root = os.path.realpath(os.path.dirname(np.__file__))
+    mine = [i for i in loaded if os.path.realpath(i.get("filepath") or "").startswith((root + os.sep, root + ".libs"))]
+    if not mine:
+        try:
+            version = np.show_config(mode="dicts")["Build Dependencies"]["blas"].get("version")
+        except Exception:  # an older NumPy
+            version = None
+        mine = [i for i in loaded if version and i.get("version") == version] or loaded
+    return [(i.get("internal_api"), i.get("version"), i.get("num_threads"), i.get("architecture")) for i in mine]
+
+
 # OpenBLAS's x86-64 kernels (threadpoolctl's 'architecture') that run float32 and float64 GEMMs
 # with AVX-512
 _AVX512_KERNELS = ("skylakex", "cooperlake", "sapphirerapids")
@@ -336,7 +356,7 @@ def blas_runs_avx512():
     """Whether the BLAS loaded here runs AVX-512 GEMMs: OpenBLAS by the kernels it chose (or
     OPENBLAS_CORETYPE chose for it), another library where the CPU has AVX-512 (Linux's flags).
     What the Winograd tile's cost weighs (kernels/conv/winograd.py). Fixed for the process."""
-    loaded = blas_info()
+    loaded = numpy_blas_info()
     openblas = [arch for lib, _, _, arch in loaded if lib == "openblas" and arch]
     if openblas:
         return openblas[0].lower() in _AVX512_KERNELS

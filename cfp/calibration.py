@@ -77,8 +77,10 @@ def kernels_version():
 def _blas():
     """The BLAS NumPy uses, as name, version and the kernels it runs ('scipy-openblas
     0.3.31.188.0 (SkylakeX)'): one library runs at different rates with different kernels
-    (OpenBLAS's Haswell and SkylakeX ones, backend.blas_description), so a profile names them."""
-    loaded = backend.blas_info()
+    (OpenBLAS's Haswell and SkylakeX ones, backend.blas_description), so a profile names them:
+    those of NumPy's own library (backend.numpy_blas_info), whatever else a process loaded
+    before (SciPy's OpenBLAS), so that one machine's record is the same in every run."""
+    loaded = backend.numpy_blas_info()
     kernels = ", ".join(arch for _, _, _, arch in loaded if arch)
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
@@ -737,14 +739,15 @@ def _cache(path, data):
         return f"not cached ({e})"
 
 
-def profile_for(world, threads, layers=None, directory=None, out=None):
+def profile_for(world, threads, layers=None, directory=None, out=None, chunks=False):
     """This machine's profile (a perfmodel.MachineProfile) for a run on the ranks of `world` at
     `threads` BLAS threads per rank: the cached one (cache_dir()) where it matches this
     machine, its ranks and threads and cfp's kernels; else a quick calibration, announced by a
     progress line, cached for the next run (written atomically; a cache that cannot be
     written is said and skipped). `layers` (perfmodel.LayerShape): the local convolutions of
     every option the planner weighs for them are measured where the profile has no points of
-    them (top_up), and kept in the cache too. The same on every rank."""
+    them (top_up), and kept in the cache too; chunks: also those of their options in chunks
+    (planner.geometries). The same on every rank."""
     out = out or sys.stdout
     rank0 = world.Get_rank() == 0
     record = machine_record(world.Get_size(), threads, node_layout(world)[0])
@@ -766,7 +769,7 @@ def profile_for(world, threads, layers=None, directory=None, out=None):
     if layers:
         from .planner import geometries
         start = time.time()
-        planes, volumes = geometries(layers, world.Get_size(), MachineProfile(data))
+        planes, volumes = geometries(layers, world.Get_size(), MachineProfile(data), chunks=chunks)
         added = top_up(world, data, planes, volumes=volumes)
         if added and rank0:  # (every rank measured the same slowest-rank rates)
             say(f"cfp: measured the kernels of {added} more layer shape(s) the planner weighs in "
@@ -787,13 +790,14 @@ def warn_if_foreign(profile, world, threads, out=None):
               file=out or sys.stdout, flush=True)
 
 
-def machine_profile(name, world, threads, layers=None):
+def machine_profile(name, world, threads, layers=None, chunks=False):
     """The profile a run on `world` at `threads` BLAS threads per rank plans `layers` with: the
     one named (a JSON file or a built-in name, used as it is, with one line of warning when it
     records another machine), or, with `name` None, this machine's own (profile_for: cached or
-    calibrated, and topped up with the layers' own shapes)."""
+    calibrated, and topped up with the layers' own shapes, and with chunks those of their
+    options in chunks, for a planner asked to choose them)."""
     if name is None:
-        return profile_for(world, threads, layers)
+        return profile_for(world, threads, layers, chunks=chunks)
     profile = MachineProfile.load(name)
     warn_if_foreign(profile, world, threads)
     return profile

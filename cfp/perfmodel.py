@@ -609,9 +609,10 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
     for m in sent:
         ranks, intra = groups[m.group]
         comm[m.phase] += profile.collective_time(m.collective, ranks, result[m.tensor], intra)
+    chunked = []  # the chunks' own (geometry, block), priced where they run
     if chunks > 1:
-        _pipeline(layer, cls, chunks, n, read, filters, s["seen"], windows, profile, compute, comm, hidden,
-                  [m for m in sent if m.group in ("row", "column")], groups, result, P_c)
+        chunked = _pipeline(layer, cls, chunks, n, read, filters, s["seen"], windows, profile, compute, comm, hidden,
+                            [m for m in sent if m.group in ("row", "column")], groups, result, P_c)
     if spatial > 1:  # the halo rows and columns arrive in one all-to-all, and go back with dx
         received = n * x_channels * max(0, needed - math.prod(s["x"])) * item
         halo = profile.collective_time("alltoall", spatial, received * spatial / (spatial - 1), inside["halo"])
@@ -658,7 +659,7 @@ def layer_cost(layer, algorithm, P_n, P_c, profile, p_f=None, optimizer_buffers=
             "data_after_sum": data_after_sum(cls, n, chunks, layer.first),
             "paths": {pass_name: path for pass_name, (path, _) in keys.items()}, "geometry": local, "passes": passes,
             "block": block if priced_as_volume(layer) and local is not None else None,
-            "chunks": chunks, "hidden": hidden,
+            "chunks": chunks, "hidden": hidden, "chunk_geometries": chunked,
             "time": sum(compute.values()) + sum(comm.values()) + sum(layers.values()),
             "bytes": sum(memory.values())}
 
@@ -736,7 +737,8 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
     backward-filter on the whole block. In features, a pass with a reduce-scatter pipelines it
     behind the chunks of the phase that computes its summand, after its allgather (whole,
     blocking) and its other phases (whole: stationary-w's dw); one without pipelines its
-    allgather behind the chunks of all its phases."""
+    allgather behind the chunks of all its phases. Returns the chunks' (2-D geometry, volume
+    block or None) at which it priced them (layer_cost's "chunk_geometries")."""
     if not pipelines(cls, layer.first):
         raise ValueError(f"layer {layer.name}: chunks={chunks}: its algorithm pipelines no collectives "
                          f"(stationary-x, -y and -w do)")
@@ -753,10 +755,14 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
                                            groups[m.group][1])
                    for m in sent if m.phase in phases and m.collective == collective)
 
+    measured = []  # the chunks' (geometry, block): what calibration's top-up measures (planner.geometries)
+
     def chunk_seconds(part_n, part_read, part_filters):  # (a chunk of the channels reads as many of w's)
         part_seen = seen if part_read == read else part_read
-        return _pass_seconds(layer, *local_geometry(layer, part_n, part_read, part_filters, part_seen, windows),
-                             profile, local_block(layer, part_n, part_read, part_filters, part_seen, windows))[0]
+        local, passes = local_geometry(layer, part_n, part_read, part_filters, part_seen, windows)
+        block = local_block(layer, part_n, part_read, part_filters, part_seen, windows)
+        measured.append((local, block if priced_as_volume(layer) and local is not None else None))
+        return _pass_seconds(layer, local, passes, profile, block)[0]
 
     # stages: (the phases computed in chunks, their chunks' seconds, the allgather pipelined,
     # the reduce-scatter pipelined, the allgather's seconds where it runs whole and blocking first)
@@ -796,6 +802,7 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
             share = moved[p] / total if total else 1.0 / len(every)
             comm[p] = exposed * share
             hidden[p] = max(0.0, total - exposed) * share
+    return measured
 
 
 def _stage_phases(phases):

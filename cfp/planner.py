@@ -138,14 +138,18 @@ def layer_options(layer, ranks, profile, algorithms=("sample",) + CHANNEL_ALGORI
     return out
 
 
-def geometries(layers, ranks, profile, spatial=False):
+def geometries(layers, ranks, profile, spatial=False, chunks=False):
     """The local convolutions of every option of every layer on `ranks` ranks, for calibration
     to measure (calibration.top_up): (the 2-D geometries, perfmodel.local_geometry: what the
     kernels of any plan of these layers would run; the volumes' own blocks with their stacked
-    geometries, [(perfmodel.local_block, geometry)], which it times as volumes)."""
-    options = [o for L in layers for o in layer_options(L, ranks, profile, spatial=spatial)]
-    return ([o.cost["geometry"] for o in options],
-            [(o.cost["block"], o.cost["geometry"]) for o in options if o.cost.get("block") is not None])
+    geometries, [(perfmodel.local_block, geometry)], which it times as volumes). chunks: also
+    the options in chunks that plan(..., chunks=True) weighs, with their chunks' own geometries
+    (layer_cost's "chunk_geometries"), so that a layer in chunks is priced at measured rates
+    beside the same layer whole."""
+    options = [o for L in layers for o in layer_options(L, ranks, profile, spatial=spatial, chunks=chunks)]
+    pieces = [(o.cost["geometry"], o.cost.get("block")) for o in options]
+    pieces += [piece for o in options for piece in o.cost.get("chunk_geometries", ())]
+    return [g for g, _ in pieces], [(block, g) for g, block in pieces if block is not None]
 
 
 def moves(chosen, choice, itemsize):

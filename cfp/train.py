@@ -449,11 +449,13 @@ def _build(cfg, world, x_train, dtype, classes, threads):
     profile = None
     if cfg.algorithm == "auto":
         arch = {k: config[k] for k in ("width", "depth", "in_channels", "classes", "image") if k in config}
-        profile = machine_profile(cfg.profile, world, threads, layer_shapes(cfg.model, cfg.batch_size, **arch))
+        # what --overlap leaves to the planner: the chunks of each layer (their kernels measured
+        # too), the bucket
+        chunks = cfg.overlap == "all" and cfg.chunks == 1
+        profile = machine_profile(cfg.profile, world, threads, layer_shapes(cfg.model, cfg.batch_size, **arch),
+                                  chunks=chunks)
         config.update(batch=cfg.batch_size, profile=profile, choose_grids=cfg.grid is None,
-                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20,
-                      # what --overlap leaves to the planner: the chunks of each layer, the bucket
-                      chunks=cfg.overlap == "all" and cfg.chunks == 1,
+                      memory_limit=None if cfg.memory_limit is None else cfg.memory_limit * 2 ** 20, chunks=chunks,
                       buckets=cfg.overlap in ("grads", "all") and not cfg.bucket_mb)
     elif cfg.plan:
         config.update(plan=read_plan(cfg.plan), batch=cfg.batch_size)

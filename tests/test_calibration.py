@@ -52,14 +52,18 @@ def test_the_record_names_what_differs():
 
 def test_the_record_names_the_blas_kernels_that_run(monkeypatch):
     """One BLAS library runs at different rates with different kernels (OpenBLAS's Haswell and
-    SkylakeX kernels, chosen by OPENBLAS_CORETYPE): the record names those loaded, so that a
-    profile measured with one set differs from a machine running the other."""
-    kernels = [arch for _, _, _, arch in calibration.backend.blas_info() if arch]
+    SkylakeX kernels, chosen by OPENBLAS_CORETYPE): the record names those of NumPy's library,
+    so that a profile measured with one set differs from a machine running the other, and
+    SciPy's OpenBLAS, loaded or not, changes nothing."""
+    kernels = [arch for _, _, _, arch in calibration.backend.numpy_blas_info() if arch]
     here = calibration.machine_record(1, 1)
     assert all(f"({arch})" in here["blas"] or arch in here["blas"] for arch in kernels), (kernels, here["blas"])
-    monkeypatch.setattr(calibration.backend, "blas_info", lambda: [("openblas", "0.3.31", 1, "Haswell")])
+    import scipy.linalg  # noqa: F401 (SciPy's own OpenBLAS, loaded now: the record stays NumPy's)
+    assert calibration.machine_record(1, 1)["blas"] == here["blas"]
+    assert len(calibration.backend.numpy_blas_info()) == 1
+    monkeypatch.setattr(calibration.backend, "numpy_blas_info", lambda: [("openblas", "0.3.31", 1, "Haswell")])
     haswell = calibration.machine_record(1, 1)
-    monkeypatch.setattr(calibration.backend, "blas_info", lambda: [("openblas", "0.3.31", 1, "SkylakeX")])
+    monkeypatch.setattr(calibration.backend, "numpy_blas_info", lambda: [("openblas", "0.3.31", 1, "SkylakeX")])
     skylakex = calibration.machine_record(1, 1)
     assert haswell["blas"].endswith("(Haswell)") and skylakex["blas"].endswith("(SkylakeX)")
     assert [line.split()[0] for line in calibration.differences(haswell, skylakex)] == ["blas"]

@@ -539,6 +539,25 @@ def test_a_one_sample_layer_in_chunks_is_priced_as_its_feature_pipeline():
         layer_cost(layer, "x", 1, 2, MachineProfile(data), chunks=9)
 
 
+def test_the_chunks_geometries_are_what_calibration_tops_up_for_a_planner_choosing_chunks():
+    """layer_cost names the geometries it priced a layer's chunks at (its "chunk_geometries":
+    stationary-x's filters halved in feature chunks, its samples in chunks of samples), and
+    planner.geometries(chunks=True), what calibration measures for a planner asked to choose
+    chunks, includes them beside the whole layers' (and only then)."""
+    from cfp.planner import geometries
+    profile = MachineProfile(dict(profile_data(alpha=1e-5, beta=1e-9), progress={"intra": 1.0}))
+    one, eight = LayerShape("a", 1, 64, 48, 8, 8, 3), LayerShape("b", 8, 64, 48, 8, 8, 3)
+    features = layer_cost(one, "x", 1, 2, profile, chunks=2)["chunk_geometries"]
+    assert {(g.N, g.C, g.F) for g, _ in features} == {(1, 32, 24)} and all(b is None for _, b in features)
+    samples = layer_cost(eight, "x", 1, 2, profile, chunks=2)["chunk_geometries"]
+    assert {(g.N, g.C, g.F) for g, _ in samples} == {(4, 32, 48)}
+    assert layer_cost(one, "x", 1, 2, profile)["chunk_geometries"] == []
+    whole, _ = geometries([one], 2, profile)
+    chunked, _ = geometries([one], 2, profile, chunks=True)
+    assert (1, 32, 24) not in {(g.N, g.C, g.F) for g in whole}
+    assert (1, 32, 24) in {(g.N, g.C, g.F) for g in chunked} and set(whole) <= set(chunked)
+
+
 def test_the_planner_pipelines_where_the_links_progress():
     """A wide layer of 8 samples on channel=4 whose collectives cost about its kernels: with a
     profile whose links move data while ranks compute the planner runs it in chunks and writes
