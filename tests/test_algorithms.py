@@ -119,26 +119,33 @@ def test_matches_serial_and_predicted_bytes(grids, config, shape):
 CHUNKED = (6, 5, 7, 6, 5, 3, 1, 1)
 
 
+def check_chunked(grid, config, shape, first, k):
+    """A layer of `shape` in k chunks against the serial numbers and, in all, the bytes of the
+    one-chunk pass; returns the layer and its ledger."""
+    spec, algorithm, p_f = config
+    conv, ledger, got, (x, w, b, dy) = run_distributed(grid, algorithm, p_f, shape, first=first, chunks=k)
+    y, dx, dw, db = serial(x, w, b, dy, shape[6], shape[7])
+    for name, expected in (("y", y), ("dx", None if first else dx), ("dw", dw), ("db", db)):
+        if expected is None:
+            assert_all_ranks(got[name] is None, f"{ids(config)} {name}: expected none")
+        else:
+            assert_close_all_ranks(got[name], expected, 1e-10, f"{ids(config)} chunks={k} {name}")
+    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, shape[6], shape[7], filter_groups=p_f,
+                              input_whole=first, need_dx=not first, itemsize=8)
+    measured = ledger_bytes(ledger, layer="conv")
+    assert_all_ranks(measured == predicted, f"{ids(config)} chunks={k}: ledger {measured} != predicted {predicted}")
+    return conv, ledger
+
+
 @pytest.mark.parametrize("chunks", [2, 3])
 @pytest.mark.parametrize("first", [False, True], ids=["inner", "first"])
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] != "sample"], ids=ids)
 def test_pipelined_chunks_match_serial_and_predicted_bytes(grids, config, first, chunks):
     """chunks=k: the block's samples in k chunks, each chunk's collectives non-blocking while
     the next computes: the serial numbers and, in all, the bytes of the one-chunk pass."""
-    spec, algorithm, p_f = config
-    grid = grids[spec]
+    grid = grids[config[0]]
     k = min(chunks, CHUNKED[0] // grid.axis_size("sample"))
-    conv, ledger, got, (x, w, b, dy) = run_distributed(grid, algorithm, p_f, CHUNKED, first=first, chunks=k)
-    y, dx, dw, db = serial(x, w, b, dy, CHUNKED[6], CHUNKED[7])
-    for name, expected in (("y", y), ("dx", None if first else dx), ("dw", dw), ("db", db)):
-        if expected is None:
-            assert_all_ranks(got[name] is None, f"{ids(config)} {name}: expected none")
-        else:
-            assert_close_all_ranks(got[name], expected, 1e-10, f"{ids(config)} chunks={k} {name}")
-    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, 1, 1, filter_groups=p_f,
-                              input_whole=first, need_dx=not first, itemsize=8)
-    measured = ledger_bytes(ledger, layer="conv")
-    assert_all_ranks(measured == predicted, f"{ids(config)} chunks={k}: ledger {measured} != predicted {predicted}")
+    _, ledger = check_chunked(grid, config, CHUNKED, first, k)
     calls = sum(1 for r in ledger.records if r.layer == "conv" and r.phase != "gradient-sync")
     if P_c_of(grid) > 1 and k > 1:  # one call per chunk and message: the pass was pipelined
         assert_all_ranks(calls % k == 0 and (first or calls >= k), f"{ids(config)}: {calls} layer calls for {k} chunks")
@@ -161,24 +168,13 @@ def test_feature_chunks_match_serial_and_predicted_bytes(grids, config, first, c
     k chunks of the features its collective moves (filters of x, channels of y, both of w),
     each chunk's collective non-blocking while the next computes: the serial numbers, the
     bytes of the one-chunk pass, and one call per chunk and message."""
-    spec, algorithm, p_f = config
-    grid = grids[spec]
+    grid = grids[config[0]]
     shape = (grid.axis_size("sample"),) + FEATURED[1:]
     k = min(chunks, min(shape[1], shape[2]) // P_c_of(grid))
-    conv, ledger, got, (x, w, b, dy) = run_distributed(grid, algorithm, p_f, shape, first=first, chunks=k)
-    y, dx, dw, db = serial(x, w, b, dy, shape[6], shape[7])
-    for name, expected in (("y", y), ("dx", None if first else dx), ("dw", dw), ("db", db)):
-        if expected is None:
-            assert_all_ranks(got[name] is None, f"{ids(config)} {name}: expected none")
-        else:
-            assert_close_all_ranks(got[name], expected, 1e-10, f"{ids(config)} chunks={k} {name}")
-    predicted = predict_bytes(algorithm, x.shape, w.shape, spec, grid.coords, 1, 1, filter_groups=p_f,
-                              input_whole=first, need_dx=not first, itemsize=8)
-    measured = ledger_bytes(ledger, layer="conv")
-    assert_all_ranks(measured == predicted, f"{ids(config)} chunks={k}: ledger {measured} != predicted {predicted}")
-    records = [r for r in ledger.records if r.layer == "conv" and r.phase != "gradient-sync"]
+    conv, ledger = check_chunked(grid, config, shape, first, k)
     if P_c_of(grid) > 1 and k > 1 and conv.feature_chunk_limit():  # started, one a chunk (first y: none)
-        started = sum(1 for r in records if r.started is not None)
+        started = sum(1 for r in ledger.records if r.layer == "conv" and r.phase != "gradient-sync"
+                      and r.started is not None)
         assert_all_ranks(started % k == 0 and started >= k, f"{ids(config)}: {started} started calls for {k} chunks")
 
 

@@ -452,12 +452,24 @@ def test_a_pipeline_of_chunks_by_hand(chunks, compute, gather, scatter, progress
     assert pipeline_seconds(chunks, compute, gather, scatter, progress) == pytest.approx(expected, rel=1e-12)
 
 
+def assert_two_chunks_of_x(cost, half, progress):
+    """A stationary-x layer's cost in 2 chunks against `half`'s, the layer one chunk computes:
+    twice its kernels, the forward's reduce-scatter and the backward's allgather of dy each a
+    pipeline of two of its collectives (perfmodel.pipeline_seconds) at `progress`."""
+    from cfp.perfmodel import pipeline_seconds
+    assert cost["compute"] == pytest.approx({p: 2 * t for p, t in half["compute"].items()}, rel=1e-12)
+    forward = pipeline_seconds(2, half["compute"]["forward"], 0.0, half["comm"]["forward"], progress)
+    assert cost["comm"]["forward"] == pytest.approx(forward - 2 * half["compute"]["forward"], rel=1e-12)
+    both = half["compute"]["backward-filter"] + half["compute"]["backward-data"]
+    backward = pipeline_seconds(2, both, half["comm"]["backward-filter"], 0.0, progress)
+    assert cost["comm"]["backward-filter"] == pytest.approx(backward - 2 * both, rel=1e-12)
+
+
 def test_a_layer_in_chunks_is_priced_as_its_pipeline():
     """Stationary-x on channel=2 in 2 chunks, 8 samples: each chunk's kernels at 4 samples and
     each chunk's collectives at half the bytes (one more latency each), the forward's
     reduce-scatter and the backward's allgather of dy each a pipeline of their own; at progress
     0 nothing is hidden, at progress 1 the chunks' kernels hide all but the last chunk's."""
-    from cfp.perfmodel import pipeline_seconds
     layer = LayerShape("L", 8, 16, 16, 8, 8, 3)
     data = profile_data(alpha=1e-5, beta=1e-9)
     blocking = layer_cost(layer, "x", 1, 2, MachineProfile(data))
@@ -465,12 +477,7 @@ def test_a_layer_in_chunks_is_priced_as_its_pipeline():
         profile = MachineProfile(dict(data, progress={"intra": progress}))
         cost = layer_cost(layer, "x", 1, 2, profile, chunks=2)
         half = layer_cost(dataclasses.replace(layer, N=4), "x", 1, 2, profile)
-        assert cost["compute"] == pytest.approx({p: 2 * t for p, t in half["compute"].items()}, rel=1e-12)
-        forward = pipeline_seconds(2, half["compute"]["forward"], 0.0, half["comm"]["forward"], progress)
-        assert cost["comm"]["forward"] == pytest.approx(forward - 2 * half["compute"]["forward"], rel=1e-12)
-        both = half["compute"]["backward-filter"] + half["compute"]["backward-data"]
-        backward = pipeline_seconds(2, both, half["comm"]["backward-filter"], 0.0, progress)
-        assert cost["comm"]["backward-filter"] == pytest.approx(backward - 2 * both, rel=1e-12)
+        assert_two_chunks_of_x(cost, half, progress)
         assert cost["comm"]["gradient-sync"] == blocking["comm"]["gradient-sync"]
         moved = 2 * (half["comm"]["forward"] + half["comm"]["backward-filter"])
         assert sum(cost["hidden"].values()) == pytest.approx(moved - cost["comm"]["forward"]
@@ -498,12 +505,7 @@ def test_a_one_sample_layer_in_chunks_is_priced_as_its_feature_pipeline():
         profile = MachineProfile(dict(data, progress={"intra": progress}))
         cost = layer_cost(layer, "x", 1, 2, profile, chunks=2)
         half = layer_cost(dataclasses.replace(layer, F=8), "x", 1, 2, profile)
-        assert cost["compute"] == pytest.approx({p: 2 * t for p, t in half["compute"].items()}, rel=1e-12)
-        forward = pipeline_seconds(2, half["compute"]["forward"], 0.0, half["comm"]["forward"], progress)
-        assert cost["comm"]["forward"] == pytest.approx(forward - 2 * half["compute"]["forward"], rel=1e-12)
-        both = half["compute"]["backward-filter"] + half["compute"]["backward-data"]
-        backward = pipeline_seconds(2, both, half["comm"]["backward-filter"], 0.0, progress)
-        assert cost["comm"]["backward-filter"] == pytest.approx(backward - 2 * both, rel=1e-12)
+        assert_two_chunks_of_x(cost, half, progress)
         assert cost["data_after_sum"] == 0.5
 
         whole = layer_cost(layer, "y", 1, 2, profile)
