@@ -191,13 +191,14 @@ def test_calibration_reaches_every_path_the_models_take():
 
 @pytest.fixture
 def ran(monkeypatch):
-    """The kernel path table with every pass recording the path that runs it: ran() gives the
-    names per pass since the last call, a full convolution named with its forward's path."""
+    """The kernel path table with every pass recording the path that runs it (its variant
+    included: 'winograd F(2x2)'): ran() gives the names per pass since the last call, a full
+    convolution named with its forward's path."""
     log = []
 
     def recording(path, pass_name, run):
-        def call(*args, **kwargs):
-            log.append((pass_name, path.name))
+        def call(*args, **kwargs):  # (every path's passes take the geometry third: KernelPath)
+            log.append((pass_name, path.named(args[2])))
             return run(*args, **kwargs)
         return call
     table = tuple(path._replace(**{field: recording(path, p, path.run(p)) for field, p in

@@ -382,21 +382,30 @@ def test_dilated_3x3_layers_by_subgrids_match_the_loops(tile, monkeypatch):
             assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE, case
 
 
-@pytest.mark.parametrize("side,takes", [(1, False), (2, False), (3, False), (4, True), (5, False), (6, True),
-                                        (8, True), (16, True), (15, True), (9, True), ((5, 6), False)])
-def test_float32_layers_take_winograd_by_default_where_it_pays(side, takes):
-    """4 Ho Wo >= tiles * 36, outputs at least 4 wide, at least 32 tiles a call and more than 8
-    channels: not on 1x1 to 3x3 outputs or 5x5 (measured slower than im2col), on 4x4, 6x6 and
-    larger; not on fewer tiles or channels (those take other paths); every size when forced."""
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("side,by4,by2", [(1, False, False), (2, False, True), (3, False, False), (4, True, True),
+                                         (5, False, False), (6, True, True), (8, True, True), (16, True, True),
+                                         (15, True, False), (9, True, False), ((5, 6), False, False)])
+def test_float32_layers_take_winograd_by_default_where_it_pays(side, by4, by2, avx512, monkeypatch):
+    """4 Ho Wo >= tiles * (m + 2)^2, outputs at least m wide, at least 32 tiles a call and more
+    than 8 channels, at F(4x4) (by4) or, where the BLAS runs AVX2 GEMMs, at F(2x2) (by2, then
+    the tile it takes): not on 1x1 to 3x3 outputs or 5x5 at F(4x4) (measured slower than
+    im2col), on 4x4, 6x6 and larger; 2x2 and the layers of too few F(4x4) tiles at F(2x2) with
+    AVX2; not on fewer tiles or channels (those take other paths); every size when forced."""
+    monkeypatch.setattr(winograd_kernels.backend, "blas_runs_avx512", lambda: avx512)
     H, W = side if isinstance(side, tuple) else (side, side)  # 5x6: 4 tiles * 36 = 144 > 4 * 30
     g = conv_module.conv_geometry((32, 16, H, W), (8, 16, 3, 3), padding=1)
+    takes = by4 or (by2 and not avx512)
     assert winograd_kernels.applies(g, np.dtype(np.float32)) == takes
     assert not winograd_kernels.applies(g, np.dtype(np.float64))
+    if takes and not by4:
+        assert winograd_kernels.tile(g) == 2  # the tile that pays
     wide = conv_module.conv_geometry((32, 16, 16, W), (8, 16, 3, 3), padding=1)  # the narrow side decides
-    assert winograd_kernels.applies(wide, np.dtype(np.float32)) == (W >= 4)  # 16x5: 288 <= 320
-    tiles = -(-H // 4) * -(-W // 4)
+    # (16x5: 288 <= 320 at F(4x4); 16x2 at F(2x2): 128 <= 128)
+    assert winograd_kernels.applies(wide, np.dtype(np.float32)) == (W >= 4 or (W == 2 and not avx512))
+    tiles = -(-H // 2) * -(-W // 2) if not avx512 else -(-H // 4) * -(-W // 4)
     fewer = conv_module.conv_geometry((-(-32 // tiles) - 1, 16, H, W), (8, 16, 3, 3), padding=1)
-    assert not winograd_kernels.applies(fewer, np.dtype(np.float32))  # fewer than 32 tiles
+    assert not winograd_kernels.applies(fewer, np.dtype(np.float32))  # fewer than 32 tiles at either tile
     narrow = conv_module.conv_geometry((32, 8, H, W), (8, 8, 3, 3), padding=1)
     assert not winograd_kernels.applies(narrow, np.dtype(np.float32))  # 8 channels: per-sample columns
     with settings.winograd(True):

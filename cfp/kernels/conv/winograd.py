@@ -105,6 +105,8 @@ def tile(g):
     m = settings.current().winograd_tile
     if m is not None:
         return m
+    if not _pays_at(g, 4) and _pays_at(g, 2):  # (the one tile a layer _pays admits by F(2x2) takes)
+        return 2
     return 2 if tile_cost(g, 2) < tile_cost(g, 4) else 4
 
 
@@ -122,8 +124,24 @@ def _pays(g):
     once a call whatever its tiles. Nor on layers of at most columns.FEW_CHANNELS channels
     (a network's first layer), whose GEMMs C deep per-sample columns outrun (columns.py).
     These were measured with F(4x4), whose tiles decide it where the setting names no tile;
-    of the layers that take Winograd, tile() then picks each one's tile."""
-    m = settings.current().winograd_tile or 4  # measured for F(4x4); tile() then picks among both
+    of the layers that take Winograd, tile() then picks each one's tile. Where the BLAS runs
+    AVX2 GEMMs (not AVX-512: backend.blas_runs_avx512), a layer whose F(2x2) tiles meet the
+    same rules takes Winograd too, at F(2x2) (tile()): the layers of a few samples on 16x16
+    to 2x2 outputs, whose F(4x4) tiles are too few or mostly cropped. Measured on the Zen 5
+    guest with OpenBLAS's Haswell kernels, three passes at one thread against the path they
+    took before (BENCHMARKS.md, "Winograd F(2x2) where F(4x4) does not pay"): 0.59-1.01 of
+    its time on 33 such layers (1x512x512x16x16 27.9 against 35.2 ms), 1.06 on the smallest
+    (1x32x32x16x16, 0.36 ms); with AVX-512 GEMMs im2col's large GEMMs gain more than
+    Winograd's small ones, and F(2x2) took 0.86-1.53 of their time, so those stay."""
+    m = settings.current().winograd_tile
+    if m is not None:
+        return _pays_at(g, m)
+    return _pays_at(g, 4) or (not backend.blas_runs_avx512() and _pays_at(g, 2))
+
+
+def _pays_at(g, m):
+    """_pays' rules at tile m: outputs at least a tile wide, at most 4 products an output (1/2.25
+    of direct convolution's 9), at least _MIN_TILES tiles a call, more than a few channels."""
     tiles = -(-g.Ho // m) * -(-g.Wo // m)
     return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= _MIN_TILES \
         and g.C > columns.FEW_CHANNELS
