@@ -217,6 +217,19 @@ def same_plan(a, b):
     return a.keys() == b.keys() and all(canonical(a[name]) == canonical(b[name]) for name in a)
 
 
+def with_planner(plans, mine):
+    """(the plans to measure, [(label, entries, the measured plan's label)] to report) of the
+    single-grid `plans` and the planner's plan entries `mine`, last: where `mine` is one of the
+    single-grid plans (same_plan) it is that plan, measured once and reported as 'planner (=
+    that plan)'; timing it twice would set the same plan against itself, which measures only
+    the steps' spread. What bench_plans and validate_model time."""
+    same = next((label for label, entries in plans.items() if same_plan(entries, mine)), None)
+    measured = dict(plans) if same else {**plans, "planner": mine}
+    rows = [(label, entries, label) for label, entries in plans.items()]
+    rows.append(("planner", mine, "planner") if same is None else (f"planner (= {same})", mine, same))
+    return measured, rows
+
+
 def single_grid_plans(names, ranks, algorithms=None, profile=None):
     """{label: plan entries} of every grid of `ranks` ranks (sample x channel) with every
     algorithm (sample where P_c = 1; x, y and w for each p_f otherwise; or those of

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import backend, cli
-from cfp.benchtools import measure_steps, plan_grids, prepare, same_plan, single_grid_plans
+from cfp.benchtools import measure_steps, plan_grids, prepare, single_grid_plans, with_planner
 from cfp.calibration import machine_profile
 from cfp.checks import int_options
 from cfp.data import synthetic
@@ -64,18 +64,12 @@ def main(argv=None):
     plans = single_grid_plans(names, P, profile=profile)
     planned = plan(shapes, P, profile)
     mine = plan_entries(planned)
-    # a planner's plan that is one of the single-grid plans is that plan, measured once: timing
-    # it twice would set the same plan against itself, which measures only the steps' spread
-    same = next((label for label, entries in plans.items() if same_plan(entries, mine)), None)
-    if same is None:
-        plans["planner"] = mine
+    timed, reported = with_planner(plans, mine)
     x, y = synthetic(args.batch, 1, args.image, args.image, 10, seed=0, dtype=np.float32)
-    measured = measure_steps(world, args.model, plans, arch, args.batch, x, y, args.steps, args.warmup)
-    rows = []
-    for label, entries in list(plans.items()) + ([("planner", mine)] if same else []):
-        rows.append({"plan": label if label != "planner" or same is None else f"planner (= {same})",
-                     "grids": plan_grids(entries), "predicted_s": price_plan(shapes, P, profile, entries).time,
-                     "measured_s": measured[same if label == "planner" and same else label]})
+    measured = measure_steps(world, args.model, timed, arch, args.batch, x, y, args.steps, args.warmup)
+    rows = [{"plan": label, "grids": plan_grids(entries), "predicted_s": price_plan(shapes, P, profile, entries).time,
+             "measured_s": measured[key]} for label, entries, key in reported]
+    same = reported[-1][2] if reported[-1][2] != "planner" else None
     fastest = min(r["measured_s"] for r in rows)
     predicted_best = min(rows, key=lambda r: r["predicted_s"])
     if world.Get_rank() == 0:

@@ -10,8 +10,8 @@ timing: median of the slowest rank over --repeats rounds, each round one repetit
 option of every layer, 1 BLAS thread per rank, float32); predicted: cfp.perfmodel's
 kernel and communication time of the layer (layer_cost's compute and comm). Steps, measured: a
 training step (forward, loss, backward, SGD update) of the ResNet and the wide CNN on every
-grid under sample, x and y, and under the planner's own plan; predicted: planner.price_plan's
-step (every layer's kernels, collectives, the layers after it and its update, and the
+grid under sample, x and y, and under the planner's own plan (measured once where it is one of
+them); predicted: planner.price_plan's step (every layer's kernels, collectives, the layers after it and its update, and the
 redistributions). The profile is this machine's (calibrated once and cached) unless --profile
 names one. At 2 or more ranks it ends with a memory check: a model too large for a limit on
 one rank, planned under the limit. A speed probe (one layer's kernels, measured over
@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cfp import backend, cli
-from cfp.benchtools import measure_conv, measure_steps, plan_grids, prepare, single_grid_plans
+from cfp.benchtools import measure_conv, measure_steps, plan_grids, prepare, single_grid_plans, with_planner
 from cfp.calibration import machine_profile
 from cfp.checks import finite_number, int_options
 from cfp.data import synthetic
@@ -127,13 +127,13 @@ def step_check(world, profile, args):
         shapes = layer_shapes(name, batch, **arch)
         plans = single_grid_plans([s.name for s in shapes], P, algorithms=("sample", "x", "y"), profile=profile)
         planned = plan(shapes, P, profile)
-        plans["planner"] = plan_entries(planned)
+        timed, reported = with_planner(plans, plan_entries(planned))  # (one of them: measured once)
         x, y = synthetic(batch, 1, 8, 8, 10, seed=0, dtype=np.float32)
-        measured_s = measure_steps(world, name, plans, arch, batch, x, y, args.steps, args.warmup + 1, args.bucket_mb)
-        for label, entries in plans.items():
+        measured_s = measure_steps(world, name, timed, arch, batch, x, y, args.steps, args.warmup + 1, args.bucket_mb)
+        for label, entries, key in reported:
             priced = price_plan(shapes, P, profile, entries)
             predicted = priced.overlapped(profile, args.bucket_mb)["time"] if args.bucket_mb else priced.time
-            measured = measured_s[label]
+            measured = measured_s[key]
             parts = {"kernels": sum(sum(c.cost["compute"].values()) for c in priced.choices),
                      "comm": sum(sum(c.cost["comm"].values()) for c in priced.choices),
                      "layers": sum(sum(c.cost["layers"].values()) for c in priced.choices),

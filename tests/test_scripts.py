@@ -332,6 +332,21 @@ def test_same_plan_compares_what_each_layer_runs():
     assert not same_plan(a, {"c1": b["c1"]})
 
 
+def test_with_planner_measures_a_planners_single_grid_plan_once():
+    """benchtools.with_planner: the planner's plan is timed as a plan of its own unless it is one
+    of the single-grid plans, whose measurement it then reports under 'planner (= that plan)'."""
+    from cfp.benchtools import with_planner
+    single = {"sample=2 sample": {"c": {"grid": "sample=2", "algorithm": "sample"}},
+              "channel=2 x": {"c": {"grid": "channel=2", "algorithm": "x"}}}
+    mine = {"c": {"grid": "sample=2,channel=1", "algorithm": "sample"}}
+    timed, rows = with_planner(single, mine)
+    assert timed == single and rows[-1] == ("planner (= sample=2 sample)", mine, "sample=2 sample")
+    other = {"c": {"grid": "channel=2", "algorithm": "y"}}
+    timed, rows = with_planner(single, other)
+    assert timed == {**single, "planner": other} and rows[-1] == ("planner", other, "planner")
+    assert [r[0] for r in rows[:-1]] == list(single)
+
+
 def test_bench_plans_measures_a_planners_single_grid_plan_once(tmp_path):
     """bench_plans on 2 ranks: every single-grid plan and the planner's, the planner's last; where
     the planner's plan is one of the single-grid plans its row names it and carries that plan's
