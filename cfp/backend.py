@@ -53,7 +53,16 @@ def from_host(x, xp):
     return xp.asarray(x)
 
 
-_FEW_RUNS = 8  # take: up to this many runs of consecutive indices are copied as slices
+_FEW_RUNS = 8  # take and put: up to this many runs of consecutive indices go as slices
+
+
+def _runs(indices):
+    """The runs of consecutive values of the sorted list `indices`, as (start, stop) positions
+    in it, or None where there are more than _FEW_RUNS of them (take and put then index)."""
+    breaks = [i for i in range(1, len(indices)) if indices[i] != indices[i - 1] + 1]
+    if len(breaks) >= _FEW_RUNS:
+        return None
+    return list(zip([0] + breaks, breaks + [len(indices)])) if indices else []
 
 
 def take(x, axis, indices):
@@ -65,19 +74,14 @@ def take(x, axis, indices):
     indices each step)."""
     xp = get_array_module(x)
     indices = list(indices)
-    at = [slice(None)] * x.ndim
-    breaks = [i for i in range(1, len(indices)) if indices[i] != indices[i - 1] + 1]
-    if len(breaks) < _FEW_RUNS:
-        if not breaks:
-            at[axis] = slice(indices[0], indices[-1] + 1) if indices else slice(0, 0)
-            return xp.array(x[tuple(at)], order="C", copy=True)
-        starts = [0] + breaks
-        stops = breaks + [len(indices)]
+    runs = _runs(indices)
+    if runs is not None:
+        at = [slice(None)] * x.ndim
         pieces = []
-        for a, b in zip(starts, stops):
-            at[axis] = slice(indices[a], indices[b - 1] + 1)
+        for a, b in runs or [(0, 0)]:
+            at[axis] = slice(indices[a], indices[b - 1] + 1) if b > a else slice(0, 0)
             pieces.append(x[tuple(at)])
-        return xp.concatenate(pieces, axis=axis)
+        return xp.array(pieces[0], order="C", copy=True) if len(pieces) == 1 else xp.concatenate(pieces, axis=axis)
     return xp.ascontiguousarray(xp.take(x, index_array(np.asarray(indices, dtype=np.intp), xp), axis=axis))
 
 
@@ -87,16 +91,14 @@ def put(out, axis, indices, values):
     of consecutive indices, else by an index array."""
     xp = get_array_module(out)
     indices = list(indices)
+    runs = _runs(indices)
     at = [slice(None)] * out.ndim
-    breaks = [i for i in range(1, len(indices)) if indices[i] != indices[i - 1] + 1]
-    if not indices:
-        return out
-    if len(breaks) >= _FEW_RUNS:
+    if runs is None:
         at[axis] = index_array(np.asarray(indices, dtype=np.intp), xp)
         out[tuple(at)] = values
         return out
     source = [slice(None)] * out.ndim
-    for a, b in zip([0] + breaks, breaks + [len(indices)]):
+    for a, b in runs:
         at[axis], source[axis] = slice(indices[a], indices[b - 1] + 1), slice(a, b)
         out[tuple(at)] = values[tuple(source)]
     return out

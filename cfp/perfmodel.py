@@ -15,8 +15,8 @@ import os
 import re
 
 from .algorithms import algorithm_class
-from .algorithms.base import (HALO, HALO_ADJOINT, by_features, feature_chunk_limit, feature_chunk_tensors, message_sent,
-                              run_order)
+from .algorithms.base import (HALO, HALO_ADJOINT, by_features, chunks_fit, feature_chunk_limit, feature_chunk_tensors,
+                              message_sent, run_order)
 from .comm import PHASES as LEDGER_PHASES
 from .grid import AXES, coords_of, parse_grid_spec, process_ranks, rank_of
 from .io import load_json
@@ -683,7 +683,7 @@ def chunk_counts(layer, cls, P_n, P_c, counts):
     than the samples a rank holds, or, beyond them, than the smallest block of the features
     its chunks split (feature_chunk_limit)."""
     limit = feature_chunk_limit(cls, layer.C, layer.F, P_c, layer.first, not layer.first)
-    return [k for k in counts if k <= layer.N // P_n or k <= limit]
+    return [k for k in counts if chunks_fit(layer.N // P_n, k, limit)]
 
 
 def pipelines(cls, first=False):
@@ -743,11 +743,10 @@ def _pipeline(layer, cls, chunks, n, read, filters, seen, windows, profile, comp
         raise ValueError(f"layer {layer.name}: chunks={chunks}: its algorithm pipelines no collectives "
                          f"(stationary-x, -y and -w do)")
     features = by_features(n, chunks)
-    if features:
-        limit = feature_chunk_limit(cls, layer.C, layer.F, P_c, layer.first, not layer.first)
-        if chunks > limit:
-            raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds and "
-                             f"the {limit} channel(s) or filter(s) of the smallest block its feature chunks split")
+    limit = feature_chunk_limit(cls, layer.C, layer.F, P_c, layer.first, not layer.first)
+    if not chunks_fit(n, chunks, limit):
+        raise ValueError(f"layer {layer.name}: chunks={chunks} is more than the {n} sample(s) a rank holds and "
+                         f"the {limit} channel(s) or filter(s) of the smallest block its feature chunks split")
     progress = profile.progress_of(all(groups[m.group][1] for m in sent))
 
     def part(phases, collective, share=chunks):

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from . import backend, cli, comm
 from .algorithms import ALGORITHMS
-from .algorithms.base import GRADIENT_SYNC, overlapped_gradient_sync
+from .algorithms.base import GRADIENT_SYNC, chunks_fit, overlapped_gradient_sync
 from .checks import alike_on_all_ranks, finite_number, int_options, option_name as option
 from .checkpoint import grids_of, load_checkpoint, load_meta, resume_point, save_checkpoint
 from .data import (ShardedLoader, load_cifar10, load_digits, load_arrays, load_npz, read_blocks, synthetic,
@@ -339,7 +339,7 @@ def check_chunks(model, chunks, batch_size, option=None):
         held = batch_size // layer.grid.axis_size("sample")
         k = _chunks_of(layer, chunks)
         limit = layer.conv.feature_chunk_limit()
-        if k > held and 0 < limit < k:
+        if not chunks_fit(held, k, limit):
             what = f"--chunks {k}" if option is None else option.format(k=k)
             raise ValueError(f"{what} is more than the {held} sample(s) a rank of layer {layer.name} "
                              f"holds (batch {batch_size} over sample={layer.grid.axis_size('sample')}) and the "

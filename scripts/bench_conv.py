@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from cfp import backend, cli
 from cfp.algorithms import ALGORITHMS, make_conv
-from cfp.algorithms.base import by_features, feature_chunk_limit
+from cfp.algorithms.base import by_features, chunks_fit, feature_chunk_limit
 from cfp.comm import progress_thread
 from cfp.benchtools import BREAKDOWN, measure_conv, on_rank0, slowest_median
 from cfp.checks import alike_on_all_ranks, int_options, positive_int, positive_ints
@@ -238,8 +238,8 @@ def one_round(args, world, P, x, w, b, dy, xp):
                 # holding fewer, k of the features its chunks split
                 cls = ALGORITHMS[algorithm]
                 for k in args.chunk_counts[1:] if P_c > 1 and pipelines(cls) else []:
-                    if (min(block_sizes(args.N, shape.get("sample", 1))) >= k
-                            or feature_chunk_limit(cls, args.C, args.F, P_c, False, True) >= k):
+                    if chunks_fit(min(block_sizes(args.N, shape.get("sample", 1))), k,
+                                  feature_chunk_limit(cls, args.C, args.F, P_c, False, True)):
                         rows += [bench_one(args, world, grid, algorithm, p_f, x, w, b, dy, xp, chunks=k,
                                            progress=m) for m in args.progresses]
                 if args.halo_interior and P_d * P_h * P_w > 1 and interior_applies(args, grid, algorithm, p_f):

@@ -87,6 +87,14 @@ def feature_chunk_limit(cls, C, F, P_c, input_whole, need_dx):
     return min(split) if split else 0
 
 
+def chunks_fit(n, chunks, limit):
+    """Whether a pass over a block of n samples runs in `chunks` chunks: of samples where it
+    holds that many, else of features where the smallest feature block (feature_chunk_limit)
+    holds that many, or as one chunk where nothing of its own moves (limit 0). What the layer,
+    train.check_chunks, the cost model and the planner all ask."""
+    return chunks <= n or not limit or chunks <= limit
+
+
 def feature_chunks(sizes, k):
     """The k feature chunks of an axis held in blocks of `sizes` by a group's ranks: chunk j
     is the j-th of k balanced pieces of every rank's block (partition.block_range), as (its
@@ -527,7 +535,7 @@ class ConvAlgorithm:
         scatter_phase = scatter[2] if scatter is not None and len(scatter) > 2 else None
         if by_features(n, k) and (gather is not None or scatter is not None):
             limit = self.feature_chunk_limit()
-            if k > limit:
+            if not chunks_fit(n, k, limit):
                 raise ValueError(f"{self.layer}: chunks={k} is more than the {n} sample(s) this rank's block holds "
                                  f"and the {limit} channel(s) or filter(s) of the smallest block its feature chunks "
                                  f"split (C={self.C}, F={self.F} over {self.P_c} channel rank(s)); expected chunks "
@@ -636,19 +644,19 @@ class ConvAlgorithm:
         kept. In feature chunks (pipelined): per chunk of dy's filters, their rows of dw and a
         part of dx, added up; where dx is reduce-scattered, per chunk of dx's channels instead,
         after dw, whole from the gathered dy, and its sum."""
-        dw, summed, done = None, None, [0]
+        dw, summed, done = None, None, 0
         scatter = scatter if self.need_dx else None
         by_channels = scatter is not None and by_features(dy.shape[0], self.chunks)
 
         def chunk(s, dy_s, features):
-            nonlocal dw, summed
+            nonlocal dw, summed, done
             if by_channels:  # dy whole in every chunk: dw and its sum before the first chunk's dx
                 if dw is None:
                     dw = self.local_backward_filter(x, dy_s, w.shape)
                     summed = self.sync_gradients(dw, db)
                 return self.local_backward_data(dy_s, backend.take(w, 1, features),
                                                 with_channels(x.shape, features))
-            done[0] += 1
+            done += 1
             if features is None:
                 part = self.local_backward_filter(x[s], dy_s, w.shape)
                 if dw is None:
@@ -660,7 +668,7 @@ class ConvAlgorithm:
                 if dw is None:
                     dw = backend.get_array_module(w).empty_like(w)
                 backend.put(dw, 0, features, self.local_backward_filter(x, dy_s, (len(features),) + tuple(w.shape[1:])))
-                last = done[0] == self.chunks
+                last = done == self.chunks
             if last:  # dw is whole
                 summed = self.sync_gradients(dw, db)
             if not self.need_dx:

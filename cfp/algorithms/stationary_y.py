@@ -10,7 +10,7 @@ x: (n, C_c, H, W) -> y: (n, F_c, H', W'), w shard: (F_c, C, Kh, Kw).
 """
 from .. import backend, comm
 from ..layout import Layout
-from .base import GRADIENT_SYNC, ConvAlgorithm, Message, by_features, channel_block_sizes, with_channels
+from .base import GRADIENT_SYNC, ConvAlgorithm, Message, channel_block_sizes, with_channels
 
 
 class StationaryY(ConvAlgorithm):
@@ -43,14 +43,12 @@ class StationaryY(ConvAlgorithm):
                 _, y = self.pipelined(x, lambda s, _, f: compute(s))
                 x_all_channels = extended()
             else:
-                # in feature chunks: each chunk's channels of x with their columns of w, the parts
-                # of y added up, and the bias after them
-                chunked = by_features(x.shape[0], self.chunks)
+                # (in feature chunks: each chunk's channels of x with their columns of w, the parts
+                # of y added up; the bias after them, as stationary-x and -w add theirs)
                 x_all_channels, y = self.pipelined(
-                    self.halo(x), lambda s, x_s, f: self.local_forward(x_s, w if f is None else backend.take(w, 1, f),
-                                                                       None if chunked else b),
+                    self.halo(x), lambda s, x_s, f: self.local_forward(x_s, w if f is None else backend.take(w, 1, f)),
                     gather=(self.channel_comm, channel_block_sizes(self.C, self.grid)))
-                if chunked and b is not None:
+                if b is not None:
                     self.with_bias(y, b)
         self._saved = (x_all_channels, w)
         return y
