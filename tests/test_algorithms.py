@@ -115,7 +115,8 @@ def test_matches_serial_and_predicted_bytes(grids, config, shape):
 
 
 # 6 samples: every sample block of a grid of up to 4 ranks holds at least 1 and 2 chunks fit
-# wherever it holds 2 or more (the test asks for no more chunks than the smallest block holds)
+# wherever it holds 2 or more (the test asks for no more chunks than the smallest block holds,
+# and one, the blocking pass, where 6 or 8 sample ranks leave a block empty: make test-scale)
 CHUNKED = (6, 5, 7, 6, 5, 3, 1, 1)
 
 
@@ -144,7 +145,7 @@ def test_pipelined_chunks_match_serial_and_predicted_bytes(grids, config, first,
     """chunks=k: the block's samples in k chunks, each chunk's collectives non-blocking while
     the next computes: the serial numbers and, in all, the bytes of the one-chunk pass."""
     grid = grids[config[0]]
-    k = min(chunks, CHUNKED[0] // grid.axis_size("sample"))
+    k = max(1, min(chunks, CHUNKED[0] // grid.axis_size("sample")))
     _, ledger = check_chunked(grid, config, CHUNKED, first, k)
     calls = sum(1 for r in ledger.records if r.layer == "conv" and r.phase != "gradient-sync")
     if P_c_of(grid) > 1 and k > 1:  # one call per chunk and message: the pass was pipelined

@@ -113,9 +113,14 @@ def test_the_interior_computed_while_the_halo_moves_matches_serial(grids, config
     kernels and the same messages as the blocking exchange (the ledger against
     predict_bytes). Grouped cases run every algorithm's GroupedChannels."""
     case = fitted(CASES[name], config[0])
-    check_against_serial(grids[config[0]], config, case, name, halo_interior=True)
-    if name == "k3-p1":  # a 3x3 window over rows of 2 or more leaves an interior on some rank
+    if name == "k3-p1":  # a 3x3 window over 2 rows and columns leaves an interior on the rank that has them
         N, Cin, F, H, W, K, opts = case
+        sizes = {axis: int(n) for axis, n in (item.split("=") for item in config[0].split(","))}
+        # (7 x 6 as written at 1-4 ranks; a width of 6 ranks gets a column more than ranks)
+        H, W = max(H, sizes.get("height", 1) + 1), max(W, sizes.get("width", 1) + 1)
+        case = (N, Cin, F, H, W, K, opts)
+    check_against_serial(grids[config[0]], config, case, name, halo_interior=True)
+    if name == "k3-p1":
         conv = make_conv(config[1], grids[config[0]], Cin, F, K, layer="conv", halo_interior=True, **opts)
         some = grids[config[0]].comm.allreduce(conv.halo_plan((N, Cin, H, W)).interior is not None)
         assert_all_ranks(some > 0, f"{ids(config)}: no rank has an interior")

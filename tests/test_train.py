@@ -305,13 +305,31 @@ def _phase_bytes(result):
     return out
 
 
+def _split_image_grid():
+    """The split image of the overlap tests: every rank along height up to 4 ranks; at 6 to 16
+    ranks (make test-scale) the largest height of at most 4 that divides them, samples beside it
+    (the ResNet's 4x4 layers give no 6 or 8 height ranks an output row)."""
+    height = max(h for h in range(1, min(SIZE, 4) + 1) if SIZE % h == 0)
+    return f"sample={SIZE // height},height={height}"
+
+
+def _one_sample_a_rank_grid():
+    """(grid, batch) of the feature-chunk tests: every rank on the channel axis with one sample
+    up to 4 ranks; at 6 to 16 ranks the largest channel axis of at most 4 that divides them, and
+    one sample a rank of the sample axis beside it (the classifier's 10 filters give each of
+    more than 5 channel ranks one filter, too few to cut into chunks)."""
+    P_c = max(c for c in range(1, min(SIZE, 4) + 1) if SIZE % c == 0)
+    P_n = SIZE // P_c
+    return (f"channel={P_c}" if P_n == 1 else f"sample={P_n},channel={P_c}"), P_n
+
+
 def _overlap_cases():
     """(grid, algorithm, overrides): sample, x, y and w (p_f = 2 where the channel axis has 2
     ranks), a spatial grid and the planner's mixed plan."""
     cases = [(f"sample={SIZE}", "sample", {}), (f"channel={SIZE}", "x", {}), (f"channel={SIZE}", "y", {})]
     cases.append(("sample=2,channel=2", "w", {"filter_groups": 2}) if SIZE == 4 else (f"channel={SIZE}", "w", {}))
     if SIZE > 1:
-        cases.append((f"sample=1,height={SIZE}", "y", {"upsample": 2}))
+        cases.append((_split_image_grid(), "y", {"upsample": 2}))
     cases.append((None, "auto", {"profile": "cpu-dev"}))
     return cases
 
@@ -360,8 +378,10 @@ def _feature_chunk_cases():
     channel axis has 4 ranks) and, at 4 ranks, a split image under x, whose first layer
     computes its interior while the halo moves; 3 chunks where the classifier's 10 filters
     give every channel rank 3 (up to 3 ranks), else 2."""
-    cases = [(f"channel={SIZE}", "x", {}, 3 if SIZE < 4 else 2), (f"channel={SIZE}", "y", {}, 2),
-             (f"channel={SIZE}", "w", {"filter_groups": 2} if SIZE == 4 else {}, 2)]
+    grid, _ = _one_sample_a_rank_grid()
+    P_c = int(grid.split("channel=")[1])
+    cases = [(grid, "x", {}, 3 if P_c < 4 else 2), (grid, "y", {}, 2),
+             (grid, "w", {"filter_groups": 2} if P_c == 4 else {}, 2)]
     if SIZE == 4:
         cases.append(("height=2,channel=2", "x", {}, 3))
     return cases
@@ -378,7 +398,8 @@ def test_one_sample_a_rank_trains_in_feature_chunks_as_overlap_off():
     try:
         comm.ireduce_scatter = lambda *a, **k: started.append(1) or real(*a, **k)
         for grid, algorithm, extra, chunks in _feature_chunk_cases():
-            common = dict(grid=grid, algorithm=algorithm, batch_size=1, train_samples=STEPS, **extra)
+            _, batch = _one_sample_a_rank_grid()
+            common = dict(grid=grid, algorithm=algorithm, batch_size=batch, train_samples=STEPS * batch, **extra)
             off, model = train_model(config(overlap="off", **common))
             expected = ([h["loss"] for h in off["history"]], weights(model))
             started.clear()
@@ -406,7 +427,7 @@ def test_overlap_all_in_float32_trains_as_overlap_off_to_rounding(case):
     on height=3 and on channel=3 differ by 1.07e-4 in their losses and by 1.4e-2 in their
     weights (a batch norm's bias, whose gradient is a sum that cancels); hence 1e-3 and 5e-2.
     The float64 test above holds the same runs to 1e-12."""
-    grid, algorithm, extra = [(f"channel={SIZE}", "x", {}), (f"sample=1,height={SIZE}", "y", {"upsample": 2})][case]
+    grid, algorithm, extra = [(f"channel={SIZE}", "x", {}), (_split_image_grid(), "y", {"upsample": 2})][case]
     common = dict(grid=grid, algorithm=algorithm, dtype="float32", max_steps=5, train_samples=5 * BATCH, **extra)
     off, model = train_model(config(overlap="off", **common))
     expected = ([h["loss"] for h in off["history"]], weights(model))

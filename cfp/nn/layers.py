@@ -206,7 +206,7 @@ class Flatten(Module):
 
     def forward(self, x):
         self._x_shape = x.shape
-        return x.reshape(x.shape[0], -1)
+        return x.reshape(self.output_shape(x.shape))  # (not -1: a block of no samples has no size to infer)
 
     def backward(self, dy):
         return dy.reshape(self._x_shape)
@@ -337,7 +337,7 @@ class BatchNorm2d(Module):
         return y.reshape(x.shape)
 
     def backward(self, dy):
-        rows = dy.reshape(dy.shape[0], -1)
+        rows = dy.reshape(dy.shape[0], self._channels * self._positions)  # (a block of no samples too)
         with comm.tag(layer=self.name, phase="backward-data"):
             # The two sums are the gradients of beta and gamma, summed over the global batch.
             sum_dy, sum_dy_xhat = self._channel_sums(rows, (rows, self._x_hat))
