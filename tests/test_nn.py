@@ -136,22 +136,27 @@ def test_batchnorm(grids, case, mode):
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_blocks_of_no_samples_pass_through_batch_norm_and_flatten(grids, mode):
+def test_blocks_of_no_samples_pass_through_every_layer(grids, mode):
     """One sample over every rank of the sample axis: the ranks after the first hold blocks of
-    no samples (as 5 samples over 6 or 8 sample ranks do), which batch norm's sums and flatten
-    pass through like any other block: the serial y, dx and gradients."""
+    no samples (as 5 samples over 6 or 8 sample ranks do), which convolution, batch norm (its
+    sums), pooling, flatten and the classifier pass through like any other block: the serial
+    y, dx and gradients."""
     size = ranks_at_least_two("a block of no samples needs a second sample rank")
     spec = f"sample={size},channel=1"
     if spec not in grids:
         grids[spec] = ProcessGrid(spec)
 
     def make(grid):
-        bn = BatchNorm2d(grid, 3, layout=layout(4, False), dtype=np.float64)
-        bn.weight.data = bn.weight.take(1.0 + data(3, 3))
-        bn.bias.data = bn.bias.take(data(3, 4))
-        return Sequential(bn if mode == "train" else _EvalAfterTraining(bn), Flatten())
-    x, dy = data((1, 3, 2, 3), 5) * 2 + 1, data((1, 18), 6)
-    compare(make, grids, spec, x, dy, in_split=False, out_split=False, what=f"bn {mode} and flatten, empty blocks")
+        bn = BatchNorm2d(grid, 4, layout=layout(4, False), dtype=np.float64)
+        bn.weight.data = bn.weight.take(1.0 + data(4, 3))
+        bn.bias.data = bn.bias.take(data(4, 4))
+        return Sequential(Conv2d(grid, 3, 4, 3, padding=1, algorithm="sample", name="c1", dtype=np.float64),
+                          bn if mode == "train" else _EvalAfterTraining(bn), ReLU(), MaxPool2d(2),
+                          Conv2d(grid, 4, 6, 3, padding=1, algorithm="sample", name="c2", dtype=np.float64),
+                          GlobalAvgPool2d(), Flatten(), Linear(grid, 6, 5, algorithm="sample", name="fc",
+                                                                dtype=np.float64))
+    x, dy = data((1, 3, 4, 6), 5) * 2 + 1, data((1, 5), 6)
+    compare(make, grids, spec, x, dy, in_split=False, out_split=False, what=f"{mode}, blocks of no samples")
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
