@@ -173,7 +173,9 @@ def test_feature_chunks_match_serial_and_predicted_bytes(grids, config, first, c
     than ranks along the sample axis, the rank holding two goes by samples at 2 chunks while
     the others go by features."""
     grid = grids[config[0]]
-    shape = (grid.axis_size("sample") + extra,) + FEATURED[1:]
+    # (more channels and filters where more than 4 channel ranks would leave a block fewer than 2)
+    C, F = max(FEATURED[1], 2 * P_c_of(grid) + 1), max(FEATURED[2], 2 * P_c_of(grid) + 3)
+    shape = (grid.axis_size("sample") + extra, C, F) + FEATURED[3:]
     k = min(chunks, min(shape[1], shape[2]) // P_c_of(grid))
     conv, ledger = check_chunked(grid, config, shape, first, k)
     if P_c_of(grid) > 1 and k > 1 and conv.feature_chunk_limit() and not extra:  # started, one a chunk (not y first)
