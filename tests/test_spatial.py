@@ -115,9 +115,8 @@ def test_the_interior_computed_while_the_halo_moves_matches_serial(grids, config
     case = fitted(CASES[name], config[0])
     if name == "k3-p1":  # a 3x3 window over 2 rows and columns leaves an interior on the rank that has them
         N, Cin, F, H, W, K, opts = case
-        sizes = {axis: int(n) for axis, n in (item.split("=") for item in config[0].split(","))}
-        # (7 x 6 as written at 1-4 ranks; a width of 6 ranks gets a column more than ranks)
-        H, W = max(H, sizes.get("height", 1) + 1), max(W, sizes.get("width", 1) + 1)
+        grid = grids[config[0]]  # (7 x 6 as written at 1-4 ranks; a width of 6 ranks gets a column more than ranks)
+        H, W = max(H, grid.axis_size("height") + 1), max(W, grid.axis_size("width") + 1)
         case = (N, Cin, F, H, W, K, opts)
     check_against_serial(grids[config[0]], config, case, name, halo_interior=True)
     if name == "k3-p1":

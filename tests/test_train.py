@@ -305,22 +305,17 @@ def _phase_bytes(result):
     return out
 
 
+def _at_most_four():
+    """The ranks of the overlap tests' split axis (height, or channel with one sample a rank):
+    every rank up to 4; at 6 to 16 ranks (make test-scale) the largest count of at most 4 that
+    divides them, samples beside it (the ResNet's 4x4 layers give 6 or 8 height ranks no output
+    row, its classifier's 10 filters more than 5 channel ranks one filter each, too few to chunk)."""
+    return max(n for n in range(1, min(SIZE, 4) + 1) if SIZE % n == 0)
+
+
 def _split_image_grid():
-    """The split image of the overlap tests: every rank along height up to 4 ranks; at 6 to 16
-    ranks (make test-scale) the largest height of at most 4 that divides them, samples beside it
-    (the ResNet's 4x4 layers give no 6 or 8 height ranks an output row)."""
-    height = max(h for h in range(1, min(SIZE, 4) + 1) if SIZE % h == 0)
-    return f"sample={SIZE // height},height={height}"
-
-
-def _one_sample_a_rank_grid():
-    """(grid, batch) of the feature-chunk tests: every rank on the channel axis with one sample
-    up to 4 ranks; at 6 to 16 ranks the largest channel axis of at most 4 that divides them, and
-    one sample a rank of the sample axis beside it (the classifier's 10 filters give each of
-    more than 5 channel ranks one filter, too few to cut into chunks)."""
-    P_c = max(c for c in range(1, min(SIZE, 4) + 1) if SIZE % c == 0)
-    P_n = SIZE // P_c
-    return (f"channel={P_c}" if P_n == 1 else f"sample={P_n},channel={P_c}"), P_n
+    """The split image of the overlap tests: height=_at_most_four(), samples beside it."""
+    return f"sample={SIZE // _at_most_four()},height={_at_most_four()}"
 
 
 def _overlap_cases():
@@ -378,8 +373,8 @@ def _feature_chunk_cases():
     channel axis has 4 ranks) and, at 4 ranks, a split image under x, whose first layer
     computes its interior while the halo moves; 3 chunks where the classifier's 10 filters
     give every channel rank 3 (up to 3 ranks), else 2."""
-    grid, _ = _one_sample_a_rank_grid()
-    P_c = int(grid.split("channel=")[1])
+    P_c = _at_most_four()
+    grid = f"channel={P_c}" if P_c == SIZE else f"sample={SIZE // P_c},channel={P_c}"
     cases = [(grid, "x", {}, 3 if P_c < 4 else 2), (grid, "y", {}, 2),
              (grid, "w", {"filter_groups": 2} if P_c == 4 else {}, 2)]
     if SIZE == 4:
@@ -398,7 +393,7 @@ def test_one_sample_a_rank_trains_in_feature_chunks_as_overlap_off():
     try:
         comm.ireduce_scatter = lambda *a, **k: started.append(1) or real(*a, **k)
         for grid, algorithm, extra, chunks in _feature_chunk_cases():
-            _, batch = _one_sample_a_rank_grid()
+            batch = SIZE // _at_most_four()  # one sample a rank of the sample axis
             common = dict(grid=grid, algorithm=algorithm, batch_size=batch, train_samples=STEPS * batch, **extra)
             off, model = train_model(config(overlap="off", **common))
             expected = ([h["loss"] for h in off["history"]], weights(model))
