@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 from mpi4py import MPI
 
-from cfp.grid import factorizations
+from cfp.grid import AXES, factorizations
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
@@ -23,6 +23,38 @@ if not os.environ.get("CFP_CACHE_DIR"):
 
 
 IMAGE_AXES = ("sample", "height", "width", "channel")  # the grid axes of an image's layers (no depth)
+
+
+def at_most(cap):
+    """The largest count of ranks of at most `cap` that divides the world's."""
+    return max(n for n in range(1, min(SIZE, cap) + 1) if SIZE % n == 0)
+
+
+def at_most_four():
+    """The ranks of a test's one split axis where its tensors are small: every rank up to 4;
+    at 6 to 16 ranks (make test-scale) the largest count of at most 4 that divides them, so
+    that small images, volumes and classifiers leave no rank of that axis without a row, plane
+    or filter (the other ranks go beside it: split_grid)."""
+    return at_most(4)
+
+
+def split_grid(axis, cap=4, beside="sample"):
+    """A grid of every rank splitting `axis` over at_most(cap) of them and `beside` over the
+    rest: 'depth=4' at 4 ranks, 'sample=2,depth=3' at 6; 'sample=6,height=2' for
+    split_grid("sample", 8, "height") at 12 (a batch of 8 over at most 8 sample ranks)."""
+    n = at_most(cap)
+    sizes = {axis: n} if n == SIZE else {axis: n, beside: SIZE // n}
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes)
+
+
+def spatial_at_most_four(specs):
+    """The specs of `specs` that split no spatial axis (depth, height, width) over more than
+    4 ranks: every spec up to 4 ranks; at 6 to 16 the ones whose small volumes and images
+    still give every rank of those axes a plane, row and column."""
+    def fits(spec):
+        sizes = dict(part.split("=") for part in spec.split(","))
+        return all(int(sizes.get(axis, 1)) <= 4 for axis in ("depth", "height", "width"))
+    return [s for s in specs if fits(s)]
 
 
 def grid_specs(naxes=2, axes=("sample", "channel")):

@@ -11,7 +11,8 @@ from mpi4py import MPI
 from cfp import backend
 from cfp.checkpoint import latest_checkpoint, load_checkpoint, resume_point
 from cfp.train import TrainConfig, train, train_model
-from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import (SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, at_most_four, grid_specs,
+                      raises_on_all_ranks, split_grid)
 
 pytestmark = pytest.mark.mpi
 
@@ -305,26 +306,13 @@ def _phase_bytes(result):
     return out
 
 
-def _at_most_four():
-    """The ranks of the overlap tests' split axis (height, or channel with one sample a rank):
-    every rank up to 4; at 6 to 16 ranks (make test-scale) the largest count of at most 4 that
-    divides them, samples beside it (the ResNet's 4x4 layers give 6 or 8 height ranks no output
-    row, its classifier's 10 filters more than 5 channel ranks one filter each, too few to chunk)."""
-    return max(n for n in range(1, min(SIZE, 4) + 1) if SIZE % n == 0)
-
-
-def _split_image_grid():
-    """The split image of the overlap tests: height=_at_most_four(), samples beside it."""
-    return f"sample={SIZE // _at_most_four()},height={_at_most_four()}"
-
-
 def _overlap_cases():
     """(grid, algorithm, overrides): sample, x, y and w (p_f = 2 where the channel axis has 2
     ranks), a spatial grid and the planner's mixed plan."""
     cases = [(f"sample={SIZE}", "sample", {}), (f"channel={SIZE}", "x", {}), (f"channel={SIZE}", "y", {})]
     cases.append(("sample=2,channel=2", "w", {"filter_groups": 2}) if SIZE == 4 else (f"channel={SIZE}", "w", {}))
     if SIZE > 1:
-        cases.append((_split_image_grid(), "y", {"upsample": 2}))
+        cases.append((split_grid("height"), "y", {"upsample": 2}))  # the ResNet's 4x4 layers: at most 4 rows
     cases.append((None, "auto", {"profile": "cpu-dev"}))
     return cases
 
@@ -373,8 +361,8 @@ def _feature_chunk_cases():
     channel axis has 4 ranks) and, at 4 ranks, a split image under x, whose first layer
     computes its interior while the halo moves; 3 chunks where the classifier's 10 filters
     give every channel rank 3 (up to 3 ranks), else 2."""
-    P_c = _at_most_four()
-    grid = f"channel={P_c}" if P_c == SIZE else f"sample={SIZE // P_c},channel={P_c}"
+    # at most 4 channel ranks: more give some of the classifier's 10 filters one each, too few to chunk
+    P_c, grid = at_most_four(), split_grid("channel")
     cases = [(grid, "x", {}, 3 if P_c < 4 else 2), (grid, "y", {}, 2),
              (grid, "w", {"filter_groups": 2} if P_c == 4 else {}, 2)]
     if SIZE == 4:
@@ -393,7 +381,7 @@ def test_one_sample_a_rank_trains_in_feature_chunks_as_overlap_off():
     try:
         comm.ireduce_scatter = lambda *a, **k: started.append(1) or real(*a, **k)
         for grid, algorithm, extra, chunks in _feature_chunk_cases():
-            batch = SIZE // _at_most_four()  # one sample a rank of the sample axis
+            batch = SIZE // at_most_four()  # one sample a rank of the sample axis
             common = dict(grid=grid, algorithm=algorithm, batch_size=batch, train_samples=STEPS * batch, **extra)
             off, model = train_model(config(overlap="off", **common))
             expected = ([h["loss"] for h in off["history"]], weights(model))
@@ -422,7 +410,7 @@ def test_overlap_all_in_float32_trains_as_overlap_off_to_rounding(case):
     on height=3 and on channel=3 differ by 1.07e-4 in their losses and by 1.4e-2 in their
     weights (a batch norm's bias, whose gradient is a sum that cancels); hence 1e-3 and 5e-2.
     The float64 test above holds the same runs to 1e-12."""
-    grid, algorithm, extra = [(f"channel={SIZE}", "x", {}), (_split_image_grid(), "y", {"upsample": 2})][case]
+    grid, algorithm, extra = [(f"channel={SIZE}", "x", {}), (split_grid("height"), "y", {"upsample": 2})][case]
     common = dict(grid=grid, algorithm=algorithm, dtype="float32", max_steps=5, train_samples=5 * BATCH, **extra)
     off, model = train_model(config(overlap="off", **common))
     expected = ([h["loss"] for h in off["history"]], weights(model))

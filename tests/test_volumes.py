@@ -11,14 +11,15 @@ import pytest
 
 from cfp import comm as C
 from cfp.algorithms import make_conv
-from cfp.grid import ProcessGrid
+from cfp.grid import ProcessGrid, factorizations
 from cfp.kernels.conv import OPS
 from cfp.nn import (AvgPool3d, BatchNorm3d, Conv2d, Conv3d, ConvTranspose2d, ConvTranspose3d, GlobalAvgPool3d,
                     MaxPool3d, ReLU, Sequential, Upsample)
 from cfp.perfmodel import ledger_bytes, predict_bytes
 from cfp.nn import SoftmaxCrossEntropy
 from cfp.tensor import DistTensor, Layout
-from conftest import SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks
+from conftest import (SIZE, WORLD, assert_all_ranks, assert_close_all_ranks, grid_specs, raises_on_all_ranks,
+                      spatial_at_most_four, split_grid)
 from test_algorithms import CONFIGS, ids
 from test_nn import CASES as NN_CASES
 from test_nn import case_id, compare, data, fit, gather_parameter, grids  # noqa: F401 (grids: a fixture, every spec and "serial")
@@ -114,7 +115,7 @@ def test_volumes_and_transposed_in_feature_chunks_match_serial(grids, config, na
 def depth_configs():
     """(grid spec, algorithm, p_f) on grids that split a volume: depth with sample or channel,
     and (at 4 ranks) depth with height, width and channel."""
-    specs = [s for s in grid_specs(2, ("sample", "depth")) + grid_specs(2, ("depth", "channel"))
+    specs = [s for s in spatial_at_most_four(grid_specs(2, ("sample", "depth")) + grid_specs(2, ("depth", "channel")))
              if "depth=1" not in s]
     if SIZE == 4:
         specs += ["depth=2,height=2", "depth=2,width=2", "sample=1,depth=2,height=1,channel=2"]
@@ -235,8 +236,8 @@ def test_border_boxes_cover_the_block_around_its_interior_once():
 def transposed_spatial_configs():
     """(grid spec, algorithm, p_f) on grids that split an image over height and width (with
     sample or channel), for the transposed convolutions' halo."""
-    specs = [s for s in grid_specs(2, ("height", "width")) + grid_specs(2, ("sample", "height"))
-             + grid_specs(2, ("width", "channel")) if s.count("=1") < 2]
+    specs = [s for s in spatial_at_most_four(grid_specs(2, ("height", "width")) + grid_specs(2, ("sample", "height"))
+                                             + grid_specs(2, ("width", "channel"))) if s.count("=1") < 2]
     if SIZE == 4:
         specs += ["height=1,width=2,channel=2", "height=2,width=2"]
     if SIZE == 1:
@@ -456,7 +457,7 @@ def test_a_volume_checkpoint_loads_on_another_grid(grids, mpi_tmp_path):
 
     def global_tensors(m):
         return {p.name: gather_parameter(p, "data") for p in m.parameters()}
-    source = ProcessGrid(f"depth={SIZE}")
+    source = ProcessGrid(split_grid("depth"))
     saved = model(source, seed=1)
     path = save_checkpoint(str(mpi_tmp_path / "ckpt"), 1, saved, SGD(saved.parameters(), 0.1), source, {})
     want = global_tensors(saved)
@@ -484,7 +485,7 @@ def test_sharded_loader_reads_only_each_ranks_block(mpi_tmp_path):
     if WORLD.Get_rank() == 0:
         np.save(path, x)
     WORLD.Barrier()
-    spec = "depth=2,height=2" if SIZE == 4 else f"depth={SIZE}"
+    spec = _depth_split()
     grid = ProcessGrid(spec)
     conv = make_conv("sample", grid, 2, 4, 3, op="conv3d", padding=1)
     mapped = open_npy(path)
@@ -534,7 +535,7 @@ def test_a_run_on_sharded_input_holds_less_than_a_sample(mpi_tmp_path):
     if WORLD.Get_rank() == 0:
         np.save(path, x)
     WORLD.Barrier()
-    spec = "depth=2,height=2" if SIZE == 4 else f"depth={SIZE}"
+    spec = _depth_split()
 
     def run(sharded):
         grid = ProcessGrid(spec)
@@ -568,6 +569,14 @@ def test_a_run_on_sharded_input_holds_less_than_a_sample(mpi_tmp_path):
         assert_all_ranks(peak < 0.7 * whole_peak and (SIZE < 4 or peak < x[0].nbytes),
                          f"peak {peak} bytes during the steps ({whole_peak} loading whole samples), one sample "
                          f"is {x[0].nbytes}")
+
+
+def _depth_split():
+    """The grid of the sharded-input tests, whose batches may hold one sample: every rank on
+    the volume, over depth, height and width as evenly as the ranks divide (depth=2,height=2
+    at 4 ranks, depth=3,height=2 at 6), no samples."""
+    sizes = min((f for f in factorizations(SIZE, 3) if f[0] >= f[1] >= f[2]), key=max)
+    return ",".join(f"{axis}={n}" for axis, n in zip(("depth", "height", "width"), sizes) if n > 1 or axis == "depth")
 
 
 def _volume_files(where, kind, side):
@@ -607,7 +616,7 @@ def test_training_on_memory_mapped_volumes_with_sharded_input(mpi_tmp_path, kind
     result, model = train_model(TrainConfig(grid="sample=1", **cfg), world=WORLD.Split(WORLD.Get_rank()))
     one_rank = ([h["loss"] for h in result["history"]], weights(model))
     accuracy = result["test_accuracy"]
-    spec = "depth=2,height=2" if SIZE == 4 else f"depth={SIZE}"
+    spec = _depth_split()
     result, model = train_model(TrainConfig(grid=spec, shard_input=True, **cfg))
     assert_all_ranks(len(result["history"]) == 18, "18 steps")
     assert_trains_like(result, model, one_rank, f"sharded input on {spec}", tol=1e-10)
@@ -622,7 +631,7 @@ def test_training_on_memory_mapped_volumes_with_sharded_input(mpi_tmp_path, kind
                                                                               **options})), match=message)
 
 
-@pytest.mark.parametrize("spec", sorted({c[0] for c in depth_configs()} | {f"sample={SIZE}", f"height={SIZE}"}))
+@pytest.mark.parametrize("spec", sorted({c[0] for c in depth_configs()} | {f"sample={SIZE}", split_grid("height")}))
 def test_per_voxel_cross_entropy_on_any_split(grids, spec):
     """Segmentation's loss, per voxel (and per pixel): logits split by sample, depth, height
     and width, whole over classes; the loss, the correct count and dlogits equal one rank's."""
@@ -647,13 +656,20 @@ def test_per_voxel_cross_entropy_on_any_split(grids, spec):
         grid.free()
 
 
+# The models' grids that split samples or channels: a batch of 8 over at most 8 sample ranks
+# (the volume's depth or the image's height beside them), and the narrowest layer's 8 channels
+# over at most 4 channel ranks (samples beside them); every rank up to 8 and 4 ranks.
+VOLUME_SAMPLES, UNET_SAMPLES = split_grid("sample", 8, "depth"), split_grid("sample", 8, "height")
+MODEL_CHANNELS = split_grid("channel")
+
+
 def volume_grids():
     """(grid, algorithm) of the volume model's training test at this rank count: samples,
     channels, depth, and depth with channels or height where the ranks allow; the planner's
     grids and algorithms (auto)."""
     if SIZE == 1:
         return [("sample=1", "y")]
-    out = [(f"sample={SIZE}", "sample"), (f"channel={SIZE}", "y"), (f"depth={SIZE}", "y"), (f"depth={SIZE}", "sample"),
+    out = [(VOLUME_SAMPLES, "sample"), (MODEL_CHANNELS, "y"), (split_grid("depth"), "y"), (split_grid("depth"), "sample"),
            (None, "auto")]
     if SIZE == 4:
         out += [("depth=2,channel=2", "w"), ("sample=2,depth=2", "x"), ("depth=2,height=2", "y")]
@@ -701,8 +717,8 @@ def _mixed_plan(path, layers):
 
 def _volume_plan(path):
     """--model volume's layers on three grids: samples, depth, channels."""
-    return _mixed_plan(path, {"stem.conv": (f"sample={SIZE}", "sample"), "down.conv": (f"depth={SIZE}", "y"),
-                              "body.conv": (f"channel={SIZE}", "w"), "fc": (f"sample={SIZE}", "sample")})
+    return _mixed_plan(path, {"stem.conv": (VOLUME_SAMPLES, "sample"), "down.conv": (split_grid("depth"), "y"),
+                              "body.conv": (MODEL_CHANNELS, "w"), "fc": (VOLUME_SAMPLES, "sample")})
 
 
 def test_volume_model_on_a_mixed_plan_trains_like_one_rank(mpi_tmp_path):
@@ -725,7 +741,7 @@ def unet_runs():
     (and width), channels, on a mixed plan, and as the planner chooses (auto)."""
     if SIZE == 1:
         return [("sample=1", "y", None)]
-    out = [(f"sample={SIZE}", "sample", None), (f"height={SIZE}", "y", None), (f"channel={SIZE}", "x", None),
+    out = [(UNET_SAMPLES, "sample", None), (split_grid("height"), "y", None), (MODEL_CHANNELS, "x", None),
            (None, "y", "mixed"), (None, "auto", None)]
     if SIZE == 4:
         out += [("height=2,width=2", "w", None), ("sample=2,height=2", "y", None)]
@@ -752,8 +768,8 @@ def test_unet_trains_like_one_rank(grid, algorithm, plan, mpi_tmp_path):
         _one_rank_unet["run"] = ([h["loss"] for h in result["history"]], weights(model))
     if plan == "mixed":
         cfg["plan"] = _mixed_plan(mpi_tmp_path / "unet_plan.json", {
-            "stem.conv": (f"sample={SIZE}", "sample"), "down.conv": (f"height={SIZE}", "y"),
-            "body.conv": (f"channel={SIZE}", "w"), "up.conv": (f"width={SIZE}", "x"), "head": (f"sample={SIZE}", "y")})
+            "stem.conv": (UNET_SAMPLES, "sample"), "down.conv": (split_grid("height"), "y"),
+            "body.conv": (MODEL_CHANNELS, "w"), "up.conv": (split_grid("width"), "x"), "head": (UNET_SAMPLES, "y")})
     else:
         cfg["grid"] = grid
     result, model = train_model(TrainConfig(algorithm=algorithm, **cfg, **_planned(algorithm)))
@@ -766,8 +782,8 @@ def ledger_runs():
     height, width and channel splits."""
     if SIZE == 1:
         return [("volume", "sample=1", "y"), ("unet", "sample=1", "y")]
-    out = [("volume", f"depth={SIZE}", "y"), ("volume", f"depth={SIZE}", "sample"), ("volume", f"channel={SIZE}", "x"),
-           ("unet", f"height={SIZE}", "y"), ("unet", f"width={SIZE}", "w"), ("unet", f"channel={SIZE}", "y")]
+    out = [("volume", split_grid("depth"), "y"), ("volume", split_grid("depth"), "sample"), ("volume", MODEL_CHANNELS, "x"),
+           ("unet", split_grid("height"), "y"), ("unet", split_grid("width"), "w"), ("unet", MODEL_CHANNELS, "y")]
     if SIZE == 4:
         out += [("volume", "depth=2,height=2", "w"), ("unet", "sample=2,height=2", "sample")]
     return out
@@ -833,7 +849,7 @@ def _group_norm_by_hand(x, dy, G, w, b, eps=1e-5):
     return y, dx.reshape(x.shape), dy.sum(axis=axes), (dy * x_hat).sum(axis=axes)
 
 
-@pytest.mark.parametrize("spec", sorted({f"channel={SIZE}", f"sample={SIZE}", f"depth={SIZE}"}
+@pytest.mark.parametrize("spec", sorted({f"channel={SIZE}", f"sample={SIZE}", split_grid("depth")}
                                         | ({"depth=2,channel=2", "sample=2,channel=2"} if SIZE == 4 else set())))
 @pytest.mark.parametrize("G, C", [(3, 6), (2, 6), (6, 6), (1, 5)])
 def test_group_norm_matches_its_formula_on_every_split(spec, G, C):
@@ -900,7 +916,7 @@ def test_overlap_all_trains_volumes_and_the_unet_like_one_rank(model, monkeypatc
         cache["run"] = ([h["loss"] for h in result["history"]], weights(trained))
     started.clear()
     split = "depth" if model == "volume" else "height"
-    result, trained = train_model(TrainConfig(grid=f"sample=1,{split}={SIZE}", algorithm="sample", overlap="all", **cfg))
+    result, trained = train_model(TrainConfig(grid=split_grid(split), algorithm="sample", overlap="all", **cfg))
     if SIZE > 1:
         assert_all_ranks(len(started) >= 20, f"{model}: {len(started)} halos started with the interior")
-    assert_trains_like(result, trained, cache["run"], f"{model} on {split}={SIZE} under --overlap all", tol=1e-10)
+    assert_trains_like(result, trained, cache["run"], f"{model} on {split_grid(split)} under --overlap all", tol=1e-10)
