@@ -322,7 +322,7 @@ def indices_text(name, ix):
 def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_groups=None, stride=1,
                   padding=0, dilation=1, groups=1, bias=True, input_whole=False, need_dx=True, itemsize=8,
                   padding_mode="zeros", node_axes=None, ranks_per_node=None, chunks=1, op="conv2d",
-                  output_padding=0):
+                  output_padding=0, name="layer"):
     """A LayerExplanation of the convolution of a global x of x_shape (N, C, H, W) into
     out_channels filters under `algorithm` ('sample', 'x', 'y', 'w') on `grid` (a spec such as
     'sample=2,channel=2' or {axis: size}), with nn.Conv2d's options, for every rank. (The
@@ -333,7 +333,8 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
     text also shows the pipelined schedule of that many chunks (ConvAlgorithm.pipelined).
     op: the kind of convolution (kernels/conv/ops.py): 'conv3d' and 'conv_transpose3d' take a
     volume's x_shape (N, C, D, H, W) and may split depth; a transposed one takes
-    output_padding, and its halo brings the input rows that reach each rank's output block."""
+    output_padding, and its halo brings the input rows that reach each rank's output block.
+    name: the layer's name in the message refusing an image too small for the grid."""
     sizes = ProcessGrid.shape_of(grid)
     processes, node_axes = _placement(sizes, node_axes, ranks_per_node)
     x_shape = tuple(int(n) for n in x_shape)
@@ -367,7 +368,7 @@ def explain_layer(x_shape, out_channels, kernel_size, algorithm, grid, filter_gr
     halo = halo_plan(x_shape, layouts["x"], tuple(sizes.items()), kernel,
                      tuple(sorted(spatial_options.items()))) if spatial else None
     if spatial:
-        check_image_fits(halo, x_shape, ProcessGrid.describe_shape(sizes), "layer")
+        check_image_fits(halo, x_shape, ProcessGrid.describe_shape(sizes), name)
     moved = [message_bytes(algorithm, x_shape, w_shape, sizes, c, filter_groups=filter_groups, bias=bias,
                            input_whole=input_whole, need_dx=need_dx, itemsize=itemsize, op=op.name, **options)
              for c in coords]
@@ -468,7 +469,7 @@ def explain_model(layers, grid=None, algorithm="y", filter_groups=None, plan=Non
                           current["filter_groups"] if current["algorithm"] == "w" else None, stride=layer.stride,
                           padding=layer.pad, dilation=layer.dilation, groups=layer.groups, input_whole=layer.first,
                           need_dx=not layer.first, itemsize=itemsize, node_axes=current["node_axes"],
-                          ranks_per_node=ranks_per_node)
+                          ranks_per_node=ranks_per_node, name=layer.name)
         out.append((layer, dict(current), e))
     return out
 
