@@ -37,7 +37,7 @@ test: install
 SCALE_RANKS ?= 6 8 12 16
 SCALE_TESTS := tests/test_algorithms.py tests/test_algorithm_options.py tests/test_algorithm_extension.py \
 	tests/test_spatial.py tests/test_plans.py tests/test_checkpoint_safety.py tests/test_train.py tests/test_nn.py \
-	tests/test_tensor.py tests/test_comm.py tests/test_volumes.py
+	tests/test_tensor.py tests/test_comm.py tests/test_volumes.py tests/test_grid.py
 test-scale: install
 	$(LAUNCH) $(PY) tests/run_suite.py --no-serial --ranks $(SCALE_RANKS) --timeout 300 --job-timeout 3600 \
 	  $(SCALE_TESTS) $(PYTEST_ARGS)
