@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 from mpi4py import MPI
 
-from cfp.grid import AXES, factorizations
+from cfp.grid import AXES, ProcessGrid, factorizations
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
@@ -51,10 +51,7 @@ def spatial_at_most_four(specs):
     """The specs of `specs` that split no spatial axis (depth, height, width) over more than
     4 ranks: every spec up to 4 ranks; at 6 to 16 the ones whose small volumes and images
     still give every rank of those axes a plane, row and column."""
-    def fits(spec):
-        sizes = dict(part.split("=") for part in spec.split(","))
-        return all(int(sizes.get(axis, 1)) <= 4 for axis in ("depth", "height", "width"))
-    return [s for s in specs if fits(s)]
+    return [s for s in specs if all(ProcessGrid.shape_of(s)[a] <= 4 for a in ("depth", "height", "width"))]
 
 
 def grid_specs(naxes=2, axes=("sample", "channel")):
