@@ -340,6 +340,57 @@ def test_winograd_strips_of_large_images_match_the_loops(tile, rows, monkeypatch
         assert counted and all(blocks > samples for samples, blocks in counted), counted
 
 
+@pytest.mark.parametrize("tile", [2, 4])
+@pytest.mark.parametrize("filters_at_once", [1, 2, 3])
+def test_winograd_in_blocks_of_filters_matches_the_loops(tile, filters_at_once, monkeypatch):
+    """Where one block of tiles holds the call and the filters' transforms outgrow
+    FILTER_BLOCK_BYTES, the passes go through the filters in blocks (backward-data through the
+    layer's channels, its full convolution's filters): with blocks of 1, 2 or 3 filters
+    (the last one shorter), every pass equals the plain loops in float64, for whole and
+    cropped tiles, padding on every side, one sided or none, dilated layers' sub-grids; and
+    each pass went by blocks (filter_block below F: forward, backward-data and
+    backward-filter, on their geometries)."""
+    blocked = []
+    real = winograd_kernels.filter_block
+    monkeypatch.setattr(winograd_kernels, "_MIN_FILTER_BLOCK", 1)
+    monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_TILES", 1000)  # (the dilated layer's classes: 72 tiles)
+    monkeypatch.setattr(winograd_kernels, "filter_block",
+                        lambda g, *a: blocked.append(real(g, *a) < g.F) or real(g, *a))
+    rng = np.random.default_rng(filters_at_once + tile)
+    for x_shape, F, args in (((2, 3, 8, 8), 5, {"padding": 1}), ((1, 4, 9, 11), 4, {"padding": (2, 0)}),
+                             ((3, 5, 6, 7), 7, {"padding": 0}), ((2, 3, 10, 9), 4, {"padding": 2, "dilation": 2})):
+        x, w = rng.standard_normal(x_shape), rng.standard_normal((F, x_shape[1], 3, 3))
+        dy = rng.standard_normal(conv_module.conv2d_output_shape(x_shape, w.shape, **args))
+        a = tile + 2
+        # at most `filters_at_once` filters' transforms (C' channels deep, C or F) at a time
+        monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_BYTES", a * a * min(x_shape[1], F) * 8 * filters_at_once)
+        blocked.clear()
+        with settings.winograd(True, tile=tile):
+            fast = (conv2d_forward(x, w, **args), conv2d_backward_data(dy, w, x_shape, **args),
+                    conv2d_backward_filter(x, dy, w.shape, **args))
+        loops = (conv2d_forward_loop(x, w, None, **args), conv2d_backward_data_loop(dy, w, x_shape, **args),
+                 conv2d_backward_filter_loop(x, dy, w.shape, **args))
+        for actual, expected in zip(fast, loops):
+            assert actual.shape == expected.shape and relative_error(actual, expected) < TOLERANCE, (x_shape, args)
+        assert blocked.count(True) >= 3, (x_shape, args, blocked)
+
+
+def test_winograd_takes_blocks_of_filters_only_for_few_tiles_and_large_transforms():
+    """filter_block's rule: blocks of 8 MiB of transforms where one block of at most 48 tiles
+    holds the call and U is larger (8x1024x1024 on 8x8: 32 tiles, 151 MB of U in float32: 56
+    filters at once); the whole U with more tiles, several blocks of tiles, a U that fits, or
+    CuPy's arrays."""
+    rule = winograd_kernels.filter_block
+    wide = conv_module.conv_geometry((8, 1024, 8, 8), (1024, 1024, 3, 3), padding=1)
+    assert rule(wide, 1, 4, np, 6) == (8 << 20) // (36 * 1024 * 4) == 56
+    assert rule(wide._replace(N=12), 1, 4, np, 6) == 56  # 48 tiles
+    assert rule(wide._replace(N=16), 1, 4, np, 6) == 1024  # 64 tiles
+    assert rule(wide, 2, 4, np, 6) == 1024
+    assert rule(wide._replace(C=64, F=64), 1, 4, np, 6) == 64  # 0.6 MB of U
+    assert rule(wide, 1, 4, object(), 6) == 1024  # not NumPy
+    assert rule(wide._replace(C=100000), 1, 4, np, 6) == 8  # never thinner than 8 filters
+
+
 def _dilated_3x3_cases(count=40, seed=4):
     """Dilated 3x3 stride-1 layers (dilation 2 or 3 on either axis or both), with odd and even
     sizes, symmetric, asymmetric ('same') and one-sided padding in every mode: the layers that

@@ -288,14 +288,20 @@ def _winograd_sizing_cases(count=30, seed=12):
 @pytest.mark.parametrize("dtype,forced", [("float32", False), ("float32", True), ("float64", False),
                                           ("float64", True)],
                          ids=["float32", "float32-forced", "float64", "float64-forced"])
-@pytest.mark.parametrize("rows", [128, 5], ids=["blocks-of-128-tiles", "strips-of-5"])
-def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, rows, monkeypatch):
+@pytest.mark.parametrize("rows,filter_bytes", [(128, winograd_kernels.FILTER_BLOCK_BYTES), (5, winograd_kernels.FILTER_BLOCK_BYTES),
+                                               (128, 2000)],
+                         ids=["blocks-of-128-tiles", "strips-of-5", "filter-blocks"])
+def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, rows, filter_bytes, monkeypatch):
     """The cost model's Winograd workspace (kernels.workspace_bytes) against the workspace each
     pass asks for, exactly, for the passes that take Winograd (seen by the tiles they make);
     the others are left out: by default the layers where Winograd does not pay (at any count of
     tiles, here) and float64, forced (winograd(True)) none. With blocks of 5 tiles, the larger images go through strips
-    of tile rows."""
+    of tile rows; with 2000 bytes of filters' transforms at once, the calls of one block of tiles through blocks
+    of filters (winograd.filter_block)."""
     monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", rows)
+    monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_BYTES", filter_bytes)
+    monkeypatch.setattr(winograd_kernels, "_MIN_FILTER_BLOCK", 1)  # blocks of these layers' few filters
+    monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_TILES", 1000)  # at any count of tiles in one block
     monkeypatch.setattr(winograd_kernels, "_MIN_TILES", 1)  # these small layers would take other paths,
     monkeypatch.setattr(columns, "FEW_CHANNELS", 0)  # and these narrow ones per-sample columns
     made = []
@@ -329,6 +335,8 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, row
                         winograd_kernels._subgrid_geometry(g) if g.dh * g.dw > 1 else g)
                 if strip < th:
                     seen.add("strips")
+                if winograd_kernels.filter_block(g, 1, np.dtype(dtype).itemsize, np, m + 2) < g.F and x_shape[0] != 40:
+                    seen.add("filter blocks")
             if len(measured) < 3:
                 seen.add("some passes on other paths")
     expected = {"float32": {"dilated", "cropped", "whole tiles", "blocks", "one block", "some passes on other paths"},
@@ -336,7 +344,11 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, row
                 "float64": {"some passes on other paths"},
                 "float64-forced": {"dilated", "cropped", "whole tiles", "blocks", "one block"}}
     expected = expected[dtype + ("-forced" if forced else "")]
-    assert seen == (expected | {"strips"} if rows == 5 and "one block" in expected else expected)
+    if rows == 5 and "one block" in expected:
+        expected = expected | {"strips"}
+    if filter_bytes == 2000 and "one block" in expected:
+        expected = expected | {"filter blocks"}
+    assert seen == expected
 
 
 def test_winograd_workspace_bytes_leave_out_other_paths():

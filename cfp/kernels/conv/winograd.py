@@ -308,8 +308,13 @@ def _place(out, tiles, n, t0, r, F, y, start, whole):
 def forward(x, w, g, xp, y, flipped=False):
     """y (N, F, Ho, Wo) of a 3x3 stride-1 convolution with zero padding, by Winograd F(m x m,
     3 x 3) over blocks of tiles: M_k = V_k @ U_k for each of the (m+2)^2 tile positions k,
-    then the outputs (A^T (x) A^T) @ M, m x m per tile. (flipped: see _winograd_filters.)"""
+    then the outputs (A^T (x) A^T) @ M, m x m per tile. (flipped: see _winograd_filters.) Where
+    the filters' transforms outgrow the cache (filter_block), they go in blocks of filters
+    instead (_forward_by_filter_blocks)."""
     tiles = _WinogradTiles(x, g, xp)
+    if filter_block(g, tiles.count(), x.dtype.itemsize, xp, tiles.a) < g.F:
+        _forward_by_filter_blocks(tiles, w, g, xp, y, flipped)
+        return
     m, a, tw = tiles.m, tiles.a, tiles.tw
     U = _winograd_filters(w, tiles.G2, xp, flipped)
     rows = tiles.step * tiles.strip * tw
@@ -324,6 +329,75 @@ def forward(x, w, g, xp, y, flipped=False):
         out = Y[:m * m * P * g.F].reshape(m * m, P * g.F)
         xp.matmul(tiles.A2, products.reshape(a * a, P * g.F), out=out)
         _place(out, tiles, n, t0, r, g.F, y, start, whole)
+
+
+# The filters' transforms of a wide layer, (m+2)^2 C F values, are larger than the cache: 151 MB
+# at 1024 x 1024 channels in float32, written by one pass and read back from memory by the
+# products' GEMMs (the 8x1024x1024 layer on 8x8 spent 30 of its 53 ms of forward in U = G w G^T,
+# 5 GB/s; 256 x 512 channels, 19 MB, took a quarter of 512 x 512's time). Where one block of at
+# most FILTER_BLOCK_TILES tiles holds the whole call, the passes go through the filters in
+# blocks of FILTER_BLOCK_BYTES of transforms instead, each block's U computed, multiplied and
+# taken to outputs (dU taken to dw) while it is in cache. Few tiles are where the transforms
+# weigh most against the products: measured at one thread on the Zen 5 guest (AMD EPYC, 32 MiB
+# L3), the three passes in blocks of 8 MiB against the whole U, median of 5 rounds in turns:
+# with 32 tiles 0.84-0.91 of the time (8x512x512x7x7 0.84, 8x1024x512x8x8 0.86, 2x1024x1024x16x16
+# 0.87, 2x2048x2048x8x8 at F(2x2) 0.87, 8x1024x1024x8x8 0.90), with 48 0.91 (3x512x512x16x16),
+# with 64 0.93-1.03 (16x512x512x7x7, 4x512x512x16x16 0.99, 16x1024x1024x7x7 1.03), with 128
+# (8x512x512x16x16, 32x512x512x7x7, 4x256x256x28x28) 1.07-1.10 in 3 rounds: the blocks'
+# thinner GEMMs cost more than they save (BENCHMARKS.md, "The filters' transforms in blocks").
+# Not on CuPy (no cache to fit) nor where the tiles go in several blocks (each would transform
+# every filter again).
+FILTER_BLOCK_BYTES = 8 << 20
+FILTER_BLOCK_TILES = 48
+_MIN_FILTER_BLOCK = 8  # filters: fewer make GEMMs too thin to pay
+
+
+def filter_block(g, blocks, itemsize, xp, a):
+    """How many of its F filters a Winograd pass on g (its tiles in `blocks` blocks, input tile
+    side a) transforms at once: all of them (the whole U), or where one block of at most
+    FILTER_BLOCK_TILES tiles holds the call and the whole U is more than FILTER_BLOCK_BYTES on
+    NumPy, as many as fit in that (at least _MIN_FILTER_BLOCK)."""
+    whole = a * a * g.C * g.F * itemsize
+    tiles = g.N * -(-g.Ho // (a - 2)) * -(-g.Wo // (a - 2))
+    if xp is not np or blocks > 1 or tiles > FILTER_BLOCK_TILES or whole <= FILTER_BLOCK_BYTES:
+        return g.F
+    return min(g.F, max(_MIN_FILTER_BLOCK, FILTER_BLOCK_BYTES // (a * a * g.C * itemsize)))
+
+
+def _filter_block_transforms(w, f0, f1, G2, xp, flipped, out):
+    """The transforms of filters f0..f1 of the pass (flipped: w's channels f0..f1, see
+    _winograd_filters), one GEMM of G (x) G with their taps into out, as ((m+2)^2, C', k) where
+    flipped and ((m+2)^2, k, C') otherwise (the products read it transposed: a GEMM per
+    channel of a few filters each, U's own layout, took longer than the products)."""
+    if flipped:
+        F = w.shape[0]
+        taps = w[:, f0:f1].reshape(F * (f1 - f0), 9)  # (a copy of the block's taps)
+        return xp.matmul(xp.ascontiguousarray(G2[:, ::-1]), taps.T, out=out).reshape(-1, F, f1 - f0)
+    C = w.shape[1]
+    xp.matmul(G2, w[f0:f1].reshape((f1 - f0) * C, 9).T, out=out)
+    return out.reshape(-1, f1 - f0, C).transpose(0, 2, 1)
+
+
+def _forward_by_filter_blocks(tiles, w, g, xp, y, flipped):
+    """forward with the filters' transforms in blocks of filter_block filters: for each block,
+    its U, the products of the call's one block of tiles V with it, their output transform,
+    placed into y's filters of the block."""
+    m, a, tw = tiles.m, tiles.a, tiles.tw
+    (start, n, t0, r, V), = tiles.blocks()
+    P, k = n * r * tw, filter_block(g, 1, y.dtype.itemsize, xp, a)
+    U = workspace.empty(xp, (a * a, k * g.C), V.dtype)
+    M, Y = workspace.empty(xp, a * a * P * k, V.dtype), workspace.empty(xp, m * m * P * k, V.dtype)
+    cropped = (m * tiles.th, m * tw) != (g.Ho, g.Wo)
+    whole = workspace.empty(xp, (n, k, m * r, m * tw), V.dtype) if cropped else None
+    for f0 in range(0, g.F, k):
+        f1 = min(g.F, f0 + k)
+        kb = f1 - f0
+        Uk = _filter_block_transforms(w, f0, f1, tiles.G2, xp, flipped, U[:, :kb * g.C])
+        products = M[:a * a * P * kb].reshape(a * a, P, kb)
+        xp.matmul(V, Uk, out=products)
+        out = Y[:m * m * P * kb].reshape(m * m, P * kb)
+        xp.matmul(tiles.A2, products.reshape(a * a, P * kb), out=out)
+        _place(out, tiles, n, t0, r, kb, y[:, f0:f1], start, None if whole is None else whole[:, :kb])
 
 
 def planes_forward(x, w, g, Kd, front, xp, y, flipped=False):
@@ -435,6 +509,18 @@ def backward_filter(x, dy, g, xp):
     (F x C) summed over the blocks, and dw (F C, 9) = dU^T @ (G (x) G), in w's layout."""
     tiles = _WinogradTiles(x, g, xp)
     outputs = _OutputTiles(tiles, g, x.dtype, xp)
+    k = filter_block(g, tiles.count(), x.dtype.itemsize, xp, tiles.a)
+    if k < g.F:  # one block of tiles: dU and dw of k filters at a time, each block's dU in cache
+        (start, n, t0, r, V), = tiles.blocks()
+        back = outputs.back(dy, start, n, t0, r)
+        dw = xp.empty((g.F, g.C, 3, 3), x.dtype)
+        dU_t = workspace.empty(xp, (tiles.a ** 2, k, g.C), x.dtype)
+        for f0 in range(0, g.F, k):
+            f1 = min(g.F, f0 + k)
+            block = dU_t[:, :f1 - f0]
+            xp.matmul(back[:, :, f0:f1].transpose(0, 2, 1), V, out=block)
+            xp.matmul(block.reshape(tiles.a ** 2, -1).T, tiles.G2, out=dw[f0:f1].reshape(-1, 9))
+        return dw
     dU_t = workspace.empty(xp, (tiles.a ** 2, g.F, g.C), x.dtype)
     # the first block's product is dU itself: a mini-batch in one block (8 samples of 16x16)
     # needs neither a second buffer of (m+2)^2 C F values nor a pass adding it up
@@ -572,9 +658,10 @@ def _winograd_forward_bytes(g, item):
     m, a, th, tw, strip, Hp, Wp, step = _winograd_tile_sizes(g)
     rows = step * strip * tw
     cropped = (m * th, m * tw) != (g.Ho, g.Wo)
-    return (_winograd_tiles_bytes(g, item) + _piece(a * a * g.C * g.F, item)
-            + _piece(a * a * rows * g.F, item) + _piece(m * m * rows * g.F, item)
-            + (_piece(step * g.F * m * strip * m * tw, item) if cropped else 0))
+    k = filter_block(g, -(-g.N // step) * -(-th // strip), item, np, a)  # the filters transformed at once
+    return (_winograd_tiles_bytes(g, item) + _piece(a * a * g.C * k, item)
+            + _piece(a * a * rows * k, item) + _piece(m * m * rows * k, item)
+            + (_piece(step * k * m * strip * m * tw, item) if cropped else 0))
 
 
 def _winograd_backward_filter_bytes(g, item):
@@ -582,9 +669,10 @@ def _winograd_backward_filter_bytes(g, item):
     rows = step * strip * tw
     dy_planes = step * g.F * spread_plane_size(m * strip, m * tw, item)
     blocks = -(-g.N // step) * -(-th // strip)
+    k = filter_block(g, blocks, item, np, a)
     return (_winograd_tiles_bytes(g, item) + _piece(dy_planes, item) + _piece(step * m * strip * m * tw * g.F, item)
             + _piece(m * m * rows * g.F, item) + _piece(a * a * rows * g.F, item)
-            + _piece(a * a * g.C * g.F, item) * (2 if blocks > 1 else 1))
+            + _piece(a * a * g.C * k, item) * (2 if blocks > 1 else 1))
 
 
 def workspace_bytes(pass_name, g, dtype):
