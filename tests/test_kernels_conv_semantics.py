@@ -385,6 +385,7 @@ def test_winograd_takes_blocks_of_filters_only_for_few_tiles_and_large_transform
     assert rule(wide, 1, 4, np, 6) == (8 << 20) // (36 * 1024 * 4) == 56
     assert rule(wide._replace(N=12), 1, 4, np, 6) == 56  # 48 tiles
     assert rule(wide._replace(N=16), 1, 4, np, 6) == 1024  # 64 tiles
+    assert rule(conv_module.conv_geometry((1, 1024, 28, 28), (1024, 1024, 3, 3), padding=1), 1, 4, np, 6) == 1024  # 49
     assert rule(wide, 2, 4, np, 6) == 1024
     assert rule(wide._replace(C=64, F=64), 1, 4, np, 6) == 64  # 0.6 MB of U
     assert rule(wide, 1, 4, object(), 6) == 1024  # not NumPy
