@@ -149,7 +149,7 @@ def test_each_winograd_layer_takes_its_cheaper_tile():
     from cfp import backend
     from cfp.kernels.conv.geometry import conv_geometry
     # (N, C, F, H): the tile with AVX-512 GEMMs, with AVX2 ones
-    picks = {(2, 256, 256, 14): (2, 2), (4, 512, 512, 8): (2, 2), (8, 256, 256, 14): (2, 4),
+    picks = {(2, 256, 256, 14): (2, 2), (4, 512, 512, 8): (2, 4), (8, 256, 256, 14): (2, 4),
              (8, 512, 512, 8): (2, 4), (8, 256, 256, 16): (4, 4), (32, 64, 64, 32): (4, 4), (8, 64, 64, 56): (4, 4)}
     for (N, C, F, H), tiles in picks.items():
         g = conv_geometry((N, C, H, H), (F, C, 3, 3), padding=1)
@@ -354,6 +354,7 @@ def test_winograd_in_blocks_of_filters_matches_the_loops(tile, filters_at_once, 
     real = winograd_kernels.filter_block
     monkeypatch.setattr(winograd_kernels, "_MIN_FILTER_BLOCK", 1)
     monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_TILES", 1000)  # (the dilated layer's classes: 72 tiles)
+    monkeypatch.setattr(winograd_kernels.backend, "blas_runs_avx512", lambda: False)  # (blocks with AVX2 GEMMs only)
     monkeypatch.setattr(winograd_kernels, "filter_block",
                         lambda g, *a: blocked.append(real(g, *a) < g.F) or real(g, *a))
     rng = np.random.default_rng(filters_at_once + tile)
@@ -377,19 +378,41 @@ def test_winograd_in_blocks_of_filters_matches_the_loops(tile, filters_at_once, 
 
 def test_winograd_takes_blocks_of_filters_only_for_few_tiles_and_large_transforms():
     """filter_block's rule: blocks of 8 MiB of transforms where one block of at most 48 tiles
-    holds the call and U is larger (8x1024x1024 on 8x8: 32 tiles, 151 MB of U in float32: 56
-    filters at once); the whole U with more tiles, several blocks of tiles, a U that fits, or
-    CuPy's arrays."""
-    rule = winograd_kernels.filter_block
+    holds the call, U is larger (8x1024x1024 on 8x8: 32 tiles, 151 MB of U in float32: 56
+    filters at once) and the BLAS runs AVX2 GEMMs; the whole U with more tiles, several blocks
+    of tiles, a U that fits, AVX-512 GEMMs, or CuPy's arrays."""
+    def rule(g, blocks, xp=np, avx512=False):
+        return winograd_kernels.filter_block(g, blocks, 4, xp, 6, avx512)
     wide = conv_module.conv_geometry((8, 1024, 8, 8), (1024, 1024, 3, 3), padding=1)
-    assert rule(wide, 1, 4, np, 6) == (8 << 20) // (36 * 1024 * 4) == 56
-    assert rule(wide._replace(N=12), 1, 4, np, 6) == 56  # 48 tiles
-    assert rule(wide._replace(N=16), 1, 4, np, 6) == 1024  # 64 tiles
-    assert rule(conv_module.conv_geometry((1, 1024, 28, 28), (1024, 1024, 3, 3), padding=1), 1, 4, np, 6) == 1024  # 49
-    assert rule(wide, 2, 4, np, 6) == 1024
-    assert rule(wide._replace(C=64, F=64), 1, 4, np, 6) == 64  # 0.6 MB of U
-    assert rule(wide, 1, 4, object(), 6) == 1024  # not NumPy
-    assert rule(wide._replace(C=100000), 1, 4, np, 6) == 8  # never thinner than 8 filters
+    assert rule(wide, 1) == (8 << 20) // (36 * 1024 * 4) == 56
+    assert rule(wide._replace(N=12), 1) == 56  # 48 tiles
+    assert rule(wide._replace(N=16), 1) == 1024  # 64 tiles
+    assert rule(conv_module.conv_geometry((1, 1024, 28, 28), (1024, 1024, 3, 3), padding=1), 1) == 1024  # 49
+    assert rule(wide, 2) == 1024
+    assert rule(wide._replace(C=64, F=64), 1) == 64  # 0.6 MB of U
+    assert rule(wide, 1, avx512=True) == 1024
+    assert rule(wide, 1, xp=object()) == 1024  # not NumPy
+    assert rule(wide._replace(C=100000), 1) == 8  # never thinner than 8 filters
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_a_wide_layer_of_16_tiles_takes_winograd_where_its_filters_go_in_blocks(avx512, monkeypatch):
+    """With AVX2 GEMMs, a call whose filters go in blocks takes Winograd from 16 tiles on
+    (_MIN_BLOCKED_TILES; 32 otherwise): 4x512x512 on 7x7 (16 tiles of F(4x4)) does, at F(4x4),
+    with AVX-512 GEMMs it stays on columns, and so do 2x512x512 (8 tiles) and 4x512x512 on 4x4
+    (16 tiles of F(2x2) only) with either; a narrow layer of 16 tiles (4x64x64, its U 0.6 MB)
+    keeps the rule of 32."""
+    monkeypatch.setattr(winograd_kernels.backend, "blas_runs_avx512", lambda: avx512)
+    float32 = np.dtype(np.float32)
+
+    def geometry(N, C, H):
+        return conv_module.conv_geometry((N, C, H, H), (C, C, 3, 3), padding=1)
+    assert winograd_kernels.applies(geometry(4, 512, 7), float32) == (not avx512)
+    if not avx512:
+        assert winograd_kernels.tile(geometry(4, 512, 7)) == 4
+    assert not winograd_kernels.applies(geometry(4, 512, 4), float32)  # F(2x2) only: 16 tiles, 16 MB of U
+    assert not winograd_kernels.applies(geometry(2, 512, 7), float32)
+    assert not winograd_kernels.applies(geometry(4, 64, 7), float32)
 
 
 def _dilated_3x3_cases(count=40, seed=4):

@@ -302,6 +302,7 @@ def test_winograd_workspace_bytes_are_what_its_passes_ask_for(dtype, forced, row
     monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_BYTES", filter_bytes)
     monkeypatch.setattr(winograd_kernels, "_MIN_FILTER_BLOCK", 1)  # blocks of these layers' few filters
     monkeypatch.setattr(winograd_kernels, "FILTER_BLOCK_TILES", 1000)  # at any count of tiles in one block
+    monkeypatch.setattr(winograd_kernels.backend, "blas_runs_avx512", lambda: False)  # (blocks with AVX2 GEMMs only)
     monkeypatch.setattr(winograd_kernels, "_MIN_TILES", 1)  # these small layers would take other paths,
     monkeypatch.setattr(columns, "FEW_CHANNELS", 0)  # and these narrow ones per-sample columns
     made = []

@@ -34,6 +34,17 @@ from cfp.kernels.conv.im2col import spread_plane_size, spread_planes
 
 _WINOGRAD_ROWS = 128  # tiles per block: rows of the (m + 2)^2 GEMMs
 _MIN_TILES = 32  # by default, fewer tiles a call go by another path (_pays)
+# ... or 16 at F(4x4), where the call's filters go in blocks (filter_block: AVX2 GEMMs), which
+# such layers took at F(2x2) before (4 times the tiles) or by columns: measured at one thread on
+# the Zen 5 guest with OpenBLAS's Haswell kernels, three passes at F(4x4) against F(2x2) and
+# columns, 4x512x512x7x7 24.2 against 26.8 and 28.6 ms, 6x512x512x7x7 28.2 against 34.0 and
+# 41.6, 4x1024x1024x7x7 94.7 against 107.0 and 109.9, 4x384x384x7x7 13.9 against 14.1 and 16.3,
+# 4x256x256x7x7 6.4 against 6.7 and 7.9; but 2x512x512x7x7 (8 tiles) 18.2 against 16.3 and
+# 15.7. With SkylakeX's (AVX-512) kernels columns were faster (4x512x512x7x7 17.4 against 20.4
+# ms). At F(2x2), whose U is 16/36 of F(4x4)'s, 16 tiles do not pay (4x512x512x4x4 11.3
+# against columns' 10.7, 1x512x512x8x8 11.0 against 9.7 ms). BENCHMARKS.md, "The filters'
+# transforms in blocks".
+_MIN_BLOCKED_TILES = 16
 # Interpolation points of F(m, 3) and the matrices they give: A^T (m x m+2) the output
 # transform, G (m+2 x 3) the filter transform, B^T (m+2 x m+2) the input transform.
 _WINOGRAD_POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -0.5)}
@@ -78,12 +89,31 @@ _TILE_COST = {True: (0.0322e-9, 2.04e-9, 0.0256e-9, 1.45e-9, 2.05e-9),  # the BL
               False: (0.0547e-9, 2.08e-9, 0.0558e-9, 1.77e-9, 1.63e-9)}  # AVX2
 
 
+# Where a float32 call's filters go in blocks (filter_block), their transforms cost this part of
+# _TILE_COST's price: on the four layers measured both ways (BENCHMARKS.md, "The filters'
+# transforms in blocks"), the blocks' time less the other terms' prices is 0.54-0.86 of the
+# filters' price. 0.7 picks the faster tile of each layer measured at both since (F(4x4) for
+# 4x512x512x7x7, 6x512x512x7x7, 1x512x512x16x16; F(2x2) for 1x512x512x14x14,
+# 1x1024x1024x14x14 and 2x256x256x14x14, the last 7.8-8.5 against 8.6-8.9 ms, predicted 2%
+# apart; 0.65 would have put it at F(4x4)).
+_BLOCKED_FILTERS = 0.7
+
+
+def _in_filter_blocks(g, m, avx512=None):
+    """Whether a float32 NumPy call on g at tile m transforms its filters in blocks (avx512:
+    filter_block's)."""
+    _, a, th, _, strip, _, _, step = _winograd_tile_sizes(g, m)
+    return filter_block(g, -(-g.N // step) * -(-th // strip), 4, np, a, avx512) < g.F
+
+
 def tile_cost(g, m, avx512=None):
     """The predicted seconds of a layer's three Winograd passes at tile m (_TILE_COST) with the
-    BLAS loaded here (avx512: as if it ran AVX-512 GEMMs or not; default backend.blas_runs_avx512)."""
+    BLAS loaded here (avx512: as if it ran AVX-512 GEMMs or not; default backend.blas_runs_avx512),
+    the filters' transforms at _BLOCKED_FILTERS of their price where they go in blocks."""
     a, T = m + 2, g.N * -(-g.Ho // m) * -(-g.Wo // m)
     cropped = (m * -(-g.Ho // m), m * -(-g.Wo // m)) != (g.Ho, g.Wo)
-    terms = (T * a * a * g.C * g.F, a * a * g.C * g.F, T * a * a * (a * a * g.C + m * m * g.F),
+    filters = a * a * g.C * g.F * (_BLOCKED_FILTERS if _in_filter_blocks(g, m, avx512) else 1)
+    terms = (T * a * a * g.C * g.F, filters, T * a * a * (a * a * g.C + m * m * g.F),
              T * a * a * (g.C + g.F), cropped * T * m * m * (g.C + g.F))
     weights = _TILE_COST[backend.blas_runs_avx512() if avx512 is None else bool(avx512)]
     return sum(w * t for w, t in zip(weights, terms))
@@ -121,8 +151,10 @@ def _pays(g):
     1.06-1.55 times slower than im2col (1 to 4 samples of 512 channels on 7x7, 1 or 4 of 64 on
     8x8 and 14x14), 24 level (0.96-1.08), 32 and more faster (2x128x128x14x14 0.89, 8x512x512
     x7x7 0.82, 1x64x64x28x28 0.71): the filters' transform, 36 C F values written, is paid
-    once a call whatever its tiles. Nor on layers of at most columns.FEW_CHANNELS channels
-    (a network's first layer), whose GEMMs C deep per-sample columns outrun (columns.py).
+    once a call whatever its tiles (those were measured with the whole U; where the filters go
+    in blocks, with AVX2 GEMMs, 16 tiles of F(4x4) pay: _MIN_BLOCKED_TILES). Nor on layers of
+    at most columns.FEW_CHANNELS channels (a network's first layer), whose GEMMs C deep
+    per-sample columns outrun (columns.py).
     These were measured with F(4x4), whose tiles decide it where the setting names no tile;
     of the layers that take Winograd, tile() then picks each one's tile. Where the BLAS runs
     AVX2 GEMMs (not AVX-512: backend.blas_runs_avx512), a layer whose F(2x2) tiles meet the
@@ -141,9 +173,13 @@ def _pays(g):
 
 def _pays_at(g, m):
     """_pays' rules at tile m: outputs at least a tile wide, at most 4 products an output (1/2.25
-    of direct convolution's 9), at least _MIN_TILES tiles a call, more than a few channels."""
+    of direct convolution's 9), at least _MIN_TILES tiles a call (_MIN_BLOCKED_TILES at F(4x4)
+    where the call's filters go in blocks, filter_block), more than a few channels."""
     tiles = -(-g.Ho // m) * -(-g.Wo // m)
-    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= _MIN_TILES \
+    least = _MIN_TILES
+    if g.N * tiles < least and m == 4 and _in_filter_blocks(g, m):
+        least = _MIN_BLOCKED_TILES
+    return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= least \
         and g.C > columns.FEW_CHANNELS
 
 
@@ -345,21 +381,26 @@ def forward(x, w, g, xp, y, flipped=False):
 # with 64 0.93-1.03 (16x512x512x7x7, 4x512x512x16x16 0.99, 16x1024x1024x7x7 1.03), with 128
 # (8x512x512x16x16, 32x512x512x7x7, 4x256x256x28x28) 1.07-1.10 in 3 rounds: the blocks'
 # thinner GEMMs cost more than they save (BENCHMARKS.md, "The filters' transforms in blocks").
-# Not on CuPy (no cache to fit) nor where the tiles go in several blocks (each would transform
-# every filter again).
+# Not with AVX-512 GEMMs (OpenBLAS's SkylakeX kernels on the same machine: 1.11-1.12 of the
+# whole U's time on 8x1024x1024x8x8 and 8x1024x512x8x8, forward 1.22-1.31, 0.94 on two
+# 512-wide layers), nor on CuPy (no cache to fit), nor where the tiles go in several blocks
+# (each would transform every filter again).
 FILTER_BLOCK_BYTES = 8 << 20
 FILTER_BLOCK_TILES = 48
 _MIN_FILTER_BLOCK = 8  # filters: fewer make GEMMs too thin to pay
 
 
-def filter_block(g, blocks, itemsize, xp, a):
+def filter_block(g, blocks, itemsize, xp, a, avx512=None):
     """How many of its F filters a Winograd pass on g (its tiles in `blocks` blocks, input tile
     side a) transforms at once: all of them (the whole U), or where one block of at most
-    FILTER_BLOCK_TILES tiles holds the call and the whole U is more than FILTER_BLOCK_BYTES on
-    NumPy, as many as fit in that (at least _MIN_FILTER_BLOCK)."""
+    FILTER_BLOCK_TILES tiles holds the call, the whole U is more than FILTER_BLOCK_BYTES, on
+    NumPy with a BLAS of AVX2 GEMMs (avx512: as if it ran AVX-512 ones or not; default
+    backend.blas_runs_avx512), as many as fit in that (at least _MIN_FILTER_BLOCK)."""
     whole = a * a * g.C * g.F * itemsize
     tiles = g.N * -(-g.Ho // (a - 2)) * -(-g.Wo // (a - 2))
     if xp is not np or blocks > 1 or tiles > FILTER_BLOCK_TILES or whole <= FILTER_BLOCK_BYTES:
+        return g.F
+    if backend.blas_runs_avx512() if avx512 is None else avx512:
         return g.F
     return min(g.F, max(_MIN_FILTER_BLOCK, FILTER_BLOCK_BYTES // (a * a * g.C * itemsize)))
 
