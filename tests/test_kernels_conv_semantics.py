@@ -395,6 +395,23 @@ def test_winograd_takes_blocks_of_filters_only_for_few_tiles_and_large_transform
     assert rule(wide._replace(C=100000), 1) == 8  # never thinner than 8 filters
 
 
+def test_the_model_knows_which_calls_go_in_filter_blocks(monkeypatch):
+    """_in_filter_blocks (what tile_cost and _pays read) counts the call's blocks of tiles as
+    the passes do: 8x1024x1024 on 8x8 goes in blocks of filters in one block of 32 tiles, not
+    in 2 blocks of 16 tiles (samples) or in strips of 2 tiles (one sample); and a 224 x 224
+    layer's 7.2 MB of float32 U fits."""
+    blocked = winograd_kernels._in_filter_blocks
+    wide = conv_module.conv_geometry((8, 1024, 8, 8), (1024, 1024, 3, 3), padding=1)
+    assert blocked(wide, 4, False) and not blocked(wide, 4, True)
+    monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", 16)
+    assert not blocked(wide, 4, False)  # 2 blocks of 4 samples
+    monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", 2)
+    assert not blocked(wide._replace(N=1), 4, False)  # one sample in 2 strips of a tile row
+    monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", 128)
+    assert blocked(wide._replace(N=1), 4, False)
+    assert not blocked(conv_module.conv_geometry((8, 224, 8, 8), (224, 224, 3, 3), padding=1), 4, False)
+
+
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
 def test_a_wide_layer_of_16_tiles_takes_winograd_where_its_filters_go_in_blocks(avx512, monkeypatch):
     """With AVX2 GEMMs, a call whose filters go in blocks takes Winograd from 16 tiles on

@@ -176,9 +176,7 @@ def _pays_at(g, m):
     of direct convolution's 9), at least _MIN_TILES tiles a call (_MIN_BLOCKED_TILES at F(4x4)
     where the call's filters go in blocks, filter_block), more than a few channels."""
     tiles = -(-g.Ho // m) * -(-g.Wo // m)
-    least = _MIN_TILES
-    if g.N * tiles < least and m == 4 and _in_filter_blocks(g, m):
-        least = _MIN_BLOCKED_TILES
+    least = _MIN_BLOCKED_TILES if m == 4 and _in_filter_blocks(g, m) else _MIN_TILES
     return min(g.Ho, g.Wo) >= m and tiles * (m + 2) ** 2 <= 4 * g.Ho * g.Wo and g.N * tiles >= least \
         and g.C > columns.FEW_CHANNELS
 
