@@ -152,6 +152,27 @@ def test_pipelined_chunks_match_serial_and_predicted_bytes(grids, config, first,
         assert_all_ranks(calls % k == 0 and (first or calls >= k), f"{ids(config)}: {calls} layer calls for {k} chunks")
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] != "sample"], ids=ids)
+def test_chunks_under_winograd_transform_the_filters_once_a_pass(grids, config, monkeypatch):
+    """Under Winograd (forced, float64: exact to rounding), a layer in 2 chunks of samples
+    transforms its weight shard's filters as often as in one chunk (kernels filters_kept:
+    once a pass and orientation, not once a chunk), with the serial numbers and the bytes."""
+    from cfp.kernels import settings
+    from cfp.kernels.conv import winograd
+    made = []
+    real = winograd._winograd_filters
+    monkeypatch.setattr(winograd, "_winograd_filters", lambda *a, **k: made.append(1) or real(*a, **k))
+    grid = grids[config[0]]
+    k = max(1, min(2, CHUNKED[0] // grid.axis_size("sample")))
+    with settings.winograd(True, tile=4):
+        check_chunked(grid, config, CHUNKED, False, 1)
+        once = len(made)
+        made.clear()
+        check_chunked(grid, config, CHUNKED, False, k)
+    assert_all_ranks(once > 0 and len(made) == once, f"{ids(config)}: {len(made)} transforms in {k} chunks, "
+                                                     f"{once} in one")
+
+
 def P_c_of(grid):
     return grid.axis_size("channel")
 

@@ -432,6 +432,52 @@ def test_a_wide_layer_of_16_tiles_takes_winograd_where_its_filters_go_in_blocks(
     assert not winograd_kernels.applies(geometry(4, 64, 7), float32)
 
 
+def test_filters_kept_transforms_each_weights_filters_once(monkeypatch):
+    """Within filters_kept, forward and backward-data on chunks of samples with one weight
+    array transform its filters once each (forward's U and the flipped U), bit for bit the
+    results without it; another array of the same values, or the same one after the scope, is
+    transformed again; nested scopes keep until the outermost ends; under a workspace limit
+    nothing is kept."""
+    from cfp.kernels import workspace
+    made = []
+    real = winograd_kernels._winograd_filters
+    monkeypatch.setattr(winograd_kernels, "_winograd_filters",
+                        lambda w, G2, xp, flipped, slot=None: made.append(flipped) or real(w, G2, xp, flipped, slot))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 6, 8, 8))
+    w = rng.standard_normal((5, 6, 3, 3))
+    dy = rng.standard_normal((4, 5, 8, 8))
+    chunks = (slice(0, 1), slice(1, 3), slice(3, 4))
+
+    def passes():
+        return ([conv2d_forward(x[s], w, padding=1) for s in chunks],
+                [conv2d_backward_data(dy[s], w, x[s].shape, padding=1) for s in chunks])
+    with settings.winograd(True, tile=4):
+        plain = passes()
+        assert made == [False] * 3 + [True] * 3
+        made.clear()
+        with winograd_kernels.filters_kept():
+            with winograd_kernels.filters_kept():
+                kept = passes()
+            assert made == [False, True]
+            again = conv2d_forward(x, w.copy(), padding=1)  # the same values elsewhere: transformed again
+            assert made == [False, True, False]
+            conv2d_forward(x, w, padding=1)
+            assert made == [False, True, False]  # the inner scope's end kept them
+        for a, b in zip(plain[0] + plain[1], kept[0] + kept[1]):
+            assert np.array_equal(a, b)
+        assert np.array_equal(again, conv2d_forward(x, w, padding=1))
+        assert made == [False, True, False, False]  # after the scope: transformed again
+        made.clear()
+        workspace.set_limit(0)
+        try:
+            with winograd_kernels.filters_kept():
+                passes()
+        finally:
+            workspace.set_limit(None)
+        assert made == [False] * 3 + [True] * 3
+
+
 def _dilated_3x3_cases(count=40, seed=4):
     """Dilated 3x3 stride-1 layers (dilation 2 or 3 on either axis or both), with odd and even
     sizes, symmetric, asymmetric ('same') and one-sided padding in every mode: the layers that

@@ -435,3 +435,26 @@ def test_a_setting_the_kernels_do_not_know_is_refused():
     import dataclasses
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.current().winograd = True
+
+
+def test_lasting_buffers_are_reused_by_their_slot_until_release():
+    """workspace.lasting: a slot's next request reuses its buffer (the same memory, 64-byte
+    aligned), a larger one grows it, another slot has its own, release() drops them all; not
+    NumPy: a fresh array."""
+    a = workspace.lasting(np, (3, 5), np.float32, 0)
+    assert a.ctypes.data % 64 == 0 and a.shape == (3, 5) and a.dtype == np.float32
+    b = workspace.lasting(np, (15,), np.float32, 0)
+    assert b.ctypes.data == a.ctypes.data
+    other = workspace.lasting(np, (15,), np.float32, 1)
+    assert other.ctypes.data != a.ctypes.data
+    big = workspace.lasting(np, (1000,), np.float64, 0)
+    assert big.nbytes == 8000 and big.ctypes.data % 64 == 0
+    assert workspace.lasting(np, (1000,), np.float64, 0).ctypes.data == big.ctypes.data
+    workspace.release()
+    assert workspace._state.lasting == {}
+
+    class Other:
+        @staticmethod
+        def empty(shape, dtype):
+            return ("fresh", shape, dtype)
+    assert workspace.lasting(Other, (2,), np.float32, 0) == ("fresh", (2,), np.float32)

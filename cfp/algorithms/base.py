@@ -15,7 +15,7 @@ import types
 from .. import backend, comm
 from ..checks import float_dtype, int_tuple, positive_int
 from ..halo import Halo, window_options
-from ..kernels.conv import conv_op
+from ..kernels.conv import conv_op, filters_kept
 from ..layout import activation_layout
 from ..partition import block_range, block_sizes
 from ..tensor import DistTensor, Layout, check_blocks
@@ -564,20 +564,21 @@ class ConvAlgorithm:
 
         gathered, results, in_flight = [], [], []
         next_gather = start_gather(samples[0])
-        for i, s in enumerate(samples):
-            g = block[s] if gather is None else next_gather.wait()
-            if i + 1 < k:
-                next_gather = start_gather(samples[i + 1])
-            for pending in in_flight:  # most transports move data only inside MPI calls
-                pending.test()
-            r = compute(s, g, None)
-            if gather is not None:
-                gathered.append(g)
-            if scatter is not None and r is not None:
-                with comm.tag(phase=scatter_phase):
-                    in_flight.append(comm.ireduce_scatter(scatter[0], r, 1, scatter[1], donate=True))
-            else:
-                results.append(r)
+        with filters_kept():  # every chunk convolves the same weights: their transforms once a pass
+            for i, s in enumerate(samples):
+                g = block[s] if gather is None else next_gather.wait()
+                if i + 1 < k:
+                    next_gather = start_gather(samples[i + 1])
+                for pending in in_flight:  # most transports move data only inside MPI calls
+                    pending.test()
+                r = compute(s, g, None)
+                if gather is not None:
+                    gathered.append(g)
+                if scatter is not None and r is not None:
+                    with comm.tag(phase=scatter_phase):
+                        in_flight.append(comm.ireduce_scatter(scatter[0], r, 1, scatter[1], donate=True))
+                else:
+                    results.append(r)
         if in_flight:
             results = [pending.wait() for pending in in_flight]
         xp = backend.get_array_module(block)

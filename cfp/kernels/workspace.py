@@ -37,6 +37,7 @@ class _Workspace(threading.local):
         self.used = 0
         self.needed = 0
         self.depth = 0
+        self.lasting = {}  # slot: uint8 buffer (lasting)
 
 
 _state = _Workspace()
@@ -80,6 +81,26 @@ def empty(xp, shape, dtype):
     return state.block[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
+def lasting(xp, shape, dtype, slot):
+    """An uninitialised array that outlives the kernel call that makes it, in this thread's
+    lasting buffer `slot` (0, 1, ...), which the next request of that slot reuses (and grows to
+    its size): for what several calls of one pass share (winograd.filters_kept's transforms),
+    so that its pages are faulted in once, not once a pass. Valid until the next request of its
+    slot; NumPy only (a fresh array otherwise: CuPy's pool reuses device memory); release()
+    drops the buffers. Not counted in the cost model's workspace: nothing asks for one under a
+    limit (set_limit)."""
+    if xp is not np:
+        return xp.empty(shape, dtype)
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = _state.lasting.get(slot)
+    if buffer is None or buffer.size - _ALIGNMENT < nbytes:
+        _state.lasting[slot] = None  # the old buffer goes before the new one is made
+        buffer = _state.lasting[slot] = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    offset = -buffer.ctypes.data % _ALIGNMENT
+    return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 def piece_bytes(nbytes):
     """What a temporary of `nbytes` takes of the block: rounded up to whole 64-byte lines."""
     return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
@@ -110,6 +131,11 @@ def set_limit(nbytes):
     _limit = nbytes
 
 
+def limit():
+    """The limit set_limit set (None: none)."""
+    return _limit
+
+
 def release():
-    """Hand the block back; the next kernel call starts a new one."""
-    _state.block, _state.needed = None, 0
+    """Hand the block and the lasting buffers back; the next kernel call starts a new one."""
+    _state.block, _state.needed, _state.lasting = None, 0, {}

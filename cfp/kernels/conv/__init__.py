@@ -33,11 +33,11 @@ from cfp.kernels.conv.transposed import (conv_transpose_backward_bias, conv_tran
                                          conv_transpose_output_shape, transposed_geometry)
 from cfp.kernels.conv.volume import (conv3d_backward_bias, conv3d_backward_data, conv3d_backward_filter,
                                      conv3d_flops, conv3d_forward, conv3d_output_shape, volume_geometry)
-from cfp.kernels.conv.winograd import winograd_matrices
+from cfp.kernels.conv.winograd import filters_kept, winograd_matrices
 
 __all__ = ["PADDING_MODES", "ConvGeometry", "KernelPath", "PATHS", "choose", "conv2d_backward_bias",
            "conv2d_backward_data", "conv2d_backward_filter", "conv2d_flops", "conv2d_forward", "conv2d_output_shape",
-           "conv_geometry", "conv_options", "fold_index", "pad_index", "winograd_matrices",
+           "conv_geometry", "conv_options", "filters_kept", "fold_index", "pad_index", "winograd_matrices",
            "workspace_bytes", "conv3d_backward_bias", "conv3d_backward_data", "conv3d_backward_filter",
            "conv3d_flops", "conv3d_forward", "conv3d_output_shape", "volume_geometry",
            "conv_transpose_backward_bias", "conv_transpose_backward_data", "conv_transpose_backward_filter",

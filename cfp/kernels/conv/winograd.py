@@ -1,7 +1,9 @@
 """Winograd F(m x m, 3 x 3) for 3x3 stride-1 layers, and dilated 3x3 layers by residue-class
 sub-grids that take it; with what its passes ask of the workspace, for the cost model.
 """
+import contextlib
 import functools
+import threading
 
 import numpy as np
 
@@ -213,7 +215,62 @@ def _winograd_transforms(m, dtype, xp):
     return tuple(xp.asarray(np.kron(a, a), dtype=dtype) for a in winograd_matrices(m)[::-1])
 
 
-def _winograd_filters(w, G2, xp, flipped):
+class _Kept(threading.local):
+    """One thread's filters' transforms kept by filters_kept: [(w, G2, flipped, U)], or None
+    outside it."""
+
+    def __init__(self):
+        self.entries = None
+
+
+_kept = _Kept()
+
+
+@contextlib.contextmanager
+def filters_kept():
+    """Within it, a Winograd pass that transforms filters it has transformed before (the same
+    elements of a weight array, _elements; the same tile and orientation) reads the U it kept
+    instead of transforming them again: for a layer's pass run in chunks of samples (the
+    pipelined passes of cfp.algorithms), whose chunks all convolve the one weight shard. The
+    caller promises that the weights are not written while it lasts; each kept U lies in a
+    lasting buffer of the workspace (workspace.lasting: its pages faulted in once, not once a
+    pass; a fresh U a pass cost about what one transform saves), its w held (so that no other
+    array can take its memory) until the outermost filters_kept ends. The whole U only: filters in blocks (filter_block) are transformed per
+    block as before. Not under a workspace limit (workspace.set_limit: a model built under a
+    memory limit), whose plan counts no U outside the kernel calls."""
+    outer = _kept.entries is not None
+    if not outer and workspace.limit() is None:
+        _kept.entries = []
+    try:
+        yield
+    finally:
+        if not outer:
+            _kept.entries = None
+
+
+def _elements(w):
+    """(address, shape, strides, dtype) of w's elements: the same for every view of one block of
+    memory that reads it alike (a transposed layer's weight is a new view each call)."""
+    address = w.data.ptr if hasattr(w.data, "ptr") else w.__array_interface__["data"][0]  # CuPy, NumPy
+    return address, w.shape, w.strides, w.dtype
+
+
+def _filters(w, G2, xp, flipped):
+    """_winograd_filters(w, G2, xp, flipped), or within filters_kept the U kept for w's
+    elements (each entry holds its w, so no other array can take that memory meanwhile)."""
+    entries = _kept.entries
+    if entries is None:
+        return _winograd_filters(w, G2, xp, flipped)
+    key = (_elements(w), G2, flipped)
+    for kept_key, _, U in entries:
+        if kept_key[0] == key[0] and kept_key[1] is G2 and kept_key[2] == flipped:
+            return U
+    U = _winograd_filters(w, G2, xp, flipped, slot=len(entries))
+    entries.append((key, w, U))
+    return U
+
+
+def _winograd_filters(w, G2, xp, flipped, slot=None):
     """U = G w G^T for each filter and channel, as (m+2)^2 contiguous (C', F') matrices, the
     layout the products' GEMMs read, for a convolution of C' channels to F': GEMMs of G (x) G
     with w's taps read where they lie, transposed by BLAS (copying them into a (9, C F) layout
@@ -222,12 +279,15 @@ def _winograd_filters(w, G2, xp, flipped):
     U[:, c]. flipped: w are a layer's filters and this is its backward-data's full convolution
     (C' = F, F' = C, the taps flipped in space): U's (F, C) layout is then one GEMM of all the
     taps, with G (x) G's columns reversed (tap t of a flipped filter is tap 8 - t), so that
-    the flipped filters are not copied either."""
+    the flipped filters are not copied either. slot: U in that lasting buffer of the workspace
+    (workspace.lasting: filters_kept's), not in the call's workspace."""
     F, C = w.shape[:2]
+    def empty(shape, dtype):
+        return workspace.empty(xp, shape, dtype) if slot is None else workspace.lasting(xp, shape, dtype, slot)
     if flipped:
-        U = workspace.empty(xp, (G2.shape[0], F * C), w.dtype)
+        U = empty((G2.shape[0], F * C), w.dtype)
         return xp.matmul(xp.ascontiguousarray(G2[:, ::-1]), w.reshape(F * C, 9).T, out=U).reshape(-1, F, C)
-    U = workspace.empty(xp, (G2.shape[0], C, F), w.dtype)
+    U = empty((G2.shape[0], C, F), w.dtype)
     xp.matmul(G2, w.reshape(F, C, 9).transpose(1, 2, 0), out=U.transpose(1, 0, 2))
     return U
 
@@ -350,7 +410,7 @@ def forward(x, w, g, xp, y, flipped=False):
         _forward_by_filter_blocks(tiles, w, g, xp, y, flipped)
         return
     m, a, tw = tiles.m, tiles.a, tiles.tw
-    U = _winograd_filters(w, tiles.G2, xp, flipped)
+    U = _filters(w, tiles.G2, xp, flipped)
     rows = tiles.step * tiles.strip * tw
     M, Y = workspace.empty(xp, a * a * rows * g.F, x.dtype), workspace.empty(xp, m * m * rows * g.F, x.dtype)
     # whole tiles go straight into y; otherwise through a block of whole tiles, then cropped
