@@ -445,6 +445,7 @@ def test_lasting_buffers_are_reused_by_their_slot_until_release():
     assert a.ctypes.data % 64 == 0 and a.shape == (3, 5) and a.dtype == np.float32
     b = workspace.lasting(np, (15,), np.float32, 0)
     assert b.ctypes.data == a.ctypes.data
+    assert workspace.lasting(np, (40,), np.float32, 0).nbytes == 160  # more than the buffer: grown
     other = workspace.lasting(np, (15,), np.float32, 1)
     assert other.ctypes.data != a.ctypes.data
     big = workspace.lasting(np, (1000,), np.float64, 0)
