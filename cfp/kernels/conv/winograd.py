@@ -216,8 +216,8 @@ def _winograd_transforms(m, dtype, xp):
 
 
 class _Kept(threading.local):
-    """One thread's filters' transforms kept by filters_kept: [(w, G2, flipped, U)], or None
-    outside it."""
+    """One thread's filters' transforms kept by filters_kept: [((w's elements, G2, flipped), w,
+    U)], or None outside it."""
 
     def __init__(self):
         self.entries = None
@@ -235,9 +235,10 @@ def filters_kept():
     caller promises that the weights are not written while it lasts; each kept U lies in a
     lasting buffer of the workspace (workspace.lasting: its pages faulted in once, not once a
     pass; a fresh U a pass cost about what one transform saves), its w held (so that no other
-    array can take its memory) until the outermost filters_kept ends. The whole U only: filters in blocks (filter_block) are transformed per
-    block as before. Not under a workspace limit (workspace.set_limit: a model built under a
-    memory limit), whose plan counts no U outside the kernel calls."""
+    array can take its memory) until the outermost filters_kept ends. The whole U only: filters
+    in blocks (filter_block) are transformed per block as before. Not under a workspace limit
+    (workspace.set_limit: a model built under a memory limit), whose plan counts no U outside
+    the kernel calls."""
     outer = _kept.entries is not None
     if not outer and workspace.limit() is None:
         _kept.entries = []
@@ -282,6 +283,7 @@ def _winograd_filters(w, G2, xp, flipped, slot=None):
     the flipped filters are not copied either. slot: U in that lasting buffer of the workspace
     (workspace.lasting: filters_kept's), not in the call's workspace."""
     F, C = w.shape[:2]
+
     def empty(shape, dtype):
         return workspace.empty(xp, shape, dtype) if slot is None else workspace.lasting(xp, shape, dtype, slot)
     if flipped:
