@@ -376,23 +376,25 @@ def test_winograd_in_blocks_of_filters_matches_the_loops(tile, filters_at_once, 
         assert blocked.count(True) >= 3, (x_shape, args, blocked)
 
 
-def test_winograd_takes_blocks_of_filters_only_for_few_tiles_and_large_transforms():
+def test_winograd_takes_blocks_of_filters_only_for_few_tiles_and_large_transforms(monkeypatch):
     """filter_block's rule: blocks of 8 MiB of transforms where one block of at most 48 tiles
     holds the call, U is larger (8x1024x1024 on 8x8: 32 tiles, 151 MB of U in float32: 56
     filters at once) and the BLAS runs AVX2 GEMMs; the whole U with more tiles, several blocks
     of tiles, a U that fits, AVX-512 GEMMs, or CuPy's arrays."""
-    def rule(g, blocks, xp=np, avx512=False):
-        return winograd_kernels.filter_block(g, blocks, 4, xp, 6, avx512)
+    def rule(g, xp=np, avx512=False):
+        return winograd_kernels.filter_block(g, 4, xp, 6, avx512)
     wide = conv_module.conv_geometry((8, 1024, 8, 8), (1024, 1024, 3, 3), padding=1)
-    assert rule(wide, 1) == (8 << 20) // (36 * 1024 * 4) == 56
-    assert rule(wide._replace(N=12), 1) == 56  # 48 tiles
-    assert rule(wide._replace(N=16), 1) == 1024  # 64 tiles
-    assert rule(conv_module.conv_geometry((1, 1024, 28, 28), (1024, 1024, 3, 3), padding=1), 1) == 1024  # 49
-    assert rule(wide, 2) == 1024
-    assert rule(wide._replace(C=64, F=64), 1) == 64  # 0.6 MB of U
-    assert rule(wide, 1, avx512=True) == 1024
-    assert rule(wide, 1, xp=object()) == 1024  # not NumPy
-    assert rule(wide._replace(C=100000), 1) == 8  # never thinner than 8 filters
+    assert rule(wide) == (8 << 20) // (36 * 1024 * 4) == 56
+    assert rule(wide._replace(N=12)) == 56  # 48 tiles
+    assert rule(wide._replace(N=16)) == 1024  # 64 tiles
+    assert rule(conv_module.conv_geometry((1, 1024, 28, 28), (1024, 1024, 3, 3), padding=1)) == 1024  # 49
+    monkeypatch.setattr(winograd_kernels, "_WINOGRAD_ROWS", 16)
+    assert rule(wide) == 1024  # its 32 tiles in 2 blocks
+    monkeypatch.undo()
+    assert rule(wide._replace(C=64, F=64)) == 64  # 0.6 MB of U
+    assert rule(wide, avx512=True) == 1024
+    assert rule(wide, xp=object()) == 1024  # not NumPy
+    assert rule(wide._replace(C=100000)) == 8  # never thinner than 8 filters
 
 
 def test_the_model_knows_which_calls_go_in_filter_blocks(monkeypatch):

@@ -104,8 +104,7 @@ _BLOCKED_FILTERS = 0.7
 def _in_filter_blocks(g, m, avx512=None):
     """Whether a float32 NumPy call on g at tile m transforms its filters in blocks (avx512:
     filter_block's)."""
-    _, a, th, _, strip, _, _, step = _winograd_tile_sizes(g, m)
-    return filter_block(g, -(-g.N // step) * -(-th // strip), 4, np, a, avx512) < g.F
+    return filter_block(g, 4, np, m + 2, avx512) < g.F
 
 
 def tile_cost(g, m, avx512=None):
@@ -216,7 +215,7 @@ def _winograd_transforms(m, dtype, xp):
 
 
 class _Kept(threading.local):
-    """One thread's filters' transforms kept by filters_kept: [((w's elements, G2, flipped), w,
+    """One thread's filters' transforms kept by filters_kept: [(w's elements, G2, flipped, w,
     U)], or None outside it."""
 
     def __init__(self):
@@ -262,12 +261,12 @@ def _filters(w, G2, xp, flipped):
     entries = _kept.entries
     if entries is None:
         return _winograd_filters(w, G2, xp, flipped)
-    key = (_elements(w), G2, flipped)
-    for kept_key, _, U in entries:
-        if kept_key[0] == key[0] and kept_key[1] is G2 and kept_key[2] == flipped:
+    elements = _elements(w)
+    for kept, kept_G2, kept_flipped, _, U in entries:
+        if kept == elements and kept_G2 is G2 and kept_flipped == flipped:
             return U
     U = _winograd_filters(w, G2, xp, flipped, slot=len(entries))
-    entries.append((key, w, U))
+    entries.append((elements, G2, flipped, w, U))
     return U
 
 
@@ -408,7 +407,7 @@ def forward(x, w, g, xp, y, flipped=False):
     the filters' transforms outgrow the cache (filter_block), they go in blocks of filters
     instead (_forward_by_filter_blocks)."""
     tiles = _WinogradTiles(x, g, xp)
-    if filter_block(g, tiles.count(), x.dtype.itemsize, xp, tiles.a) < g.F:
+    if filter_block(g, x.dtype.itemsize, xp, tiles.a) < g.F:
         _forward_by_filter_blocks(tiles, w, g, xp, y, flipped)
         return
     m, a, tw = tiles.m, tiles.a, tiles.tw
@@ -450,15 +449,16 @@ FILTER_BLOCK_TILES = 48
 _MIN_FILTER_BLOCK = 8  # filters: fewer make GEMMs too thin to pay
 
 
-def filter_block(g, blocks, itemsize, xp, a, avx512=None):
-    """How many of its F filters a Winograd pass on g (its tiles in `blocks` blocks, input tile
-    side a) transforms at once: all of them (the whole U), or where one block of at most
-    FILTER_BLOCK_TILES tiles holds the call, the whole U is more than FILTER_BLOCK_BYTES, on
-    NumPy with a BLAS of AVX2 GEMMs (avx512: as if it ran AVX-512 ones or not; default
-    backend.blas_runs_avx512), as many as fit in that (at least _MIN_FILTER_BLOCK)."""
+def filter_block(g, itemsize, xp, a, avx512=None):
+    """How many of its F filters a Winograd pass on g (input tile side a) transforms at once:
+    all of them (the whole U), or where the call has at most FILTER_BLOCK_TILES tiles, all in
+    one block (at most _WINOGRAD_ROWS: more go in several, _winograd_tile_sizes), the whole U
+    is more than FILTER_BLOCK_BYTES, on NumPy with a BLAS of AVX2 GEMMs (avx512: as if it ran
+    AVX-512 ones or not; default backend.blas_runs_avx512), as many as fit in that (at least
+    _MIN_FILTER_BLOCK)."""
     whole = a * a * g.C * g.F * itemsize
     tiles = g.N * -(-g.Ho // (a - 2)) * -(-g.Wo // (a - 2))
-    if xp is not np or blocks > 1 or tiles > FILTER_BLOCK_TILES or whole <= FILTER_BLOCK_BYTES:
+    if xp is not np or tiles > min(FILTER_BLOCK_TILES, _WINOGRAD_ROWS) or whole <= FILTER_BLOCK_BYTES:
         return g.F
     if backend.blas_runs_avx512() if avx512 is None else avx512:
         return g.F
@@ -485,7 +485,7 @@ def _forward_by_filter_blocks(tiles, w, g, xp, y, flipped):
     placed into y's filters of the block."""
     m, a, tw = tiles.m, tiles.a, tiles.tw
     (start, n, t0, r, V), = tiles.blocks()
-    P, k = n * r * tw, filter_block(g, 1, y.dtype.itemsize, xp, a)
+    P, k = n * r * tw, filter_block(g, y.dtype.itemsize, xp, a)
     U = workspace.empty(xp, (a * a, k * g.C), V.dtype)
     M, Y = workspace.empty(xp, a * a * P * k, V.dtype), workspace.empty(xp, m * m * P * k, V.dtype)
     cropped = (m * tiles.th, m * tw) != (g.Ho, g.Wo)
@@ -610,7 +610,7 @@ def backward_filter(x, dy, g, xp):
     (F x C) summed over the blocks, and dw (F C, 9) = dU^T @ (G (x) G), in w's layout."""
     tiles = _WinogradTiles(x, g, xp)
     outputs = _OutputTiles(tiles, g, x.dtype, xp)
-    k = filter_block(g, tiles.count(), x.dtype.itemsize, xp, tiles.a)
+    k = filter_block(g, x.dtype.itemsize, xp, tiles.a)
     if k < g.F:  # one block of tiles: dU and dw of k filters at a time, each block's dU in cache
         (start, n, t0, r, V), = tiles.blocks()
         back = outputs.back(dy, start, n, t0, r)
@@ -759,7 +759,7 @@ def _winograd_forward_bytes(g, item):
     m, a, th, tw, strip, Hp, Wp, step = _winograd_tile_sizes(g)
     rows = step * strip * tw
     cropped = (m * th, m * tw) != (g.Ho, g.Wo)
-    k = filter_block(g, -(-g.N // step) * -(-th // strip), item, np, a)  # the filters transformed at once
+    k = filter_block(g, item, np, a)  # the filters transformed at once
     return (_winograd_tiles_bytes(g, item) + _piece(a * a * g.C * k, item)
             + _piece(a * a * rows * k, item) + _piece(m * m * rows * k, item)
             + (_piece(step * k * m * strip * m * tw, item) if cropped else 0))
@@ -770,7 +770,7 @@ def _winograd_backward_filter_bytes(g, item):
     rows = step * strip * tw
     dy_planes = step * g.F * spread_plane_size(m * strip, m * tw, item)
     blocks = -(-g.N // step) * -(-th // strip)
-    k = filter_block(g, blocks, item, np, a)
+    k = filter_block(g, item, np, a)
     return (_winograd_tiles_bytes(g, item) + _piece(dy_planes, item) + _piece(step * m * strip * m * tw * g.F, item)
             + _piece(m * m * rows * g.F, item) + _piece(a * a * rows * g.F, item)
             + _piece(a * a * g.C * k, item) * (2 if blocks > 1 else 1))
